@@ -1,0 +1,37 @@
+# Thin wrappers around the `specheads` CLI. Everything installs into .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+RUN    ?= runs/demo
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: install test demo train export eval clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -x --timeout 900 tests
+
+demo: install
+	$(BIN)/specheads demo --run $(RUN)
+
+train: install
+	$(BIN)/specheads train $(or $(RECIPE),recipes/demo/eagle3.yaml) output_dir=$(RUN)/checkpoint
+
+export: install
+	$(BIN)/specheads export $(RUN)/checkpoint --format vllm --out $(RUN)/export/vllm
+	$(BIN)/specheads export $(RUN)/checkpoint --format sglang --out $(RUN)/export/sglang
+
+eval: install
+	$(BIN)/specheads eval --target $(RUN)/target --draft $(RUN)/export/vllm --prompts $(RUN)/data/heldout_prompts.jsonl --out $(RUN)/eval
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,2 @@
+"""specheads: speculative-decoding drafters on a frozen Hugging Face target."""
+__version__ = "0.1.0"

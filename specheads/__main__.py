@@ -1,0 +1,7 @@
+"""`python -m specheads` = the `specheads` command."""
+
+import sys
+
+from specheads.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""`specheads <verb>`: each verb parses its arguments and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    from specheads.train import main
+
+    return main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from specheads.export import export
+
+    p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
+    p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
+    p.add_argument("--format", required=True, choices=["vllm", "vllm-native", "sglang"])
+    p.add_argument("--out", required=True, help="export folder (written atomically)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--verifier", default=None, help="hub id of the target, for the speculators config")
+    a = p.parse_args(argv)
+    export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens, verifier=a.verifier)
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    from specheads.eval.online import main
+
+    return main(argv)
+
+
+def _tiny_target(argv: list[str]) -> int:
+    from specheads.builtin.tiny_target import build_tiny_target, cached_tiny_target
+
+    p = argparse.ArgumentParser(prog="specheads tiny-target",
+                                description="Build the embedded tiny target (a HF folder) from the Python standard library.")
+    p.add_argument("--out", default=None, help="folder to write; default: the user cache (printed)")
+    p.add_argument("--preset", default="default", choices=["default", "test"])
+    a = p.parse_args(argv)
+    path = build_tiny_target(a.out, preset=a.preset) if a.out else cached_tiny_target(a.preset)
+    print(path)
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    from specheads.demo import main
+
+    return main(argv)
+
+
+VERBS = {
+    "train": (_train, "train a drafter from a YAML recipe"),
+    "export": (_export, "export a checkpoint for vLLM or SGLang"),
+    "eval": (_eval, "measure acceptance on prompts with the built-in verifier"),
+    "tiny-target": (_tiny_target, "build the embedded tiny target"),
+    "demo": (_demo, "the whole pipeline on the embedded target"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in VERBS:
+        lines = "\n".join(f"  {name:<12} {help_}" for name, (_, help_) in VERBS.items())
+        print(f"usage: specheads <verb> [args]\n\nverbs:\n{lines}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    fn, _ = VERBS[argv[0]]
+    try:
+        return fn(argv[1:])
+    except (ValueError, FileNotFoundError) as err:
+        # our error classes derive from ValueError and carry a message meant for the user
+        print(f"specheads {argv[0]}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

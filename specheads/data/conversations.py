@@ -1,0 +1,397 @@
+"""Read chat datasets (ShareGPT, OpenAI messages, Alpaca, raw text) into `Conversation`s.
+
+Every row is validated; a bad row raises `DataError` naming the file, the row and the field, or is
+skipped and counted when `skip_malformed=True`. Sources are local only: the hub is never contacted.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+FORMATS = ("sharegpt", "openai", "alpaca", "text")
+FORMAT_ALIASES = {"messages": "openai", "raw": "text"}
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant",
+    "system": "system",
+}
+OPENAI_ROLES = ("system", "user", "assistant")
+_FORMAT_KEYS = (("conversations", "sharegpt"), ("messages", "openai"), ("instruction", "alpaca"), ("text", "text"))
+_SKIP_HINT = "fix the row or set data.skip_malformed: true"
+_MAX_REASONS = 5
+
+
+class DataError(ValueError):
+    """A dataset file or row that cannot be read; the message says where and what to do."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat turn; `role` is normalised to system / user / assistant."""
+
+    role: str
+    content: str
+
+
+@dataclass
+class Conversation:
+    """A chat sample (`messages`) or, when `text` is set, a raw-text sample with no chat structure."""
+
+    id: str
+    messages: list[Message] = field(default_factory=list)
+    text: str | None = None
+
+
+@dataclass
+class ReadStats:
+    """What `read_conversations` saw: rows read, kept, skipped, and a few reasons for the skips."""
+
+    read: int = 0
+    kept: int = 0
+    skipped: int = 0
+    format: str = ""
+    reasons: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str) -> None:
+        """Count one skipped row, keeping the first few reasons as examples."""
+        self.skipped += 1
+        if len(self.reasons) < _MAX_REASONS:
+            self.reasons.append(reason)
+
+
+class _RowError(Exception):
+    """A problem inside one row: the field path and what is wrong (the reader adds file and row)."""
+
+    def __init__(self, field_path: str, problem: str):
+        super().__init__(f"field '{field_path}': {problem}")
+
+
+@dataclass
+class _Row:
+    """One raw row: 0-based index (used in ids and messages), the jsonl line if any, and the data."""
+
+    index: int
+    value: Any
+    line: int | None = None
+    error: _RowError | None = None
+
+    def where(self, path: Path) -> str:
+        """`file: row N (line L)` — the location prefix of every row message."""
+        line = f" (line {self.line})" if self.line is not None else ""
+        return f"{path}: row {self.index}{line}"
+
+
+# ---------------------------------------------------------------- reading rows from files
+
+
+def _rows_from_jsonl(path: Path) -> Iterator[_Row]:
+    """One row per non-blank line; a line that is not JSON becomes a row error with its line number."""
+    with path.open(encoding="utf-8") as f:
+        index = 0
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield _Row(index, json.loads(line), line_no)
+            except json.JSONDecodeError as e:
+                yield _Row(index, None, line_no, _RowError("<line>", f"invalid JSON ({e.msg} at column {e.colno})"))
+            index += 1
+
+
+def _rows_from_json(path: Path) -> Iterator[_Row]:
+    """A JSON list of rows, or a dict holding exactly one list; a JSON-lines file named .json also works."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several top-level values: JSON lines under a .json name
+            yield from _rows_from_jsonl(path)
+            return
+        raise DataError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if isinstance(data, dict):
+        lists = [k for k, v in data.items() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise DataError(f"{path}: a top-level JSON object must hold exactly one list of rows; "
+                            f"found list fields {lists or 'none'} — write the file as a JSON list or JSON lines")
+        data = data[lists[0]]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+    yield from (_Row(i, row) for i, row in enumerate(data))
+
+
+def _rows_from_txt(path: Path) -> Iterator[_Row]:
+    """Raw text: one sample per block of lines separated by blank lines."""
+    blocks, current = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    if current:
+        blocks.append("\n".join(current))
+    yield from (_Row(i, {"text": block}) for i, block in enumerate(blocks))
+
+
+def _rows_from_csv(path: Path) -> Iterator[_Row]:
+    """CSV with a header line: flat formats only (Alpaca columns or a `text` column)."""
+    with path.open(encoding="utf-8", newline="") as f:
+        yield from (_Row(i, dict(row)) for i, row in enumerate(csv.DictReader(f)))
+
+
+def _rows_from_parquet(path: Path) -> Iterator[_Row]:
+    """Parquet read with pyarrow (installed with `datasets`); nested columns come back as lists/dicts."""
+    import pyarrow.parquet as pq
+
+    yield from (_Row(i, row) for i, row in enumerate(pq.read_table(path).to_pylist()))
+
+
+def _rows_from_saved_dataset(path: Path) -> Iterator[_Row]:
+    """A folder written by `datasets.Dataset.save_to_disk` (a DatasetDict must have one split or `train`)."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds.keys())
+        if "train" not in ds and len(splits) != 1:
+            raise DataError(f"{path}: a saved DatasetDict must have a 'train' split or exactly one split; "
+                            f"found {splits} — save the split you want to train on")
+        ds = ds["train"] if "train" in ds else ds[splits[0]]
+    yield from (_Row(i, row) for i, row in enumerate(ds))
+
+
+_READERS: dict[str, Callable[[Path], Iterator[_Row]]] = {
+    ".jsonl": _rows_from_jsonl, ".json": _rows_from_json, ".txt": _rows_from_txt,
+    ".csv": _rows_from_csv, ".parquet": _rows_from_parquet,
+}
+
+
+def _reader_for(path: Path) -> Callable[[Path], Iterator[_Row]]:
+    """Pick the row reader from the file suffix, or the saved-dataset reader for a folder."""
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder — check data.path")
+    if path.is_dir():
+        if any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
+            return _rows_from_saved_dataset
+        raise DataError(f"{path}: a folder must be written by datasets' save_to_disk; "
+                        f"otherwise point data.path at a {'/'.join(_READERS)} file")
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise DataError(f"{path}: unsupported file type '{path.suffix}'; use one of {', '.join(_READERS)} "
+                        "or a datasets save_to_disk folder")
+    return reader
+
+
+# ---------------------------------------------------------------- parsing one row
+
+
+def _require(row: dict, key: str, kind: type, path: str | None = None) -> Any:
+    """`row[key]`, checked to exist and have type `kind`."""
+    path = path or key
+    if key not in row or row[key] is None:
+        raise _RowError(path, "missing")
+    if not isinstance(row[key], kind):
+        raise _RowError(path, f"expected {kind.__name__}, got {type(row[key]).__name__}")
+    return row[key]
+
+
+def _turn(item: Any, path: str) -> dict:
+    """A conversation turn must be a JSON object."""
+    if not isinstance(item, dict):
+        raise _RowError(path, f"expected an object, got {type(item).__name__}")
+    return item
+
+
+def _parse_sharegpt(row: dict) -> list[Message]:
+    """`conversations: [{from, value}]` with ShareGPT role names mapped to system/user/assistant."""
+    messages = []
+    for i, item in enumerate(_require(row, "conversations", list)):
+        turn = _turn(item, f"conversations[{i}]")
+        who = _require(turn, "from", str, f"conversations[{i}].from")
+        if who.lower() not in SHAREGPT_ROLES:
+            raise _RowError(f"conversations[{i}].from",
+                            f"unknown role '{who}'; expected one of {', '.join(SHAREGPT_ROLES)}")
+        value = _require(turn, "value", str, f"conversations[{i}].value")
+        messages.append(Message(SHAREGPT_ROLES[who.lower()], value))
+    return messages
+
+
+def _content_text(content: Any, path: str) -> str:
+    """OpenAI content: a string, or a list of `{"type": "text", "text": ...}` parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _RowError(path, f"expected a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        part = _turn(part, f"{path}[{j}]")
+        if part.get("type") != "text":
+            raise _RowError(f"{path}[{j}].type", f"unsupported content part type {part.get('type')!r}; "
+                            "only text parts are supported")
+        texts.append(_require(part, "text", str, f"{path}[{j}].text"))
+    return "\n".join(texts)
+
+
+def _parse_openai(row: dict) -> list[Message]:
+    """`messages: [{role, content}]`, roles system/user/assistant."""
+    messages = []
+    for i, item in enumerate(_require(row, "messages", list)):
+        turn = _turn(item, f"messages[{i}]")
+        role = _require(turn, "role", str, f"messages[{i}].role")
+        if role not in OPENAI_ROLES:
+            raise _RowError(f"messages[{i}].role", f"unknown role '{role}'; expected one of {', '.join(OPENAI_ROLES)}")
+        if turn.get("content") is None:
+            raise _RowError(f"messages[{i}].content", "missing")
+        messages.append(Message(role, _content_text(turn["content"], f"messages[{i}].content")))
+    return messages
+
+
+def _optional_str(row: dict, key: str) -> str:
+    """An optional string field: absent or null gives ''."""
+    value = row.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _RowError(key, f"expected str, got {type(value).__name__}")
+    return value
+
+
+def _parse_alpaca(row: dict) -> list[Message]:
+    """`instruction` (+ optional `input` after a blank line), `output`, optional `system`."""
+    prompt = _require(row, "instruction", str)
+    extra = _optional_str(row, "input")
+    output = _require(row, "output", str)
+    system = _optional_str(row, "system")
+    messages = [Message("system", system)] if system else []
+    messages.append(Message("user", f"{prompt}\n\n{extra}" if extra else prompt))
+    messages.append(Message("assistant", output))
+    return messages
+
+
+def _parse_text(row: dict) -> str:
+    """A raw-text row: a non-empty `text` string."""
+    text = _require(row, "text", str)
+    if not text.strip():
+        raise _RowError("text", "empty text")
+    return text
+
+
+_PARSERS = {"sharegpt": _parse_sharegpt, "openai": _parse_openai, "alpaca": _parse_alpaca}
+
+
+def _check_chat(messages: list[Message], fmt: str) -> None:
+    """A chat sample needs at least one message and at least one assistant turn to supervise."""
+    key = "conversations" if fmt == "sharegpt" else "messages"
+    if not messages:
+        raise _RowError(key, "empty conversation")
+    if not any(m.role == "assistant" for m in messages):
+        raise _RowError(key, "no assistant turn: nothing to train on")
+
+
+def _row_id(row: dict, stem: str, index: int) -> str:
+    """The row's own `id` (string or integer) if present, else `<file stem>:<row index>`."""
+    value = row.get("id")
+    if value is None or value == "":
+        return f"{stem}:{index}"
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _RowError("id", f"expected a string or integer, got {type(value).__name__}")
+    return str(value)
+
+
+def _parse_row(row: _Row, fmt: str, stem: str) -> Conversation:
+    """Turn one raw row into a `Conversation` of format `fmt`, or raise `_RowError`."""
+    if row.error is not None:
+        raise row.error
+    if not isinstance(row.value, dict):
+        raise _RowError("<row>", f"expected a JSON object, got {type(row.value).__name__}")
+    conv_id = _row_id(row.value, stem, row.index)
+    if fmt == "text":
+        return Conversation(conv_id, [], _parse_text(row.value))
+    messages = _PARSERS[fmt](row.value)
+    _check_chat(messages, fmt)
+    return Conversation(conv_id, messages)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def detect_format(value: Any) -> str | None:
+    """The format a row's keys indicate (conversations, messages, instruction, text), or None."""
+    if isinstance(value, dict):
+        for key, fmt in _FORMAT_KEYS:
+            if key in value:
+                return fmt
+    return None
+
+
+def _resolve_format(rows: list[_Row], fmt: str, path: Path) -> str:
+    """`fmt` itself, or for "auto" the format of the first row whose keys say which it is."""
+    fmt = FORMAT_ALIASES.get(fmt, fmt)
+    if fmt != "auto":
+        if fmt not in FORMATS:
+            raise DataError(f"{path}: unknown data format '{fmt}'; expected auto or one of {', '.join(FORMATS)}")
+        return fmt
+    for row in rows:
+        found = row.error is None and detect_format(row.value)
+        if found:
+            return found
+    keys = sorted(rows[0].value) if rows and isinstance(rows[0].value, dict) else []
+    raise DataError(f"{path}: cannot detect the data format: no row has a 'conversations', 'messages', "
+                    f"'instruction' or 'text' field (first row keys: {keys}) — set data.format explicitly")
+
+
+def read_conversations(
+    source: str | Path, fmt: str = "auto", skip_malformed: bool = False
+) -> tuple[list[Conversation], ReadStats]:
+    """Read one local dataset file or save_to_disk folder into conversations, validating every row.
+
+    A malformed row raises `DataError` (file, row, field, fix), or is skipped and counted in the
+    returned `ReadStats` when `skip_malformed` is true.
+    """
+    path = Path(source)
+    rows = list(_reader_for(path)(path))
+    if not rows:
+        raise DataError(f"{path}: the file holds no rows — check data.path")
+    stats = ReadStats(format=_resolve_format(rows, fmt, path))
+    convs = []
+    for row in rows:
+        stats.read += 1
+        try:
+            convs.append(_parse_row(row, stats.format, path.stem))
+        except _RowError as e:
+            reason = f"{row.where(path)}: {e}"
+            if not skip_malformed:
+                raise DataError(f"{reason} — {_SKIP_HINT}") from None
+            stats.skip(reason)
+    stats.kept = len(convs)
+    return convs, stats
+
+
+def _unit_hash(text: str) -> float:
+    """A stable hash of `text` mapped to [0, 1) (sha256, unaffected by Python's hash salting)."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_heldout(
+    convs: list[Conversation],
+    heldout_fraction: float,
+    seed: int = 0,
+    key: Callable[[Conversation], str] = lambda c: c.id,
+) -> tuple[list[Conversation], list[Conversation]]:
+    """Split into (train, held-out) by a stable hash of `key(conv)` and `seed`.
+
+    A sample's side depends only on its key and the seed, not on order or dataset size, so the
+    held-out set stays put when data is added; its size is `heldout_fraction` in expectation.
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    train, heldout = [], []
+    for conv in convs:
+        side = heldout if _unit_hash(f"{seed}:{key(conv)}") < heldout_fraction else train
+        side.append(conv)
+    return train, heldout

@@ -1,0 +1,246 @@
+"""Tokenise conversations with the target's own chat template into input_ids + a verified loss mask.
+
+The mask marks each assistant turn's content plus its end-of-turn token and nothing else. It is
+found by rendering conversation prefixes (so any template without re-rendering works), mapped to
+tokens with the fast tokenizer's offsets, and then verified by decoding the marked tokens back.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from specheads.data.conversations import Conversation
+
+log = logging.getLogger(__name__)
+_SHOW = 120  # characters of a string shown in error messages
+
+
+class TemplateError(ValueError):
+    """The chat template or tokenizer cannot give a trustworthy assistant mask for a sample."""
+
+
+@dataclass
+class TokenizedSample:
+    """One training sample: token ids and a 0/1 mask of the tokens the loss is taken on."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class TokenizeStats:
+    """Counts from `tokenize_all`: samples in, kept, dropped (no supervised token left), truncated."""
+
+    total: int = 0
+    kept: int = 0
+    dropped: int = 0
+    truncated: int = 0
+
+
+def _short(text: str) -> str:
+    """`text` as a repr, cut to a readable length for error messages."""
+    return repr(text) if len(text) <= _SHOW else repr(text[:_SHOW]) + f"... ({len(text)} chars)"
+
+
+def _as_dicts(conv: Conversation) -> list[dict[str, str]]:
+    """Messages in the `{"role", "content"}` form chat templates expect."""
+    return [{"role": m.role, "content": m.content} for m in conv.messages]
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    """Offsets need a fast tokenizer; rendering needs a chat template."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise TemplateError(f"{type(tokenizer).__name__} is not a fast tokenizer: the loss mask needs "
+                            "offset mappings — load the target's tokenizer with use_fast=True")
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateError("the tokenizer has no chat_template: set one (tokenizer.chat_template = ...) "
+                            "or use raw-text data")
+
+
+def _render(tokenizer: Any, messages: list[dict], conv_id: str, generation_prompt: bool = False) -> str:
+    """The chat template applied to `messages` as text; template failures name the sample."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja raises many types; the sample id is what the user needs
+        raise TemplateError(f"sample {conv_id}: the chat template failed on {len(messages)} message(s): "
+                            f"{type(e).__name__}: {e}") from e
+
+
+def _require_prefix(prefix: str, full: str, conv_id: str, turn: int) -> None:
+    """Prefix rendering only works if the template renders earlier turns the same way every time."""
+    if not full.startswith(prefix):
+        at = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
+        raise TemplateError(
+            f"sample {conv_id}: the chat template re-renders earlier turns (the render up to message {turn} "
+            f"is not a prefix of the full render; first difference at character {at}: "
+            f"{_short(prefix[at:])} vs {_short(full[at:])}). The prefix method cannot be used with this "
+            "template: use a template with {% generation %} markers "
+            "(assistant_mask_from_generation_markers) or normalise the data first")
+
+
+def assistant_char_spans(
+    tokenizer: Any, messages: list[dict], full: str, end_of_turn: str, conv_id: str
+) -> list[tuple[int, int]]:
+    """Character spans `[start, end)` of each assistant turn's content plus end-of-turn text in `full`.
+
+    The content is searched from the end of the generation-prompt render of the preceding messages
+    up to the end of the render through this message; the end-of-turn text is assumed to follow it
+    (the decode check in `tokenize_conversation` proves that it does).
+    """
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], conv_id, generation_prompt=True) if i else ""
+        through = _render(tokenizer, messages[: i + 1], conv_id)
+        _require_prefix(before, full, conv_id, i)
+        _require_prefix(through, full, conv_id, i + 1)
+        start = full.find(message["content"], len(before), len(through))
+        if start < 0:
+            raise TemplateError(f"sample {conv_id}: assistant message {i} does not appear verbatim in the "
+                                f"template's render {_short(full[len(before):len(through)])} — the template "
+                                "rewrites assistant content (e.g. trims it); normalise the data first")
+        spans.append((start, min(start + len(message["content"]) + len(end_of_turn), len(full))))
+    return spans
+
+
+def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[list[int]]:
+    """For each span, the indices of tokens that start inside it."""
+    return [[t for t, (a, _) in enumerate(offsets) if s <= a < e] for s, e in spans]
+
+
+def _verify_turns(tokenizer: Any, ids: list[int], turns: list[list[int]], expected: list[tuple[str, str]],
+                  conv_id: str) -> None:
+    """Each assistant turn's marked tokens must decode to exactly its content plus the end-of-turn text.
+
+    `expected` holds per turn (content + end-of-turn, what the render really has after the content).
+    """
+    for k, (tokens, (want, after)) in enumerate(zip(turns, expected)):
+        got = tokenizer.decode([ids[t] for t in tokens], skip_special_tokens=False,
+                               clean_up_tokenization_spaces=False)
+        if got != want:
+            raise TemplateError(
+                f"sample {conv_id}: loss-mask check failed for assistant turn {k}: the supervised tokens decode "
+                f"to {_short(got)} but should be {_short(want)}; the render continues after the content with "
+                f"{_short(after)}. If the template ends turns with a token other than the tokenizer's eos, set "
+                "end_of_turn (data.end_of_turn) to it; if a token crosses the edge of the assistant text, this "
+                "template and tokenizer cannot be masked per token")
+
+
+def _chat_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | None) -> TokenizedSample:
+    """Render, tokenise, mark and verify a chat sample (not truncated)."""
+    _check_tokenizer(tokenizer)
+    eot = tokenizer.eos_token if end_of_turn is None else end_of_turn
+    if not eot:
+        raise TemplateError("the tokenizer has no eos_token: set end_of_turn to the template's end-of-turn text")
+    messages = _as_dicts(conv)
+    full = _render(tokenizer, messages, conv.id)
+    spans = assistant_char_spans(tokenizer, messages, full, eot, conv.id)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, turns = list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)
+    contents = [m["content"] for m in messages if m["role"] == "assistant"]
+    expected = [(c + eot, full[s + len(c):s + len(c) + 40]) for c, (s, _) in zip(contents, spans)]
+    _verify_turns(tokenizer, ids, turns, expected, conv.id)
+    mask = [0] * len(ids)
+    for t in (t for turn in turns for t in turn):
+        mask[t] = 1
+    return TokenizedSample(conv.id, ids, mask)
+
+
+def _text_sample(tokenizer: Any, conv: Conversation) -> TokenizedSample:
+    """Raw text: every token supervised, eos appended."""
+    if tokenizer.eos_token_id is None:
+        raise TemplateError(f"sample {conv.id}: raw-text samples need the tokenizer's eos_token, which is not set")
+    ids = list(tokenizer(conv.text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    return TokenizedSample(conv.id, ids, [1] * len(ids))
+
+
+def tokenize_conversation(
+    tokenizer: Any, conv: Conversation, max_length: int, end_of_turn: str | None = None
+) -> TokenizedSample:
+    """`conv` as input_ids and an assistant-only loss mask (verified), truncated to `max_length` tokens.
+
+    `end_of_turn` is the text the template writes after each assistant message (default: the
+    tokenizer's eos_token); it is supervised so the drafter learns to stop.
+    """
+    return _truncate(_full_sample(tokenizer, conv, end_of_turn), max_length)
+
+
+def _full_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | None) -> TokenizedSample:
+    """The untruncated sample: raw text or a verified chat sample."""
+    return _text_sample(tokenizer, conv) if conv.text is not None else _chat_sample(tokenizer, conv, end_of_turn)
+
+
+def _truncate(sample: TokenizedSample, max_length: int) -> TokenizedSample:
+    """Keep the first `max_length` tokens, with the mask cut at the same place."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be at least 1, got {max_length}")
+    return TokenizedSample(sample.id, sample.input_ids[:max_length], sample.loss_mask[:max_length])
+
+
+def has_generation_markers(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template marks assistant text with `{% generation %}`."""
+    return bool(re.search(r"\{%-?\s*generation\s*-?%\}", getattr(tokenizer, "chat_template", None) or ""))
+
+
+def assistant_mask_from_generation_markers(tokenizer: Any, conv: Conversation) -> TokenizedSample:
+    """The mask transformers derives from the template's `{% generation %}` markers (not truncated).
+
+    An independent second method, used to cross-check `tokenize_conversation` on marked templates.
+    """
+    _check_tokenizer(tokenizer)
+    if not has_generation_markers(tokenizer):
+        raise TemplateError("the chat template has no {% generation %} markers; use tokenize_conversation")
+    out = tokenizer.apply_chat_template(_as_dicts(conv), tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    return TokenizedSample(conv.id, list(out["input_ids"]), list(out["assistant_masks"]))
+
+
+def tokenize_all(
+    tokenizer: Any,
+    convs: Iterable[Conversation],
+    max_length: int,
+    end_of_turn: str | None = None,
+    stats: TokenizeStats | None = None,
+) -> list[TokenizedSample]:
+    """Tokenise every conversation, dropping those left with no supervised token after truncation.
+
+    The counts are logged and, when `stats` is given, written into it.
+    """
+    stats = stats if stats is not None else TokenizeStats()
+    samples = []
+    for conv in convs:
+        stats.total += 1
+        full = _full_sample(tokenizer, conv, end_of_turn)
+        stats.truncated += len(full.input_ids) > max_length
+        sample = _truncate(full, max_length)
+        if not any(sample.loss_mask):
+            stats.dropped += 1
+            continue
+        samples.append(sample)
+    stats.kept = len(samples)
+    if stats.dropped:
+        log.warning("dropped %d of %d samples with no supervised token within max_length=%d",
+                    stats.dropped, stats.total, max_length)
+    return samples
+
+
+def collate(samples: list[TokenizedSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch to its longest sample: input_ids, attention_mask, loss_mask, all [B, T] long."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    length = max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((len(samples), length), dtype=torch.long)  # [B, T]
+    for b, s in enumerate(samples):
+        n = len(s.input_ids)
+        input_ids[b, :n] = torch.tensor(s.input_ids, dtype=torch.long)
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}

@@ -1,0 +1,146 @@
+"""Native training checkpoints: head weights (safetensors) + resolved recipe + provenance + state.
+
+Layout of OUTPUT_DIR:  checkpoint-000100/{head.safetensors, head_config.json, recipe.json,
+provenance.json, trainer_state.json, optimizer.pt, scheduler.pt}  and  `latest` (a file naming
+the newest complete checkpoint). Every checkpoint is written to a temp folder and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specheads.atomic import atomic_dir, write_text
+
+HEAD_FILE = "head.safetensors"
+REQUIRED = (HEAD_FILE, "head_config.json", "recipe.json", "provenance.json", "trainer_state.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt; the message says which file."""
+
+
+def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, provenance: dict,
+                    trainer_state: dict, optimizer_state=None, scheduler_state=None,
+                    keep_last: int = 2) -> Path:
+    """Write checkpoint-{step} atomically, point `latest` at it, prune older ones."""
+    output_dir = Path(output_dir)
+    dest = output_dir / f"checkpoint-{step:06d}"
+    with atomic_dir(dest) as tmp:
+        state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+        save_file(state, str(tmp / HEAD_FILE), metadata={"kind": head.kind})
+        _dump(tmp / "head_config.json", asdict(head.config))
+        _dump(tmp / "recipe.json", recipe)
+        _dump(tmp / "provenance.json", provenance)
+        _dump(tmp / "trainer_state.json", {"step": step, **trainer_state})
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+        if scheduler_state is not None:
+            torch.save(scheduler_state, tmp / "scheduler.pt")
+    write_text(output_dir / "latest", dest.name + "\n")
+    _prune(output_dir, keep_last)
+    return dest
+
+
+def _dump(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _prune(output_dir: Path, keep_last: int) -> None:
+    ckpts = sorted(output_dir.glob("checkpoint-[0-9]*"))
+    for old in ckpts[: max(0, len(ckpts) - keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run's output dir (follows `latest`)."""
+    path = Path(path)
+    if (path / HEAD_FILE).exists() or (path / "head_config.json").exists():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        return path / latest.read_text().strip()
+    raise CheckpointError(
+        f"{path}: not a specheads checkpoint (no {HEAD_FILE} and no 'latest' file). Pass a "
+        "training output_dir or one of its checkpoint-NNNNNN folders."
+    )
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    latest = Path(output_dir) / "latest"
+    if not latest.is_file():
+        return None
+    ckpt = Path(output_dir) / latest.read_text().strip()
+    return ckpt if ckpt.is_dir() else None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err}); the checkpoint is corrupt") from None
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Load a safetensors file, turning truncation/corruption into a CheckpointError."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{path}: cannot be read ({err}); the file is truncated or corrupt. "
+            "Use an earlier checkpoint or re-run training."
+        ) from None
+
+
+class Checkpoint:
+    """A loaded native checkpoint: the head rebuilt with its weights, plus its metadata."""
+
+    def __init__(self, path: str | Path):
+        self.path = resolve_checkpoint(path)
+        for name in REQUIRED:
+            if not (self.path / name).is_file():
+                raise CheckpointError(f"{self.path / name}: missing; the checkpoint is incomplete")
+        self.head_config = read_json(self.path / "head_config.json")
+        self.recipe = read_json(self.path / "recipe.json")
+        self.provenance = read_json(self.path / "provenance.json")
+        self.trainer_state = read_json(self.path / "trainer_state.json")
+        self.weights = read_weights(self.path / HEAD_FILE)
+
+    @property
+    def kind(self) -> str:
+        return self.head_config.get("kind", "eagle3")
+
+    def build_head(self, attn_implementation: str = "sdpa"):
+        """Rebuild the head and load its weights strictly (a missing or extra tensor is an error)."""
+        from specheads.heads import head_class
+
+        cls = head_class(self.kind)
+        head = cls(cls.Config(**self.head_config), attn_implementation=attn_implementation)
+        load_strict(head, self.weights, str(self.path / HEAD_FILE))
+        return head
+
+
+def load_strict(head, weights: dict[str, torch.Tensor], where: str) -> None:
+    """load_state_dict with shape and name checks reported against the file they came from."""
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{where}: tensors do not fit the head: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, the head expects "
+                f"{tuple(expected[name].shape)}"
+            )
+    head.load_state_dict(weights, strict=True)

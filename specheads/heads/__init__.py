@@ -1,0 +1,21 @@
+"""Drafter kinds. Adding one = one file here, one entry in HEADS, exporters, a recipe, tests."""
+
+from __future__ import annotations
+
+from specheads.heads.eagle3 import Eagle3Head
+
+# kind -> head class; each class carries `Options` (recipe section) and `Config` (architecture).
+HEADS = {
+    "eagle3": Eagle3Head,
+}
+
+
+def head_class(kind: str | None):
+    """The class registered for `kind`, or a clear error listing the known kinds."""
+    if kind not in HEADS:
+        raise ValueError(f"head.kind '{kind}' is not a known drafter kind; expected one of {', '.join(HEADS)}")
+    return HEADS[kind]
+
+
+def head_options_class(kind: str | None):
+    return head_class(kind).Options

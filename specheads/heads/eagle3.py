@@ -1,0 +1,275 @@
+"""EAGLE-3 draft head: fused low/mid/high target features, one Llama-style layer, TTT training.
+
+Semantics follow what vLLM and SGLang run (research/algorithms.md §5): residual = fc output
+(or hidden_norm(fc output) with norm_before_residual), qkv read [input_layernorm(emb);
+hidden_norm(h)], logits = lm_head(norm(out)), and the pre-norm `out` is carried to the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from specheads.heads.vocab import draft_to_target
+from specheads.hf_compat import cache_kwargs
+
+
+@dataclass
+class Eagle3Options:
+    """Recipe `head:` section for EAGLE-3; target-derived sizes are filled in by `build_config`."""
+
+    kind: str = "eagle3"
+    aux_layers: list[int] | None = None  # HF hidden_states indices (= vLLM ids); None -> (2, L//2, L-3)
+    ttt_steps: int = 3
+    step_decay: float = 0.8
+    draft_vocab_size: int | None = None  # None -> min(V, 32000)
+    norm_before_residual: bool = False
+    intermediate_size: int | None = None  # None -> the target's
+
+
+@dataclass
+class Eagle3Config:
+    """Full architecture of a trained EAGLE-3 head; round-trips through JSON."""
+
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layers: list[int]
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    norm_before_residual: bool = False
+    ttt_steps: int = 3
+    step_decay: float = 0.8
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    kind: str = "eagle3"
+
+    def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
+        """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
+        cfg = LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, num_hidden_layers=1,
+            rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
+            attention_bias=self.attention_bias, mlp_bias=False,
+        )
+        cfg._attn_implementation = attn_implementation
+        return cfg
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's / speculators' default taps: states after 2, L//2 and L-3 layers."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def build_config(options: Eagle3Options, target_config) -> Eagle3Config:
+    """Derive the head architecture from recipe options and the target's HF config."""
+    L = target_config.num_hidden_layers
+    aux = list(options.aux_layers or default_aux_layers(L))
+    if len(set(aux)) != len(aux) or sorted(aux) != aux or not all(0 < a < L for a in aux):
+        raise ValueError(
+            f"head.aux_layers {aux}: need distinct ascending layer ids in 1..{L - 1} for this "
+            f"{L}-layer target (vLLM numbering: id k = hidden state after k layers)"
+        )
+    V = target_config.vocab_size
+    H = target_config.hidden_size
+    heads = target_config.num_attention_heads
+    rope = getattr(target_config, "rope_parameters", None) or {
+        "rope_type": "default", "rope_theta": getattr(target_config, "rope_theta", 10000.0)}
+    return Eagle3Config(
+        hidden_size=H, target_hidden_size=H,
+        intermediate_size=options.intermediate_size or target_config.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or H // heads,
+        vocab_size=V, draft_vocab_size=min(options.draft_vocab_size or 32000, V),
+        aux_layers=aux, max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5), rope_parameters=dict(rope),
+        norm_before_residual=options.norm_before_residual, ttt_steps=options.ttt_steps,
+        step_decay=options.step_decay,
+    )
+
+
+class Eagle3Layer(nn.Module):
+    """One draft decoder layer whose attention reads [norm(embedding); norm(hidden)] (2H wide)."""
+
+    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool):
+        super().__init__()
+        H = cfg.hidden_size
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx=0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            out_features = getattr(self.self_attn, name).out_features
+            setattr(self.self_attn, name, nn.Linear(2 * H, out_features, bias=cfg.attention_bias))
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, embeds, hidden, position_embeddings, attention_mask, cache=None):
+        """embeds [B, T, H], hidden [B, T, H] -> pre-norm output [B, T, H]."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        attn, _ = self.self_attn(
+            x, position_embeddings=position_embeddings, attention_mask=attention_mask,
+            **cache_kwargs(cache),
+        )
+        r = residual + attn
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+@dataclass
+class HeadOutput:
+    """Loss plus per-step counts (summed over batches and ranks before any ratio)."""
+
+    loss: torch.Tensor
+    step_losses: torch.Tensor  # [S]
+    counts: dict[str, torch.Tensor]  # each [S]: rows, reached, cond_rows
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 drafter. State-dict names are the ones vLLM reads (fc, layers.0.*, norm, lm_head, d2t, t2d)."""
+
+    kind = "eagle3"
+    Options = Eagle3Options
+    Config = Eagle3Config
+
+    def __init__(self, config: Eagle3Config, attn_implementation: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        lc = config.llama_config(attn_implementation)
+        n_aux = len(config.aux_layers)
+        self.fc = nn.Linear(n_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(lc)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        # until a vocab map is set, the draft vocab is the first Vd target ids
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+
+    @classmethod
+    def for_target(cls, options: Eagle3Options, target_config, **kw) -> "Eagle3Head":
+        return cls(build_config(options, target_config), **kw)
+
+    def required_layers(self) -> list[int]:
+        return list(self.config.aux_layers)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit this head")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    # --- building blocks used by training and by the verifier -----------------------------
+    def fuse(self, aux: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Target states at aux_layers (list of [B, T, Ht], ascending) -> fc output [B, T, H]."""
+        if isinstance(aux, (list, tuple)):
+            aux = torch.cat(aux, dim=-1)  # [B, T, n*Ht]
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def step(self, hidden, embeds, position_ids, attention_mask, cache=None) -> torch.Tensor:
+        """One draft step: hidden [B, T, H], embeds [B, T, H], position_ids [B, T] -> out [B, T, H]."""
+        cos_sin = self.rotary_emb(hidden, position_ids)
+        return self.layers[0](embeds.to(hidden.dtype), hidden, cos_sin, attention_mask, cache)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output [B, T, H] -> draft-vocab logits [B, T, Vd]."""
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    # --- training-time test ---------------------------------------------------------------
+    def forward(self, **inputs) -> "HeadOutput":
+        """Training forward (what DDP/FSDP wrappers call): see `train_forward`."""
+        return self.train_forward(**inputs)
+
+    def train_forward(self, aux, embeds, target_logits, loss_mask, attention_mask) -> HeadOutput:
+        """Unrolled TTT over `ttt_steps` (algorithms.md §5.3).
+
+        aux [B, T, n*Ht] target features at x_<=i; embeds [B, T, H] of x_i; target_logits
+        [B, T, V] (position i predicts x_{i+1}); loss_mask, attention_mask [B, T].
+        Row i at step j reads x_{i+j+1}, sits at position i+j and predicts x_{i+j+2}.
+        """
+        B, T = loss_mask.shape
+        probs, argmax, in_vocab = target_view(target_logits, self.t2d)
+        valid = attention_mask.bool()
+        hidden = self.fuse(aux)
+        cache = DynamicCache()
+        base_pos = torch.arange(T, device=hidden.device).expand(B, T)
+        reached = torch.ones(B, T, dtype=torch.bool, device=hidden.device)
+        losses, counts = [], {"rows": [], "reached": [], "cond_rows": []}
+        for j in range(self.config.ttt_steps):
+            mask4d = ttt_attention_mask(valid, j, hidden.dtype)  # [B, 1, T, (j+1)T]
+            out = self.step(hidden, shift(embeds, j + 1), base_pos + j, mask4d, cache)
+            logits = self.logits(out)  # [B, T, Vd]
+            rows = shift(loss_mask.bool() & valid, j + 2) & shift(in_vocab, j + 1)
+            losses.append(soft_ce(logits, shift(probs, j + 1), rows))
+            correct = self.to_target_ids(logits.argmax(-1)) == shift(argmax, j + 1)
+            counts["cond_rows"].append((reached & rows).sum())
+            reached = reached & correct
+            counts["rows"].append(rows.sum())
+            counts["reached"].append((reached & rows).sum())
+            hidden = out
+        step_losses = torch.stack(losses)
+        weights = self.config.step_decay ** torch.arange(len(losses), device=step_losses.device)
+        return HeadOutput(
+            loss=(weights * step_losses).sum(),
+            step_losses=step_losses.detach(),
+            counts={k: torch.stack(v).float() for k, v in counts.items()},
+        )
+
+
+def target_view(target_logits: torch.Tensor, t2d: torch.Tensor):
+    """Target logits [B, T, V] -> (probs over the draft vocab [B, T, Vd], argmax [B, T], argmax in draft vocab)."""
+    target_logits = target_logits.float()
+    argmax = target_logits.argmax(-1)
+    probs = torch.softmax(target_logits[..., t2d], dim=-1)
+    return probs, argmax, t2d[argmax]
+
+
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, T, ...] -> x[:, n:] right-padded with zeros to length T (row i reads position i+n)."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x[:, :n])
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_attention_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, T, (step+1)T]: causal over step-0 keys, plus own row at later steps."""
+    B, T = valid.shape
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=valid.device))
+    first = causal[None] & valid[:, None, :]  # [B, T, T]
+    eye = torch.eye(T, dtype=torch.bool, device=valid.device).expand(B, T, T)
+    allow = torch.cat([first] + [eye] * step, dim=-1)  # [B, T, (step+1)T]
+    mask = torch.zeros(allow.shape, dtype=dtype, device=valid.device)
+    mask.masked_fill_(~allow, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def soft_ce(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Masked mean of -sum p log q: forward KL to the target up to its entropy."""
+    logq = F.log_softmax(logits.float(), dim=-1)
+    per_row = -(probs * logq).sum(-1)  # [B, T]
+    rows = rows.float()
+    return (per_row * rows).sum() / rows.sum().clamp(min=1.0)

@@ -1,0 +1,50 @@
+"""One definition of acceptance metrics for training logs, eval, the verifier and benchmarks.
+
+tau counts the bonus token (plain decoding = 1.00). Per-position acceptance is unconditional
+(share of drafts whose first p+1 tokens were all accepted) and conditional (given p accepted).
+Counts are summed over batches and ranks before any ratio is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else 0.0
+
+
+def ttt_summary(rows: Sequence[float], reached: Sequence[float], cond_rows: Sequence[float]) -> dict:
+    """Per-step top-1 agreement from TTT counts, and the chain tau they imply."""
+    uncond = [_ratio(r, n) for r, n in zip(reached, rows)]
+    cond = [_ratio(r, n) for r, n in zip(reached, cond_rows)]
+    return {"acc_uncond": uncond, "acc_cond": cond, "tau_est": 1.0 + sum(uncond)}
+
+
+def chain_summary(drafts: int, accepted_per_pos: Sequence[int], tokens: int, forwards: int) -> dict:
+    """Verifier counts -> tau, per-position acceptance (vLLM's definition) and acceptance rate.
+
+    drafts: verification steps that proposed at least one token; accepted_per_pos[p]: drafts
+    whose accepted prefix reached position p; tokens: tokens emitted; forwards: target forwards.
+    """
+    accepted = sum(accepted_per_pos)
+    cond, prev = [], drafts
+    for count in accepted_per_pos:
+        cond.append(_ratio(count, prev))
+        prev = count
+    return {
+        "tau": _ratio(tokens, forwards),
+        "mean_acceptance_length": 1.0 + _ratio(accepted, drafts),
+        "acceptance_per_position": [_ratio(c, drafts) for c in accepted_per_pos],
+        "acceptance_per_position_conditional": cond,
+        "num_drafts": drafts,
+        "num_accepted_tokens": accepted,
+        "tokens": tokens,
+        "target_forwards": forwards,
+    }
+
+
+def predicted_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Seed formula (1 - a^(k+1)) / ((1 - a)(k c + 1)) for i.i.d. per-token acceptance a."""
+    expected = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected / (k * cost_ratio + 1)

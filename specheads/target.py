@@ -1,0 +1,208 @@
+"""The frozen target: load any local HF causal LM, tap hidden states, expose embeddings and head."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(ValueError):
+    """The target folder cannot be used (missing, unreadable, or not what a head expects)."""
+
+
+@dataclass
+class TargetOutput:
+    """One target forward: logits and the requested hidden states (HF `hidden_states` indices)."""
+
+    logits: torch.Tensor  # [B, T, V]
+    hidden: dict[int, torch.Tensor]  # index -> [B, T, H]
+    cache: object | None = None
+
+
+def resolve_target_path(path: str) -> Path:
+    """`builtin:tiny` (or `builtin:PRESET`) -> the cached embedded target, built on first use."""
+    if path.startswith("builtin:"):
+        from specheads.builtin.tiny_target import cached_tiny_target
+
+        preset = path.split(":", 1)[1]
+        return cached_tiny_target("default" if preset in ("", "tiny") else preset)
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise TargetError(
+            f"target '{path}': no config.json there. Pass a local Hugging Face model folder "
+            "(downloads are not done by specheads) or builtin:tiny"
+        )
+    return folder
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Target:
+    """A frozen causal LM; never trained, never given to an optimizer."""
+
+    def __init__(self, model: nn.Module, tokenizer, path: Path):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.path = Path(path)
+        self.config = model.config
+
+    @classmethod
+    def load(cls, path: str, dtype: str = "float32", device: str = "auto",
+             attn_implementation: str = "sdpa") -> "Target":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = resolve_target_path(path)
+        if dtype not in DTYPES:
+            raise TargetError(f"target.dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+        try:
+            tok = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+            )
+        except (OSError, ValueError) as err:
+            raise TargetError(f"target '{folder}': cannot load it as a causal LM: {err}") from None
+        return cls(model.to(resolve_device(device)), tok, folder)
+
+    # --- structure -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_tokens.weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.get_decoder().layers
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.get_decoder().norm
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> embeddings [B, T, H]."""
+        with torch.no_grad():
+            return self.embed_tokens(input_ids)
+
+    # --- forward with taps -----------------------------------------------------------------
+    @contextmanager
+    def _taps(self, indices: list[int]):
+        """Capture HF `hidden_states[i]` (0 = embeddings, i = output of layer i-1) by hooks only."""
+        store: dict[int, torch.Tensor] = {}
+        handles = []
+        for idx in sorted(set(indices)):
+            if not 0 <= idx < self.num_layers:
+                raise TargetError(
+                    f"hidden-state index {idx} is outside 0..{self.num_layers - 1} for a "
+                    f"{self.num_layers}-layer target"
+                )
+            module = self.embed_tokens if idx == 0 else self.decoder_layers[idx - 1]
+            handles.append(module.register_forward_hook(_store_hook(store, idx)))
+        try:
+            yield store
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, layers: list[int] = (), attention_mask=None,
+                position_ids=None, cache=None, use_cache: bool = False) -> TargetOutput:
+        """input_ids [B, T] -> logits [B, T, V] + hidden states at `layers` (each [B, T, H])."""
+        from specheads.hf_compat import cache_kwargs
+
+        with self._taps(list(layers)) as store:
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=use_cache, **cache_kwargs(cache),
+            )
+        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return TargetOutput(logits=out.logits, hidden=dict(store), cache=new_cache)
+
+    # --- identity --------------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """Name + hashes of the tokenizer vocabulary and of sampled embedding rows."""
+        return {
+            "name": _target_name(self.path),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "tokenizer_sha256": tokenizer_hash(self.tokenizer),
+            "embedding_sha256": embedding_hash(self.embed_tokens.weight),
+        }
+
+
+def _store_hook(store: dict, idx: int):
+    def hook(_module, _inputs, output):
+        store[idx] = output[0] if isinstance(output, tuple) else output
+
+    return hook
+
+
+def _target_name(path: Path) -> str:
+    """The hub id recorded in the folder's config (`_name_or_path`) when it looks like one."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        cfg = {}
+    name = cfg.get("_name_or_path") or ""
+    return name if name.count("/") == 1 and not Path(name).exists() else path.name
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Hash of the token -> id map (order-independent, stable across tokenizer file layouts)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def embedding_hash(weight: torch.Tensor, rows: int = 64) -> str:
+    """Hash of the shape and `rows` evenly spaced embedding rows in fp32 (cheap for any size)."""
+    idx = torch.linspace(0, weight.shape[0] - 1, steps=min(rows, weight.shape[0])).long()
+    sample = weight.detach()[idx.to(weight.device)].float().cpu().contiguous()
+    h = hashlib.sha256(str(tuple(weight.shape)).encode())
+    h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_fingerprint(expected: dict, target: Target, what: str) -> None:
+    """Refuse a target whose vocabulary or embedding differs from the one a head was trained on."""
+    got = target.fingerprint()
+    for key in ("vocab_size", "hidden_size", "tokenizer_sha256", "embedding_sha256"):
+        if key in expected and expected[key] != got[key]:
+            raise TargetError(
+                f"{what} was trained for a different target: {key} is {expected[key]!r} there "
+                f"but {got[key]!r} for '{target.path}'. Use the target it was trained on "
+                f"({expected.get('name', '?')}) or retrain the head."
+            )
