@@ -22,7 +22,13 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--verifier", default=None, help="hub id of the target, for the speculators config")
     a = p.parse_args(argv)
-    export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens, verifier=a.verifier)
+    from specheads.export import read_export_meta
+
+    out = export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens,
+                 verifier=a.verifier)
+    print(f"exported {a.format} -> {out}")
+    for cmd in read_export_meta(out).serve_commands:
+        print(cmd)
     return 0
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -42,24 +43,47 @@ def check_export_compat(recipe: Recipe) -> None:
 
 @dataclass
 class BatchPlan:
-    """Deterministic data order: global micro-batch g -> sample indices for one rank (resumable)."""
+    """Deterministic data order: global micro-batch g -> sample indices for one rank (resumable).
 
-    num_samples: int
+    Each epoch is a seeded permutation cut into windows of `bucket` global batches; inside a
+    window samples are sorted by length so a batch pads little, and batch order is shuffled.
+    """
+
+    lengths: list[int]
     batch_size: int
     world: int
     rank: int
     seed: int
+    bucket: int = 32
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world
 
     @property
     def batches_per_epoch(self) -> int:
-        return max(1, self.num_samples // (self.batch_size * self.world))
+        return max(1, len(self.lengths) // self.global_batch)
+
+    @functools.lru_cache(maxsize=2)
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(len(self.lengths), generator=gen).tolist()
+        n = self.batches_per_epoch * self.global_batch
+        perm = perm[:n] if len(perm) >= self.global_batch else (perm * self.global_batch)[: self.global_batch]
+        window = self.bucket * self.global_batch
+        batches = []
+        for w in range(0, len(perm), window):
+            chunk = sorted(perm[w:w + window], key=lambda k: self.lengths[k])
+            batches += [chunk[b:b + self.global_batch] for b in range(0, len(chunk), self.global_batch)]
+        order = torch.randperm(len(batches), generator=gen).tolist()
+        return [batches[o] for o in order]
 
     def indices(self, g: int) -> list[int]:
         epoch, pos = divmod(g, self.batches_per_epoch)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        perm = torch.randperm(self.num_samples, generator=gen)
-        start = (pos * self.world + self.rank) * self.batch_size
-        return perm[start:start + self.batch_size].tolist() or perm[: self.batch_size].tolist()
+        batch = self.epoch_batches(epoch)[pos]
+        return batch[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+    __hash__ = object.__hash__
 
 
 def prepare_samples(recipe: Recipe, tokenizer):
@@ -156,7 +180,7 @@ def train(recipe: Recipe) -> Path:
         sched.load_state_dict(torch.load(resume_from / "scheduler.pt", weights_only=True))
     # the scheduler stays unprepared: accelerate would step it once per process
     model, optim = accelerator.prepare(head, optim)
-    plan = BatchPlan(len(samples), t.batch_size, accelerator.num_processes, accelerator.process_index, t.seed)
+    plan = BatchPlan([len(x.input_ids) for x in samples], t.batch_size, accelerator.num_processes, accelerator.process_index, t.seed)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     prov = provenance(target=target.fingerprint(), num_processes=accelerator.num_processes)
     log_path = out_dir / "metrics.jsonl"

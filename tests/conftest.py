@@ -21,3 +21,14 @@ def demo_data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
     write_demo_data(out, n_prompts=8, limit=60)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Tiny models run faster on one thread than on two contended ones; keeps timings stable."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

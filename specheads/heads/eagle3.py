@@ -208,11 +208,15 @@ class Eagle3Head(nn.Module):
 
         aux [B, T, n*Ht] target features at x_<=i; embeds [B, T, H] of x_i; target_logits
         [B, T, V] (position i predicts x_{i+1}); loss_mask, attention_mask [B, T].
-        Row i at step j reads x_{i+j+1}, sits at position i+j and predicts x_{i+j+2}.
+        Row i at step j reads x_{i+j+1}, sits at position i+j and predicts x_{i+j+2}; the
+        draft head and the loss run only on rows that count, which keeps the big [.., Vd]
+        tensors small.
         """
         B, T = loss_mask.shape
-        probs, argmax, in_vocab = target_view(target_logits, self.t2d)
         valid = attention_mask.bool()
+        target_argmax = target_logits.argmax(-1)  # [B, T]
+        supervised = loss_mask.bool() & valid
+        in_vocab = self.t2d[target_argmax]  # the target's choice is reachable by the draft
         hidden = self.fuse(aux)
         cache = DynamicCache()
         base_pos = torch.arange(T, device=hidden.device).expand(B, T)
@@ -221,10 +225,14 @@ class Eagle3Head(nn.Module):
         for j in range(self.config.ttt_steps):
             mask4d = ttt_attention_mask(valid, j, hidden.dtype)  # [B, 1, T, (j+1)T]
             out = self.step(hidden, shift(embeds, j + 1), base_pos + j, mask4d, cache)
-            logits = self.logits(out)  # [B, T, Vd]
-            rows = shift(loss_mask.bool() & valid, j + 2) & shift(in_vocab, j + 1)
-            losses.append(soft_ce(logits, shift(probs, j + 1), rows))
-            correct = self.to_target_ids(logits.argmax(-1)) == shift(argmax, j + 1)
+            # the predicted token x_{i+j+2} is supervised and the target's argmax is in the draft vocab
+            rows = shift(supervised, j + 2) & shift(in_vocab, j + 1)
+            b, i = rows.nonzero(as_tuple=True)
+            logits = self.logits(out[b, i])  # [N, Vd]
+            src = target_logits[b, i + j + 1]  # [N, V]: target at the position predicting x_{i+j+2}
+            losses.append(forward_kl(logits, torch.softmax(src[:, self.t2d].float(), dim=-1)))
+            correct = torch.zeros_like(reached)
+            correct[b, i] = self.to_target_ids(logits.argmax(-1)) == target_argmax[b, i + j + 1]
             counts["cond_rows"].append((reached & rows).sum())
             reached = reached & correct
             counts["rows"].append(rows.sum())
@@ -237,14 +245,6 @@ class Eagle3Head(nn.Module):
             step_losses=step_losses.detach(),
             counts={k: torch.stack(v).float() for k, v in counts.items()},
         )
-
-
-def target_view(target_logits: torch.Tensor, t2d: torch.Tensor):
-    """Target logits [B, T, V] -> (probs over the draft vocab [B, T, Vd], argmax [B, T], argmax in draft vocab)."""
-    target_logits = target_logits.float()
-    argmax = target_logits.argmax(-1)
-    probs = torch.softmax(target_logits[..., t2d], dim=-1)
-    return probs, argmax, t2d[argmax]
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -267,9 +267,9 @@ def ttt_attention_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> to
     return mask[:, None]
 
 
-def soft_ce(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Masked mean of -sum p log q: forward KL to the target up to its entropy."""
+def forward_kl(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean forward KL(p || q) over rows: logits [N, Vd], probs [N, Vd] (0 = exact match)."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) alive
     logq = F.log_softmax(logits.float(), dim=-1)
-    per_row = -(probs * logq).sum(-1)  # [B, T]
-    rows = rows.float()
-    return (per_row * rows).sum() / rows.sum().clamp(min=1.0)
+    return (torch.special.xlogy(probs, probs) - probs * logq).sum(-1).mean()

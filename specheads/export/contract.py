@@ -1,0 +1,515 @@
+"""What vLLM 0.33 and SGLang 0.5.23 need on disk for an exported head, as data, plus one checker.
+
+The tables encode research/vllm_contract.md (§1.2, §3, §7, §12) and research/sglang_contract.md
+(§1, §3, §6.6, "What an exporter must write" B). The engines are fail-silent on many of these rules
+(a missing EAGLE-3 tensor stays uninitialised, a misnamed one is dropped), so every export is checked
+here before it is renamed into place. `validate` reports every violation at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "specheads.json"
+ENGINE_VERSIONS = {"vllm": "0.33", "sglang": "0.5.23"}
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+FLOAT_DTYPES = {"F32", "BF16", "F16"}
+DTYPE_NAMES = {"float": "floating (F32/BF16/F16)", "int64": "I64 (int64)", "bool": "BOOL"}
+
+
+class ContractError(ValueError):
+    """An export folder that an engine would reject or load wrongly; lists every violation."""
+
+    def __init__(self, folder: Path, fmt: str, violations: list["Violation"]):
+        self.folder, self.format, self.violations = Path(folder), fmt, list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(
+            f"{folder}: does not meet the '{fmt}' loader contract ({len(self.violations)} "
+            f"violation(s)):\n{lines}"
+        )
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: where (file + tensor or key), what was expected, what was found, what to do."""
+
+    where: str
+    expected: str
+    found: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: expected {self.expected}, found {self.found}; {self.fix}"
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """A tensor the format defines. `{layer}` is the format's layer prefix; shapes use symbolic dims
+    (Hd draft hidden, H target hidden, nh, kvh, hd, I, V, Vd, n_aux; products with '*')."""
+
+    name: str
+    shape: tuple[str, ...]
+    dtype: str = "float"  # float | int64 | bool
+    need: str = "required"  # required | optional | if_hidden_differs
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """A config.json key (dotted path; list items by index) and the check it must pass."""
+
+    key: str
+    check: str  # absent | equals | bool | positive_int | number | str | dict | not_true | rope
+    value: object = None
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class FormatContract:
+    """Everything one engine's loader needs for one head kind."""
+
+    name: str
+    engine: str
+    kind: str
+    layer_prefix: str  # spelling of the draft layer's tensors
+    layer_keys_at: str  # where the decoder-layer keys live ("" = top level)
+    aux_ids_key: str  # dotted path of the aux-layer id list, in the engine's numbering
+    aux_offset: int  # engine id = specheads aux_layers id + aux_offset
+    min_aux_id: int
+    keys: tuple[KeyRule, ...]
+    tensors: tuple[TensorRule, ...]
+
+
+# vllm_contract.md §3.2 / §12; sglang_contract.md §3.3 / B. Names are bare (no `model.`).
+EAGLE3_TENSORS = (
+    TensorRule("fc.weight", ("Hd", "n_aux*H")),
+    TensorRule("{layer}self_attn.q_proj.weight", ("nh*hd", "2*Hd")),
+    TensorRule("{layer}self_attn.k_proj.weight", ("kvh*hd", "2*Hd")),
+    TensorRule("{layer}self_attn.v_proj.weight", ("kvh*hd", "2*Hd")),
+    TensorRule("{layer}self_attn.o_proj.weight", ("Hd", "nh*hd")),
+    TensorRule("{layer}mlp.gate_proj.weight", ("I", "Hd")),
+    TensorRule("{layer}mlp.up_proj.weight", ("I", "Hd")),
+    TensorRule("{layer}mlp.down_proj.weight", ("Hd", "I")),
+    TensorRule("{layer}input_layernorm.weight", ("Hd",)),
+    TensorRule("{layer}hidden_norm.weight", ("Hd",)),
+    TensorRule("{layer}post_attention_layernorm.weight", ("Hd",)),
+    TensorRule("norm.weight", ("Hd",)),
+    TensorRule("lm_head.weight", ("Vd", "Hd")),
+    TensorRule("d2t", ("Vd",), dtype="int64"),
+    TensorRule("t2d", ("V",), dtype="bool", need="optional"),
+    TensorRule("embed_tokens.weight", ("V", "Hd"), need="if_hidden_differs"),
+)
+
+# Names no engine should see: (pattern, why + what to do). The first match is reported.
+FORBIDDEN_TENSORS = (
+    (r"^model\.lm_head\.", "lm_head nested under `model.`: SGLang silently drops it; write top-level `lm_head.weight`"),
+    (r"^model\.", "`model.`-prefixed name: the engines add the prefix themselves; write bare names"),
+    (r"\.bias$", "bias tensor: the head has no biases (vLLM silently drops `*.bias`); remove it"),
+    (r"rotary_emb\.", "RoPE buffer: the engines recompute it; remove it"),
+)
+
+NOT_TRUE_FIX = "specheads heads are trained without this option; set it to false or remove it"
+LAYER_KEYS = (
+    KeyRule("model_type", "equals", "llama", "the draft layer is Llama-style (no q/k norm)"),
+    KeyRule("hidden_size", "positive_int"),
+    KeyRule("num_hidden_layers", "equals", 1, "specheads exports single-layer EAGLE-3 heads"),
+    KeyRule("num_attention_heads", "positive_int"),
+    KeyRule("num_key_value_heads", "positive_int"),
+    KeyRule("head_dim", "positive_int"),
+    KeyRule("intermediate_size", "positive_int"),
+    KeyRule("vocab_size", "positive_int", fix="must be the target's vocabulary size V"),
+    KeyRule("rms_norm_eps", "number"),
+    KeyRule("max_position_embeddings", "positive_int", fix="copy the target's value"),
+    KeyRule("hidden_act", "equals", "silu"),
+    KeyRule("attention_bias", "not_true", fix="the head has no attention biases"),
+    KeyRule("", "rope", fix="copy the target's RoPE settings (rope_parameters, rope_theta)"),
+)
+VLLM_HEAD_KEYS = (
+    KeyRule("draft_vocab_size", "positive_int", fix="write the draft vocabulary size Vd (width of lm_head)"),
+    KeyRule("target_hidden_size", "positive_int"),
+    KeyRule("norm_before_residual", "bool",
+            fix="write it explicitly: speculators defaults to true, native vLLM to false"),
+    KeyRule("norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("fc_norm", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("norm_output", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("eagle_config.eagle_aux_hidden_state_layer_ids", "absent",
+            fix="vLLM's default Model Runner V2 ignores this copy; keep only the top-level id list"),
+)
+SPECULATORS_KEYS = VLLM_HEAD_KEYS + (
+    KeyRule("model_type", "absent", fix="a top-level model_type defeats vLLM's speculators detection"),
+    KeyRule("speculators_model_type", "equals", "eagle3"),
+    KeyRule("transformer_layer_config", "dict"),
+    KeyRule("speculators_config.proposal_methods.0.speculative_tokens", "positive_int"),
+    KeyRule("speculators_config.default_proposal_method", "str"),
+    KeyRule("speculators_config.verifier.name_or_path", "str", fix="name the target (a hub id for `vllm serve DIR`)"),
+)
+NATIVE_KEYS = VLLM_HEAD_KEYS + (
+    KeyRule("architectures", "equals", ["LlamaForCausalLM"], fix="vLLM renames it to Eagle3LlamaForCausalLM"),
+    KeyRule("tie_word_embeddings", "equals", False),
+)
+SGLANG_KEYS = (
+    KeyRule("architectures", "equals", ["LlamaForCausalLMEagle3"]),
+    KeyRule("draft_vocab_size", "positive_int",
+            fix="SGLang reads it without a default; write the draft vocabulary size Vd"),
+    KeyRule("tie_word_embeddings", "equals", False),
+    KeyRule("eagle_config", "dict", fix="SGLang captures target layers only from eagle_config"),
+    KeyRule("eagle_config.use_aux_hidden_state", "equals", True),
+    KeyRule("norm_output", "not_true", fix="SGLang would carry normed states the head never saw in training"),
+    KeyRule("norm_before_residual", "not_true",
+            fix="SGLang 0.5.23 always uses the raw fc output as the residual; export for vLLM instead"),
+    KeyRule("fc_norm", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("eagle_config.norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("eagle_aux_hidden_state_layer_ids", "absent",
+            fix="SGLang uses a top-level id list only to size fc; keep the ids in eagle_config"),
+)
+
+CONTRACTS = {
+    ("vllm", "eagle3"): FormatContract(
+        "vllm", "vllm", "eagle3", "layers.0.", "transformer_layer_config", "eagle_aux_hidden_state_layer_ids",
+        0, 1, SPECULATORS_KEYS, EAGLE3_TENSORS),
+    ("vllm-native", "eagle3"): FormatContract(
+        "vllm-native", "vllm", "eagle3", "layers.0.", "", "eagle_aux_hidden_state_layer_ids",
+        0, 1, NATIVE_KEYS, EAGLE3_TENSORS),
+    ("sglang", "eagle3"): FormatContract(
+        "sglang", "sglang", "eagle3", "midlayer.", "", "eagle_config.eagle_aux_hidden_state_layer_ids",
+        -1, 0, SGLANG_KEYS, EAGLE3_TENSORS),
+}
+FORMATS = tuple(sorted({fmt for fmt, _ in CONTRACTS}))
+
+
+def contract_for(fmt: str, kind: str = "eagle3") -> FormatContract:
+    """The contract for (format, head kind), or an error naming the formats that exist for that kind."""
+    if (fmt, kind) not in CONTRACTS:
+        known = [f for f, k in CONTRACTS if k == kind]
+        raise ValueError(f"no '{fmt}' export for head kind '{kind}'; formats for it: {known or 'none'}")
+    return CONTRACTS[(fmt, kind)]
+
+
+def detect_format(cfg: dict) -> str:
+    """Which export format a config.json is: speculators ("vllm"), native vLLM, or SGLang."""
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        return "vllm"
+    archs = cfg.get("architectures") or []
+    if "LlamaForCausalLMEagle3" in archs:
+        return "sglang"
+    if "eagle_aux_hidden_state_layer_ids" in cfg or "draft_vocab_size" in cfg:
+        return "vllm-native"
+    raise ValueError(f"architectures {archs} without EAGLE-3 keys: not an export format specheads knows")
+
+
+# --- reading ---------------------------------------------------------------------------------
+MISSING = object()
+
+
+def get_key(cfg, dotted: str):
+    """cfg value at a dotted path ('a.b.0.c'); MISSING when any step is absent."""
+    node = cfg
+    for part in dotted.split(".") if dotted else []:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return MISSING
+    return node
+
+
+def layer_config(cfg: dict, contract: FormatContract) -> dict:
+    """The dict holding the decoder-layer keys (top level, or speculators' transformer_layer_config)."""
+    node = get_key(cfg, contract.layer_keys_at)
+    return node if isinstance(node, dict) else {}
+
+
+def read_config(folder: Path, problems: list[Violation]) -> dict | None:
+    path = folder / CONFIG_FILE
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        problems.append(Violation(str(path), "a config.json", "no file", "re-run the export"))
+        return None
+    except json.JSONDecodeError as err:
+        problems.append(Violation(str(path), "valid JSON", f"a parse error ({err})", "re-run the export"))
+        return None
+    return cfg
+
+
+def read_tensor_specs(path: Path, problems: list[Violation]) -> dict[str, tuple[str, tuple]] | None:
+    """name -> (safetensors dtype, shape), read from the header only (nothing is unpickled)."""
+    try:
+        with safe_open(str(path), "pt") as fh:
+            return {n: (fh.get_slice(n).get_dtype(), tuple(fh.get_slice(n).get_shape())) for n in fh.keys()}
+    except FileNotFoundError:
+        problems.append(Violation(str(path), "the weights file", "no file", "re-run the export"))
+    except (SafetensorError, OSError, ValueError) as err:
+        problems.append(Violation(str(path), "a readable safetensors file", f"an error ({err})",
+                                  "the file is truncated or corrupt; re-run the export"))
+    return None
+
+
+def check_files(folder: Path) -> list[Violation]:
+    """Only one safetensors file and no pickles: engines fall back to *.bin / *.pt if they see them."""
+    out = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix in {".bin", ".pt", ".pth", ".pkl"} or (
+                path.suffix == ".safetensors" and path.name != WEIGHTS_FILE) or path.name.endswith(".index.json"):
+            out.append(Violation(str(path), f"only {WEIGHTS_FILE} as weights", "an extra weights file",
+                                 "remove it: the loaders may read it instead of, or as well as, the export"))
+    return out
+
+
+# --- config keys ------------------------------------------------------------------------------
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _rope_ok(node) -> bool:
+    rope = config_rope(node) if isinstance(node, dict) else None
+    theta = rope.get("rope_theta") if rope else None
+    return isinstance(theta, (int, float)) and not isinstance(theta, bool)
+
+
+KEY_CHECKS = {  # check -> (passes(value, rule), what was expected)
+    "absent": (lambda v, r: v is MISSING, lambda r: "no such key"),
+    "equals": (lambda v, r: v is not MISSING and v == r.value and type(v) is type(r.value),
+               lambda r: json.dumps(r.value)),
+    "bool": (lambda v, r: isinstance(v, bool), lambda r: "true or false"),
+    "positive_int": (lambda v, r: _int(v) and v > 0, lambda r: "a positive integer"),
+    "number": (lambda v, r: _int(v) or isinstance(v, float), lambda r: "a number"),
+    "str": (lambda v, r: isinstance(v, str) and bool(v), lambda r: "a non-empty string"),
+    "dict": (lambda v, r: isinstance(v, dict), lambda r: "a JSON object"),
+    "not_true": (lambda v, r: v is not True, lambda r: "false or absent"),
+    "rope": (lambda v, r: _rope_ok(v), lambda r: "rope_parameters.rope_theta (or legacy rope_theta)"),
+}
+
+
+def _found(value) -> str:
+    return "no key" if value is MISSING else json.dumps(value)[:120]
+
+
+def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
+    rules = [(r, r.key) for r in contract.keys]
+    rules += [(r, ".".join(p for p in (contract.layer_keys_at, r.key) if p)) for r in LAYER_KEYS]
+    out = []
+    for rule, key in rules:
+        passes, expected = KEY_CHECKS[rule.check]
+        value = get_key(cfg, key)
+        if not passes(value, rule):
+            found = "no RoPE keys" if rule.check == "rope" else _found(value)
+            out.append(Violation(f"{CONFIG_FILE}: {key or 'RoPE keys'}", expected(rule), found,
+                                 rule.fix or "re-run the export"))
+    return out
+
+
+def aux_ids(cfg: dict, contract: FormatContract):
+    return get_key(cfg, contract.aux_ids_key)
+
+
+def check_aux(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """The aux-layer id list: present in the engine's place, well formed, consistent with its count."""
+    ids, where = aux_ids(cfg, contract), f"{CONFIG_FILE}: {contract.aux_ids_key}"
+    numbering = f"{ENGINE_NAMES[contract.engine]} numbering (first valid id {contract.min_aux_id})"
+    if ids is MISSING:
+        return [Violation(where, f"the aux-layer ids in {numbering}", "no key",
+                          "without it the engine taps its default layers, not the trained ones")]
+    if not (isinstance(ids, list) and ids and all(_int(i) for i in ids)
+            and ids == sorted(set(ids)) and ids[0] >= contract.min_aux_id):
+        return [Violation(where, f"distinct ascending integer ids in {numbering}", _found(ids),
+                          "write the head's aux_layers converted to this engine's numbering")]
+    num_key = ".".join(p for p in (contract.layer_keys_at, "num_aux_hidden_states") if p)
+    num = get_key(cfg, num_key)
+    if num is MISSING and len(ids) != 3 and contract.engine == "vllm":
+        return [Violation(f"{CONFIG_FILE}: {num_key}", str(len(ids)), "no key",
+                          "vLLM's Llama EAGLE-3 sizes fc for 3 aux states unless told otherwise")]
+    if num is not MISSING and num != len(ids):
+        return [Violation(f"{CONFIG_FILE}: {num_key}", f"{len(ids)} (the number of aux ids)", _found(num),
+                          "make the count match the id list")]
+    return []
+
+
+# --- tensors ----------------------------------------------------------------------------------
+def config_dims(cfg: dict, contract: FormatContract) -> dict[str, int]:
+    """Symbolic dims (Hd, H, nh, kvh, hd, I, V, Vd, n_aux) from config.json; unknown ones are left out."""
+    layer = layer_config(cfg, contract)
+    keys = {"Hd": "hidden_size", "nh": "num_attention_heads", "kvh": "num_key_value_heads",
+            "hd": "head_dim", "I": "intermediate_size", "V": "vocab_size"}
+    dims = {sym: layer.get(key) for sym, key in keys.items()}
+    dims.update(Vd=cfg.get("draft_vocab_size"), H=cfg.get("target_hidden_size", dims["Hd"]))
+    dims = {k: v for k, v in dims.items() if _int(v)}
+    if "hd" not in dims and {"Hd", "nh"} <= dims.keys():
+        dims["hd"] = dims["Hd"] // dims["nh"]
+    ids = aux_ids(cfg, contract)
+    dims["n_aux"] = len(ids) if isinstance(ids, list) else 3
+    return dims
+
+
+def expected_shape(exprs: tuple[str, ...], dims: dict[str, int]) -> tuple[int, ...] | None:
+    """('nh*hd', '2*Hd') -> concrete shape; None when a dim is unknown (its key is reported already)."""
+    shape = []
+    for expr in exprs:
+        size = 1
+        for factor in expr.split("*"):
+            if factor.isdigit():
+                size *= int(factor)
+            elif factor in dims:
+                size *= dims[factor]
+            else:
+                return None
+        shape.append(size)
+    return tuple(shape)
+
+
+def _dtype_ok(rule_dtype: str, found: str) -> bool:
+    return found in FLOAT_DTYPES if rule_dtype == "float" else found == {"int64": "I64", "bool": "BOOL"}[rule_dtype]
+
+
+def check_tensors(specs: dict, dims: dict, contract: FormatContract) -> list[Violation]:
+    """Required names present with the config's shapes and the right dtypes; no stray names."""
+    allowed = {r.name.format(layer=contract.layer_prefix): r for r in contract.tensors}
+    out = []
+    for name, rule in allowed.items():
+        where = f"{WEIGHTS_FILE}: {name}"
+        if name not in specs:
+            if rule.need == "required" or (rule.need == "if_hidden_differs" and dims.get("Hd") != dims.get("H")):
+                out.append(Violation(where, "the tensor", "no tensor", f"{ENGINE_NAMES[contract.engine]} does not "
+                                     "report missing draft tensors (they stay uninitialised); re-export"))
+            continue
+        dtype, shape = specs[name]
+        if not _dtype_ok(rule.dtype, dtype):
+            fix = ("weights are floating point; re-export" if rule.dtype == "float" else
+                   "d2t holds integer offsets (target = i + d2t[i]) and t2d a bool mask; never cast them")
+            out.append(Violation(where, f"dtype {DTYPE_NAMES[rule.dtype]}", dtype, fix))
+        want = expected_shape(rule.shape, dims)
+        if want is not None and shape != want:
+            out.append(Violation(where, f"shape {list(want)} ({' x '.join(rule.shape)} from config.json)",
+                                 str(list(shape)), "the weights and config.json disagree; re-export"))
+    return out + check_names(specs, allowed, contract) + check_float_dtypes(specs)
+
+
+def check_names(specs: dict, allowed: dict, contract: FormatContract) -> list[Violation]:
+    """Forbidden spellings, a mixed layer spelling, and any name the format does not define."""
+    out = []
+    if any(n.startswith("layers.0.") for n in specs) and any(n.startswith("midlayer.") for n in specs):
+        out.append(Violation(f"{WEIGHTS_FILE}: layers.0.* and midlayer.*", "one spelling of the draft layer",
+                             "both", f"loaders alias one onto the other, so one set silently overwrites the "
+                             f"other; keep only {contract.layer_prefix}*"))
+    for name in sorted(set(specs) - set(allowed)):
+        why = next((w for pat, w in FORBIDDEN_TENSORS if re.search(pat, name)), None)
+        why = why or (f"not a tensor of this format (the layer is spelled {contract.layer_prefix}*); "
+                      "the engine would fail or silently drop it: rename or remove it")
+        out.append(Violation(f"{WEIGHTS_FILE}: {name}", "no such tensor", "an unexpected tensor", why))
+    return out
+
+
+def check_float_dtypes(specs: dict) -> list[Violation]:
+    floats = sorted({d for d, _ in specs.values() if d in FLOAT_DTYPES})
+    if len(floats) > 1:
+        return [Violation(WEIGHTS_FILE, "one floating dtype for all weights", ", ".join(floats),
+                          "export with a single dtype")]
+    return []
+
+
+# --- consistency with the trained head --------------------------------------------------------
+def config_rope(node: dict) -> dict | None:
+    """RoPE settings from a config dict: rope_parameters, or legacy rope_theta (+ rope_scaling)."""
+    params = node.get("rope_parameters")
+    if isinstance(params, dict):
+        return dict(params)
+    if "rope_theta" not in node:
+        return None
+    scaling = node.get("rope_scaling") or {}
+    return {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+            **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")},
+            "rope_theta": node["rope_theta"]}
+
+
+def _layer_path(contract: FormatContract) -> str:
+    return f"{contract.layer_keys_at}." if contract.layer_keys_at else ""
+
+
+def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
+    """Sizes, RoPE, residual rule, context length and aux ids agree with the trained head's config."""
+    layer, at, out = layer_config(cfg, contract), _layer_path(contract), []
+    sizes = [(k, layer, at) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                      "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps")]
+    for key, node, prefix in sizes + [("draft_vocab_size", cfg, ""), ("target_hidden_size", cfg, "")]:
+        found = node.get(key, head["hidden_size"] if key == "target_hidden_size" else MISSING)
+        if found is not MISSING and found != head[key]:
+            out.append(Violation(f"{CONFIG_FILE}: {prefix}{key}", f"{head[key]} (the trained head's)",
+                                 _found(found), "export again from the checkpoint this head came from"))
+    if config_rope(layer) not in (None, head["rope_parameters"]):
+        out.append(Violation(f"{CONFIG_FILE}: {at}rope_parameters", json.dumps(head["rope_parameters"]),
+                             json.dumps(config_rope(layer)), "copy the head's (= the target's) RoPE settings"))
+    out += _check_residual(cfg, contract, head)
+    mpe = layer.get("max_position_embeddings")
+    if _int(mpe) and mpe < head["max_position_embeddings"]:
+        out.append(Violation(f"{CONFIG_FILE}: {at}max_position_embeddings",
+                             f">= {head['max_position_embeddings']} (the target's)", str(mpe),
+                             "a shorter draft context makes SGLang refuse to start and caps vLLM's; "
+                             "write the target's value"))
+    return out + _check_aux_against_head(cfg, contract, head)
+
+
+def _check_residual(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
+    nbr = cfg.get("norm_before_residual", MISSING)
+    if contract.engine == "sglang" and head["norm_before_residual"]:
+        return [Violation(f"{CONFIG_FILE}: norm_before_residual", "a head trained with false", "a head trained "
+                          "with true", "SGLang 0.5.23 always uses the raw fc output as the residual; "
+                          "serve this head with vLLM")]
+    if contract.engine == "vllm" and isinstance(nbr, bool) and nbr != head["norm_before_residual"]:
+        return [Violation(f"{CONFIG_FILE}: norm_before_residual", json.dumps(head["norm_before_residual"]),
+                          json.dumps(nbr), "it must match training or the draft computes a different layer")]
+    return []
+
+
+def _check_aux_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
+    ids = aux_ids(cfg, contract)
+    want = [a + contract.aux_offset for a in head["aux_layers"]]
+    if ids is MISSING or ids == want:
+        return []
+    other_offset, other = (-1, "SGLang") if contract.aux_offset == 0 else (0, "vLLM")
+    engine = ENGINE_NAMES[contract.engine]
+    swapped = ids == [a + other_offset for a in head["aux_layers"]]
+    hint = f"these are the ids in {other} numbering; " if swapped else ""
+    return [Violation(f"{CONFIG_FILE}: {contract.aux_ids_key}",
+                      f"{want} (trained aux_layers {head['aux_layers']} in {engine} numbering)",
+                      _found(ids), f"{hint}write the trained layers converted to {engine} numbering")]
+
+
+# --- the checker --------------------------------------------------------------------------------
+def _head_dict(expected, folder: Path) -> dict | None:
+    """The trained head's config: the argument, else the folder's own specheads.json record."""
+    if expected is not None:
+        return asdict(expected) if is_dataclass(expected) else dict(expected)
+    try:
+        return json.loads((folder / META_FILE).read_text()).get("head_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def validate(folder: str | Path, engine: str, kind: str = "eagle3", expected=None) -> None:
+    """Check an export folder against the (format, kind) contract; raise ContractError listing
+    every violation. `expected` (the head config; default: the folder's specheads.json) adds the
+    checks against the trained head."""
+    folder, contract = Path(folder), contract_for(engine, kind)
+    problems: list[Violation] = []
+    cfg = read_config(folder, problems)
+    specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
+    if folder.is_dir():
+        problems += check_files(folder)
+    if cfg is not None:
+        problems += check_keys(cfg, contract) + check_aux(cfg, contract)
+        head = _head_dict(expected, folder)
+        if head is not None:
+            problems += check_against_head(cfg, contract, head)
+    if cfg is not None and specs is not None:
+        problems += check_tensors(specs, config_dims(cfg, contract), contract)
+    if problems:
+        raise ContractError(folder, engine, problems)

@@ -1,0 +1,145 @@
+"""EAGLE-3 writers: the tensors and config.json each format needs, built from a trained head.
+
+"vllm" is the speculators format (`vllm serve DIR`), "vllm-native" the plain HF EAGLE-3 config
+vLLM reads through `--speculative-config`, "sglang" SGLang's `LlamaForCausalLMEagle3`
+(research/vllm_contract.md §7.3, §12; research/sglang_contract.md B).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.heads.eagle3 import Eagle3Config
+
+FORMATS = ("vllm", "vllm-native", "sglang")
+LAYER_PREFIX = {"vllm": "layers.0.", "vllm-native": "layers.0.", "sglang": "midlayer."}
+AUX_OFFSET = {"vllm": 0, "vllm-native": 0, "sglang": -1}  # engine id = aux_layers id + offset
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExportRefused(ValueError):
+    """This head cannot be served correctly in the requested format; the message says where it can."""
+
+
+def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
+    """Refuse heads an engine would load but run differently from training."""
+    if fmt == "sglang" and config.norm_before_residual:
+        raise ExportRefused(
+            "this head was trained with norm_before_residual: true, but SGLang 0.5.23 always uses the "
+            "raw fc output as the residual, so it would run a different layer. Export it with "
+            "--format vllm or --format vllm-native instead."
+        )
+    if config.hidden_size != config.target_hidden_size and "embed_tokens.weight" not in weights:
+        raise ExportRefused(
+            f"the head's hidden size {config.hidden_size} differs from the target's "
+            f"{config.target_hidden_size}, so the engines need the draft's own embed_tokens.weight, "
+            "which this checkpoint does not hold. Train the head with the target's hidden size."
+        )
+
+
+def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Head state-dict tensors under the format's names, in the checkpoint's dtype unless `dtype`
+    is given; only floating tensors are cast (d2t / t2d never)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith("layers.0."):
+            name = LAYER_PREFIX[fmt] + name[len("layers.0."):]
+        tensor = tensor.detach().cpu()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(DTYPES[dtype])
+        out[name] = tensor.contiguous()
+    return out  # fc.weight [Hd, n_aux*H], ..., lm_head.weight [Vd, Hd], d2t [Vd] int64, t2d [V] bool
+
+
+def rope_keys(config: Eagle3Config) -> dict:
+    """rope_parameters plus the legacy rope_theta / rope_scaling mirrors older readers use."""
+    params = dict(config.rope_parameters)
+    scaling = None
+    if params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_parameters": params, "rope_theta": params.get("rope_theta", 10000.0), "rope_scaling": scaling}
+
+
+def layer_keys(config: Eagle3Config, dtype: str) -> dict:
+    """The decoder-layer keys every format carries (Llama-style, one layer)."""
+    return {
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        **rope_keys(config),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "num_aux_hidden_states": len(config.aux_layers),
+        "dtype": dtype,
+    }
+
+
+def head_keys(config: Eagle3Config) -> dict:
+    """EAGLE-3 keys vLLM reads at the top level (both vLLM formats); numbering = our aux_layers."""
+    return {
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
+        "norm_before_residual": bool(config.norm_before_residual),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+    }
+
+
+def speculators_config(config: Eagle3Config, k: int, verifier: str, verifier_archs: list[str],
+                       dtype: str) -> dict:
+    """vllm_contract.md §7.3: no top-level model_type; layer keys in transformer_layer_config."""
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        **head_keys(config),
+        "transformer_layer_config": layer_keys(config, dtype),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_archs)},
+        },
+    }
+
+
+def native_config(config: Eagle3Config, dtype: str) -> dict:
+    """vllm_contract.md §3.1 / §12: a LlamaForCausalLM config with the EAGLE-3 keys at top level."""
+    return {"architectures": ["LlamaForCausalLM"], **layer_keys(config, dtype), **head_keys(config),
+            "tie_word_embeddings": False}
+
+
+def sglang_config(config: Eagle3Config, dtype: str) -> dict:
+    """sglang_contract.md B: LlamaForCausalLMEagle3, ids in SGLang numbering inside eagle_config."""
+    ids = [a + AUX_OFFSET["sglang"] for a in config.aux_layers]
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **layer_keys(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,
+        "norm_before_residual": False,  # documentary: SGLang has no such option (refused when true)
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    }
+
+
+def config_json(config: Eagle3Config, fmt: str, k: int, verifier: str, verifier_archs: list[str],
+                dtype: str) -> dict:
+    """The config.json for `fmt`."""
+    if fmt == "vllm":
+        return speculators_config(config, k, verifier, verifier_archs, dtype)
+    if fmt == "vllm-native":
+        return native_config(config, dtype)
+    return sglang_config(config, dtype)

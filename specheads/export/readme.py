@@ -1,0 +1,132 @@
+"""Serve commands and the README.md of an export folder: how to run it in vLLM 0.33 or SGLang 0.5.23.
+
+Commands pass the method explicitly: vLLM only guesses EAGLE-3 from a path containing "eagle3"
+(research/vllm_contract.md §1.1), and SGLang needs the algorithm flag anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+FORMAT_TITLES = {
+    "vllm": "vLLM 0.33, speculators format",
+    "vllm-native": "vLLM 0.33, native EAGLE-3 format",
+    "sglang": "SGLang 0.5.23",
+}
+
+
+@dataclass
+class TargetRef:
+    """How the serve commands name the target: its hub id when known, else a local folder."""
+
+    name: str  # what the training run called the target
+    hub_id: str | None  # "org/name" that vLLM / SGLang can download
+    local: str | None  # a local folder to serve instead (None: the user fills it in)
+    architectures: list[str]
+
+    @property
+    def serve_as(self) -> str:
+        return self.hub_id or self.local or f"/path/to/{self.name or 'target'}"
+
+
+def looks_like_hub_id(name: str | None) -> bool:
+    """'org/name' that is not an existing local path."""
+    return bool(name) and bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def target_ref(provenance: dict, recipe: dict, verifier: str | None = None) -> TargetRef:
+    """Resolve the target from `verifier` (hub id or local folder), the recorded name, the recipe path."""
+    name = (provenance.get("target") or {}).get("name") or ""
+    path = ((recipe.get("target") or {}).get("path") or "") if isinstance(recipe, dict) else ""
+    local = path if path and not path.startswith("builtin:") else None
+    hub = name if looks_like_hub_id(name) else None
+    if verifier:
+        hub, local = (verifier, local) if looks_like_hub_id(verifier) else (hub, verifier)
+    return TargetRef(name=name, hub_id=hub, local=local, architectures=_architectures(local))
+
+
+def _architectures(local: str | None) -> list[str]:
+    """The target's architectures from its local config.json, when that folder is here."""
+    try:
+        return list(json.loads((Path(local).expanduser() / "config.json").read_text()).get("architectures") or [])
+    except (TypeError, OSError, json.JSONDecodeError, AttributeError):
+        return []
+
+
+def vllm_command(target: str, folder: str, k: int) -> str:
+    """`vllm serve TARGET --speculative-config {...}`: works for every vLLM format and any target."""
+    spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": k}, separators=(",", ":"))
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+def sglang_command(target: str, folder: str, k: int) -> str:
+    """Chain drafting of k tokens: topk 1, k steps, k + 1 tokens verified per step."""
+    return (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
+            f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(folder)} "
+            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+
+
+def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int) -> list[str]:
+    """The exact commands that serve the export, best first."""
+    folder = str(folder)
+    if fmt == "sglang":
+        return [sglang_command(target.serve_as, folder, k)]
+    if fmt == "vllm" and target.hub_id:
+        return [f"vllm serve {shlex.quote(folder)}", vllm_command(target.serve_as, folder, k)]
+    return [vllm_command(target.serve_as, folder, k)]
+
+
+def notes(fmt: str, target: TargetRef) -> list[str]:
+    """Why the commands look the way they do, for this format and target."""
+    out = []
+    if fmt == "vllm" and not target.hub_id:
+        out.append("The target is not a Hugging Face hub id, and vLLM 0.33 rejects a local verifier in "
+                   "`vllm serve DIR` (\"Speculators verifier must name a remote model repository\"). "
+                   "Serve the local target and pass this folder in `--speculative-config`: vLLM still "
+                   "parses its speculators config.")
+    if fmt == "vllm" and target.hub_id:
+        out.append(f"`vllm serve DIR` serves the verifier `{target.hub_id}` named in config.json with this "
+                   "draft; the second form does the same with an explicit target.")
+    if not target.hub_id and not target.local:
+        out.append(f"Replace `{target.serve_as}` with the local folder of the target `{target.name}` the "
+                   "head was trained on (same tokenizer and embeddings).")
+    if fmt == "sglang":
+        out.append("`--speculative-num-steps` is the draft length k; SGLang verifies k + 1 tokens per step.")
+    return out
+
+
+def readme_text(fmt: str, folder: str | Path, commands: list[str], target: TargetRef, meta: dict) -> str:
+    """README.md: what this folder is, how to serve it, where it came from."""
+    head = meta["head_config"]
+    cmd_block = "\n\n".join(commands)
+    lines = [
+        f"# EAGLE-3 draft for `{target.name or target.serve_as}` ({FORMAT_TITLES[fmt]})",
+        "",
+        f"Exported by specheads {meta['specheads_version']} from checkpoint `{meta['checkpoint']}`.",
+        "",
+        "## Serve",
+        "",
+        "```bash",
+        cmd_block,
+        "```",
+        "",
+        *[f"- {n}" for n in notes(fmt, target)],
+        "",
+        "## Head",
+        "",
+        f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
+        f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
+        f"- hidden size {head['hidden_size']}, norm_before_residual {str(head['norm_before_residual']).lower()},"
+        f" trained for {head['ttt_steps']} draft steps",
+        f"- weights: {meta['dtype']}",
+        "",
+        "`specheads.json` records the export format, the engine versions targeted, the training "
+        "provenance and the target fingerprint (a verifier refuses a target whose vocabulary differs).",
+        "",
+    ]
+    return "\n".join(lines)

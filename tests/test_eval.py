@@ -1,0 +1,137 @@
+"""`specheads eval`: prompts file -> metrics.json + outputs.jsonl on a real tiny target folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specheads.eval.online import (
+    PromptsError,
+    alpha_from_tau,
+    encode_chat,
+    evaluate,
+    main,
+    read_prompts,
+)
+from specheads.target import Target, TargetError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared CPU: one thread avoids thread oversubscription."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from specheads.builtin.tiny_target import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("target") / "tiny", preset="test", progress=False)
+
+
+@pytest.fixture(scope="module")
+def export_dir(target_dir, tmp_path_factory):
+    """A random EAGLE-3 head, checkpointed and exported the way users do it."""
+    export = pytest.importorskip("specheads.export")
+    if not hasattr(export, "load_with_meta"):
+        pytest.skip("specheads.export.load_with_meta is not available yet")
+    from specheads.export.checkpoint import save_checkpoint
+    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+    from specheads.provenance import provenance
+
+    target = Target.load(str(target_dir), device="cpu")
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
+    root = tmp_path_factory.mktemp("draft")
+    ckpt = save_checkpoint(root / "run", 1, head, recipe={},
+                           provenance=provenance(target=target.fingerprint()), trainer_state={})
+    return export.export(ckpt, "vllm", root / "export")
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"id": "p1", "prompt": "def add(a, b):"},
+            {"id": "mt1", "category": "writing", "turns": ["import os", "and then?"]},
+            {"id": "long", "prompt": "x = 1\n" * 300}]  # longer than the 256-token context
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["--target", str(target_dir), "--draft", str(export_dir), "--prompts",
+               str(prompts_file), "--out", str(out), "--max-new-tokens", "12", "--k", "2"])
+    assert rc == 0 and "tau=" in capsys.readouterr().out
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["greedy_equal"] is True and m["mismatched_ids"] == [] and m["k"] == 2
+    assert m["num_prompts"] == 3 and m["num_turns"] == 3
+    assert [(s["id"], s["turn"]) for s in m["skipped"]] == [("long", 0)]
+    d = m["speculative"]
+    assert (m["tau"], m["cost_ratio"]) == (d["tau"], d["cost_ratio_c"])
+    assert len(d["acceptance_per_position"]) == len(d["acceptance_per_position_conditional"]) == 2
+    assert d["tau"] == pytest.approx(d["tokens"] / d["target_forwards"]) and d["tau"] >= 1.0
+    assert d["cost_ratio_c"] > 0 and d["predicted_speedup"] > 0 and 0 <= d["alpha_estimate"] <= 1
+    assert d["prefill_forwards"] == 3 and d["new_tokens"] <= 3 * 12
+    assert m["ngram"]["tau"] >= 1.0 and m["ngram"]["greedy_equal"] is True
+    assert m["plain"]["tokens"] == d["new_tokens"] and m["plain"]["wall_s"] > 0
+    assert m["provenance"]["fingerprint_checked"] is True
+    assert m["provenance"]["target"]["vocab_size"] == 512
+
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["turn"]) for r in rows] == [("p1", 0), ("mt1", 0), ("mt1", 1)]
+    assert all(r["plain_ids"] == r["speculative_ids"] and r["greedy_equal"] for r in rows)
+    assert rows[1]["category"] == "writing" and isinstance(rows[0]["speculative_text"], str)
+    # the second turn continues the conversation with the model's own first answer
+    target = Target.load(str(target_dir), device="cpu")
+    eos = target.tokenizer.eos_token_id
+    answer = target.tokenizer.decode([t for t in rows[1]["plain_ids"] if t != eos],
+                                     skip_special_tokens=True)
+    expected = encode_chat(target.tokenizer, [
+        {"role": "user", "content": "import os"}, {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and then?"}])
+    assert rows[2]["prompt_tokens"] == len(expected)
+
+
+def test_eval_refuses_a_draft_for_another_target(target_dir, export_dir, prompts_file, tmp_path):
+    other = tmp_path / "export"
+    shutil.copytree(export_dir, other)
+    meta = json.loads((other / "specheads.json").read_text())
+    meta["target"]["embedding_sha256"] = "0" * 64
+    (other / "specheads.json").write_text(json.dumps(meta))
+    with pytest.raises(TargetError, match="embedding_sha256"):
+        evaluate(str(target_dir), str(other), str(prompts_file), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_read_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"turns": ["b", "c"], "id": 7}\n{"prompt": "d"}\n')
+    rows = read_prompts(path)
+    assert [(r.id, r.turns) for r in rows] == [("1", ["a"]), ("7", ["b", "c"]), ("4", ["d"])]
+    assert len(read_prompts(path, limit=2)) == 2
+    path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(PromptsError, match=r"p.jsonl:2: expected"):
+        read_prompts(path)
+    path.write_text('{"prompt": ""}\n')
+    with pytest.raises(PromptsError, match="non-empty"):
+        read_prompts(path)
+    path.write_text("not json\n")
+    with pytest.raises(PromptsError, match="not valid JSON"):
+        read_prompts(path)
+    with pytest.raises(PromptsError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 0.95])
+def test_alpha_from_tau_inverts_the_chain_formula(alpha):
+    k = 4
+    tau = sum(alpha ** j for j in range(k + 1))
+    assert alpha_from_tau(tau, k) == pytest.approx(alpha, abs=1e-9)
+    assert alpha_from_tau(k + 1, k) == 1.0
