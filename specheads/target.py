@@ -148,7 +148,9 @@ class Target:
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=use_cache, **cache_kwargs(cache),
             )
-        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        # output key is `cache` in transformers >= 5.24, `past_key_values` before (dict access: no BC warning)
+        key = "cache" if "cache" in out else "past_key_values"
+        new_cache = out.get(key) if use_cache else None
         return TargetOutput(logits=out.logits, hidden=dict(store), cache=new_cache)
 
     # --- identity --------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def train(recipe: Recipe) -> Path:
     from specheads.export.checkpoint import Checkpoint, latest_checkpoint, load_strict, save_checkpoint
     from specheads.metrics import ttt_summary
     from specheads.provenance import provenance
-    from specheads.target import Target
+    from specheads.target import Target, check_fingerprint
 
     check_export_compat(recipe)
     t = recipe.train
@@ -169,6 +169,7 @@ def train(recipe: Recipe) -> Path:
     start = 0
     if resume_from is not None:
         ckpt = Checkpoint(resume_from)
+        check_fingerprint(ckpt.provenance.get("target", {}), target, f"the run in {out_dir}")
         load_strict(head, ckpt.weights, str(resume_from))
         start = ckpt.trainer_state["step"]
     head.to(accelerator.device)
@@ -239,7 +240,8 @@ def train(recipe: Recipe) -> Path:
 
 def _format_log(r: dict) -> str:
     acc = " ".join(f"{a:.3f}" for a in r["acc_uncond"])
-    return (f"step {r['step']:>5}  loss {r['loss']:.4f}  acc/step {acc}  tau~{r['tau_est']:.3f}  "
+    cond = " ".join(f"{a:.3f}" for a in r["acc_cond"])
+    return (f"step {r['step']:>5}  loss {r['loss']:.4f}  acc/step {acc} (cond {cond})  tau~{r['tau_est']:.3f}  "
             f"lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s")
 
 

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specheads.export import ContractError, export, load, validate
-from specheads.export.contract import CONTRACTS, detect_format, expected_shape
+from specheads.export.contract import detect_format, expected_shape
+from specheads.export.contract_rules import CONTRACTS
 from test_export import make_head, save
 
 

@@ -15,12 +15,12 @@ def test_demo_pipeline_smoke(tmp_path):
     run = tmp_path / "demo"
     env = {**os.environ, "SPECHEADS_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "specheads", "demo", "--run", str(run), "--preset", "test",
-           "--module-limit", "60", "--limit", "3", "--max-new-tokens", "16",
+           "--module-limit", "60", "--limit", "3", "--max-new-tokens", "16", "--regenerate", "12",
            "data.max_length=128", "head.draft_vocab_size=256", "train.batch_size=4",
            "train.max_steps=8", "train.save_every=8", "train.log_every=4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rel in ("target/config.json", "checkpoint/latest", "export/vllm/config.json",
+    for rel in ("target/config.json", "data/train_regen.jsonl", "checkpoint/latest", "export/vllm/config.json",
                 "export/sglang/config.json", "eval/metrics.json", "eval/outputs.jsonl",
                 "demo_summary.json"):
         assert (run / rel).is_file(), rel

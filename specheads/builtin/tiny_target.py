@@ -21,7 +21,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from specheads.builtin import stdlib
 
-BUILDER_VERSION = "stdlib-llama-v3"
+BUILDER_VERSION = "stdlib-llama-v4"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -56,9 +56,9 @@ class Preset:
 
 
 PRESETS = {
-    "default": Preset(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=8,
-                      num_heads=4, seq_len=256, batch_size=16, steps=360, lr=4e-3, warmup=30,
-                      chat_fraction=0.6),
+    "default": Preset(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=8,
+                      num_heads=4, seq_len=256, batch_size=8, steps=1300, lr=5e-3, warmup=40,
+                      chat_fraction=0.7),
     "test": Preset(vocab_size=512, hidden_size=48, intermediate_size=128, num_layers=8,
                    num_heads=2, seq_len=64, batch_size=8, steps=30, lr=3e-3, warmup=5,
                    chat_fraction=0.5, max_position_embeddings=256, module_limit=40,
@@ -111,7 +111,7 @@ class TokenData:
 
 def join_encoded(tokenizer: PreTrainedTokenizerFast, texts: list[str], sep: list[int]):
     """Encode `texts` and concatenate with `sep` after each; returns (stream [N], starts [D])."""
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     starts, flat = [], []
     for seq in ids:
         starts.append(len(flat))

@@ -74,10 +74,11 @@ def regenerate_local(target, convs: list[Conversation], max_new_tokens: int = 12
                     pending.append(dst)
                 else:
                     dst.messages.append(Message(msg.role, msg.content))
+        prompts = {id(c): _render(target.tokenizer, c.messages) for c in pending}
+        pending.sort(key=lambda c: len(prompts[id(c)]))  # similar lengths batch with little padding
         for b in range(0, len(pending), batch_size):
             chunk = pending[b:b + batch_size]
-            answers = _generate_batch(target, [_render(target.tokenizer, c.messages) for c in chunk],
-                                      max_new_tokens, temperature)
+            answers = _generate_batch(target, [prompts[id(c)] for c in chunk], max_new_tokens, temperature)
             for conv, (text, cut) in zip(chunk, answers):
                 conv.messages.append(Message("assistant", text))
                 stats.turns += 1

@@ -141,7 +141,7 @@ def _chat_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | None) ->
     messages = _as_dicts(conv)
     full = _render(tokenizer, messages, conv.id)
     spans = assistant_char_spans(tokenizer, messages, full, eot, conv.id)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, turns = list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)
     contents = [m["content"] for m in messages if m["role"] == "assistant"]
     expected = [(c + eot, full[s + len(c):s + len(c) + 40]) for c, (s, _) in zip(contents, spans)]
@@ -156,7 +156,7 @@ def _text_sample(tokenizer: Any, conv: Conversation) -> TokenizedSample:
     """Raw text: every token supervised, eos appended."""
     if tokenizer.eos_token_id is None:
         raise TemplateError(f"sample {conv.id}: raw-text samples need the tokenizer's eos_token, which is not set")
-    ids = list(tokenizer(conv.text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    ids = list(tokenizer(conv.text, add_special_tokens=False, verbose=False)["input_ids"]) + [tokenizer.eos_token_id]
     return TokenizedSample(conv.id, ids, [1] * len(ids))
 
 

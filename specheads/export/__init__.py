@@ -18,8 +18,9 @@ import specheads
 from specheads.atomic import atomic_dir
 from specheads.export import eagle3
 from specheads.export.checkpoint import Checkpoint, CheckpointError
-from specheads.export.contract import (
-    CONFIG_FILE, ENGINE_VERSIONS, META_FILE, WEIGHTS_FILE, ContractError, contract_for, validate,
+from specheads.export.contract import ContractError, validate
+from specheads.export.contract_rules import (
+    CONFIG_FILE, ENGINE_VERSIONS, META_FILE, WEIGHTS_FILE, contract_for,
 )
 from specheads.export.eagle3 import ExportRefused
 from specheads.export.load import ExportMeta, load, load_with_meta, read_export_meta

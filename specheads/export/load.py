@@ -16,9 +16,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specheads.export.checkpoint import load_strict
-from specheads.export.contract import (
-    CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, Violation, aux_ids, config_rope, contract_for,
-    detect_format, layer_config, validate,
+from specheads.export.contract import aux_ids, config_rope, layer_config, validate
+from specheads.export.contract_rules import (
+    CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, Violation, contract_for, detect_format,
 )
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
 

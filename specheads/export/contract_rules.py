@@ -1,0 +1,198 @@
+"""The loader contracts of vLLM 0.33 and SGLang 0.5.23 as data: tensors, config keys, per format.
+
+Encodes research/vllm_contract.md (§1.2, §3, §7, §12) and research/sglang_contract.md (§1, §3,
+§6.6, "What an exporter must write" B). `specheads.export.contract` checks a folder against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "specheads.json"
+ENGINE_VERSIONS = {"vllm": "0.33", "sglang": "0.5.23"}
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+FLOAT_DTYPES = {"F32", "BF16", "F16"}
+DTYPE_NAMES = {"float": "floating (F32/BF16/F16)", "int64": "I64 (int64)", "bool": "BOOL"}
+
+
+class ContractError(ValueError):
+    """An export folder that an engine would reject or load wrongly; lists every violation."""
+
+    def __init__(self, folder: Path, fmt: str, violations: list["Violation"]):
+        self.folder, self.format, self.violations = Path(folder), fmt, list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(
+            f"{folder}: does not meet the '{fmt}' loader contract ({len(self.violations)} "
+            f"violation(s)):\n{lines}"
+        )
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: where (file + tensor or key), what was expected, what was found, what to do."""
+
+    where: str
+    expected: str
+    found: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: expected {self.expected}, found {self.found}; {self.fix}"
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """A tensor the format defines. `{layer}` is the format's layer prefix; shapes use symbolic dims
+    (Hd draft hidden, H target hidden, nh, kvh, hd, I, V, Vd, n_aux; products with '*')."""
+
+    name: str
+    shape: tuple[str, ...]
+    dtype: str = "float"  # float | int64 | bool
+    need: str = "required"  # required | optional | if_hidden_differs
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """A config.json key (dotted path; list items by index) and the check it must pass."""
+
+    key: str
+    check: str  # absent | equals | bool | positive_int | number | str | dict | not_true | rope
+    value: object = None
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class FormatContract:
+    """Everything one engine's loader needs for one head kind."""
+
+    name: str
+    engine: str
+    kind: str
+    layer_prefix: str  # spelling of the draft layer's tensors
+    layer_keys_at: str  # where the decoder-layer keys live ("" = top level)
+    aux_ids_key: str  # dotted path of the aux-layer id list, in the engine's numbering
+    aux_offset: int  # engine id = specheads aux_layers id + aux_offset
+    min_aux_id: int
+    keys: tuple[KeyRule, ...]
+    tensors: tuple[TensorRule, ...]
+
+
+# vllm_contract.md §3.2 / §12; sglang_contract.md §3.3 / B. Names are bare (no `model.`).
+EAGLE3_TENSORS = (
+    TensorRule("fc.weight", ("Hd", "n_aux*H")),
+    TensorRule("{layer}self_attn.q_proj.weight", ("nh*hd", "2*Hd")),
+    TensorRule("{layer}self_attn.k_proj.weight", ("kvh*hd", "2*Hd")),
+    TensorRule("{layer}self_attn.v_proj.weight", ("kvh*hd", "2*Hd")),
+    TensorRule("{layer}self_attn.o_proj.weight", ("Hd", "nh*hd")),
+    TensorRule("{layer}mlp.gate_proj.weight", ("I", "Hd")),
+    TensorRule("{layer}mlp.up_proj.weight", ("I", "Hd")),
+    TensorRule("{layer}mlp.down_proj.weight", ("Hd", "I")),
+    TensorRule("{layer}input_layernorm.weight", ("Hd",)),
+    TensorRule("{layer}hidden_norm.weight", ("Hd",)),
+    TensorRule("{layer}post_attention_layernorm.weight", ("Hd",)),
+    TensorRule("norm.weight", ("Hd",)),
+    TensorRule("lm_head.weight", ("Vd", "Hd")),
+    TensorRule("d2t", ("Vd",), dtype="int64"),
+    TensorRule("t2d", ("V",), dtype="bool", need="optional"),
+    TensorRule("embed_tokens.weight", ("V", "Hd"), need="if_hidden_differs"),
+)
+
+# Names no engine should see: (pattern, why + what to do). The first match is reported.
+FORBIDDEN_TENSORS = (
+    (r"^model\.lm_head\.", "lm_head nested under `model.`: SGLang silently drops it; write top-level `lm_head.weight`"),
+    (r"^model\.", "`model.`-prefixed name: the engines add the prefix themselves; write bare names"),
+    (r"\.bias$", "bias tensor: the head has no biases (vLLM silently drops `*.bias`); remove it"),
+    (r"rotary_emb\.", "RoPE buffer: the engines recompute it; remove it"),
+)
+
+NOT_TRUE_FIX = "specheads heads are trained without this option; set it to false or remove it"
+LAYER_KEYS = (
+    KeyRule("model_type", "equals", "llama", "the draft layer is Llama-style (no q/k norm)"),
+    KeyRule("hidden_size", "positive_int"),
+    KeyRule("num_hidden_layers", "equals", 1, "specheads exports single-layer EAGLE-3 heads"),
+    KeyRule("num_attention_heads", "positive_int"),
+    KeyRule("num_key_value_heads", "positive_int"),
+    KeyRule("head_dim", "positive_int"),
+    KeyRule("intermediate_size", "positive_int"),
+    KeyRule("vocab_size", "positive_int", fix="must be the target's vocabulary size V"),
+    KeyRule("rms_norm_eps", "number"),
+    KeyRule("max_position_embeddings", "positive_int", fix="copy the target's value"),
+    KeyRule("hidden_act", "equals", "silu"),
+    KeyRule("attention_bias", "not_true", fix="the head has no attention biases"),
+    KeyRule("", "rope", fix="copy the target's RoPE settings (rope_parameters, rope_theta)"),
+)
+VLLM_HEAD_KEYS = (
+    KeyRule("draft_vocab_size", "positive_int", fix="write the draft vocabulary size Vd (width of lm_head)"),
+    KeyRule("target_hidden_size", "positive_int"),
+    KeyRule("norm_before_residual", "bool",
+            fix="write it explicitly: speculators defaults to true, native vLLM to false"),
+    KeyRule("norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("fc_norm", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("norm_output", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("eagle_config.eagle_aux_hidden_state_layer_ids", "absent",
+            fix="vLLM's default Model Runner V2 ignores this copy; keep only the top-level id list"),
+)
+SPECULATORS_KEYS = VLLM_HEAD_KEYS + (
+    KeyRule("model_type", "absent", fix="a top-level model_type defeats vLLM's speculators detection"),
+    KeyRule("speculators_model_type", "equals", "eagle3"),
+    KeyRule("transformer_layer_config", "dict"),
+    KeyRule("speculators_config.proposal_methods.0.speculative_tokens", "positive_int"),
+    KeyRule("speculators_config.default_proposal_method", "str"),
+    KeyRule("speculators_config.verifier.name_or_path", "str", fix="name the target (a hub id for `vllm serve DIR`)"),
+)
+NATIVE_KEYS = VLLM_HEAD_KEYS + (
+    KeyRule("architectures", "equals", ["LlamaForCausalLM"], fix="vLLM renames it to Eagle3LlamaForCausalLM"),
+    KeyRule("tie_word_embeddings", "equals", False),
+)
+SGLANG_KEYS = (
+    KeyRule("architectures", "equals", ["LlamaForCausalLMEagle3"]),
+    KeyRule("draft_vocab_size", "positive_int",
+            fix="SGLang reads it without a default; write the draft vocabulary size Vd"),
+    KeyRule("tie_word_embeddings", "equals", False),
+    KeyRule("eagle_config", "dict", fix="SGLang captures target layers only from eagle_config"),
+    KeyRule("eagle_config.use_aux_hidden_state", "equals", True),
+    KeyRule("norm_output", "not_true", fix="SGLang would carry normed states the head never saw in training"),
+    KeyRule("norm_before_residual", "not_true",
+            fix="SGLang 0.5.23 always uses the raw fc output as the residual; export for vLLM instead"),
+    KeyRule("fc_norm", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("eagle_config.norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("eagle_aux_hidden_state_layer_ids", "absent",
+            fix="SGLang uses a top-level id list only to size fc; keep the ids in eagle_config"),
+)
+
+CONTRACTS = {
+    ("vllm", "eagle3"): FormatContract(
+        "vllm", "vllm", "eagle3", "layers.0.", "transformer_layer_config", "eagle_aux_hidden_state_layer_ids",
+        0, 1, SPECULATORS_KEYS, EAGLE3_TENSORS),
+    ("vllm-native", "eagle3"): FormatContract(
+        "vllm-native", "vllm", "eagle3", "layers.0.", "", "eagle_aux_hidden_state_layer_ids",
+        0, 1, NATIVE_KEYS, EAGLE3_TENSORS),
+    ("sglang", "eagle3"): FormatContract(
+        "sglang", "sglang", "eagle3", "midlayer.", "", "eagle_config.eagle_aux_hidden_state_layer_ids",
+        -1, 0, SGLANG_KEYS, EAGLE3_TENSORS),
+}
+FORMATS = tuple(sorted({fmt for fmt, _ in CONTRACTS}))
+
+
+def contract_for(fmt: str, kind: str = "eagle3") -> FormatContract:
+    """The contract for (format, head kind), or an error naming the formats that exist for that kind."""
+    if (fmt, kind) not in CONTRACTS:
+        known = [f for f, k in CONTRACTS if k == kind]
+        raise ValueError(f"no '{fmt}' export for head kind '{kind}'; formats for it: {known or 'none'}")
+    return CONTRACTS[(fmt, kind)]
+
+
+def detect_format(cfg: dict) -> str:
+    """Which export format a config.json is: speculators ("vllm"), native vLLM, or SGLang."""
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        return "vllm"
+    archs = cfg.get("architectures") or []
+    if "LlamaForCausalLMEagle3" in archs:
+        return "sglang"
+    if "eagle_aux_hidden_state_layer_ids" in cfg or "draft_vocab_size" in cfg:
+        return "vllm-native"
+    raise ValueError(f"architectures {archs} without EAGLE-3 keys: not an export format specheads knows")
