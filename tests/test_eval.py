@@ -19,20 +19,9 @@ from specheads.eval.online import (
 from specheads.target import Target, TargetError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread avoids thread oversubscription."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    from specheads.builtin.tiny_target import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("target") / "tiny", preset="test", progress=False)
+def target_dir(tiny_target_dir):
+    return tiny_target_dir
 
 
 @pytest.fixture(scope="module")

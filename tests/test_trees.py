@@ -6,13 +6,10 @@ batched-vs-sequential numerics can never flip an argmax tie: a difference is a r
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
-from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.target import Target
 from specheads.verify.decode import DecodeError, causal_mask, greedy_decode, target_step
 from specheads.verify.proposers import Eagle3Proposer
@@ -37,30 +34,10 @@ from specheads.verify.trees import (
     tree_from_choices,
     tree_from_parents,
 )
+from random_models import CTX, VOCAB, make_head, make_target
 
-VOCAB, CTX = 96, 96
 CHOICES = [(1, 0), (0,), (0, 0, 0), (1,), (0, 1), (0, 0)]  # unsorted on purpose
 MEDUSA_LIKE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
-
-
-def make_target(attn: str = "sdpa", seed: int = 0, dtype=torch.float64) -> Target:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,
-                      initializer_range=0.1)
-    cfg._attn_implementation = attn
-    return Target(LlamaForCausalLM(cfg).to(dtype), None, Path("random-llama"))
-
-
-def make_head(target: Target, attn: str = "sdpa", seed: int = 1) -> Eagle3Head:
-    torch.manual_seed(seed)
-    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=64), target.config,
-                                 attn_implementation=attn)
-    used = torch.sort(torch.randperm(VOCAB)[:64]).values  # a non-trivial draft vocabulary
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[used] = True
-    head.set_vocab_map(used - torch.arange(64), t2d)
-    return head.to(target.dtype).eval()
 
 
 def random_prompts(n: int, seed: int, max_len: int = 20) -> list[torch.Tensor]:

@@ -6,11 +6,9 @@ never flip an argmax tie: any difference is then a real bookkeeping bug.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig
 
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.target import Target, TargetError
@@ -25,28 +23,7 @@ from specheads.verify import (
     lookup_continuation,
     trim_cache,
 )
-
-VOCAB, CTX = 96, 96
-
-
-def make_target(attn: str = "sdpa", seed: int = 0, dtype=torch.float64) -> Target:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,
-                      initializer_range=0.1)
-    cfg._attn_implementation = attn
-    return Target(LlamaForCausalLM(cfg).to(dtype), None, Path("random-llama"))
-
-
-def make_head(target: Target, attn: str = "sdpa", seed: int = 1) -> Eagle3Head:
-    torch.manual_seed(seed)
-    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=64), target.config,
-                                 attn_implementation=attn)
-    used = torch.sort(torch.randperm(VOCAB)[:64]).values  # a non-trivial draft vocabulary
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[used] = True
-    head.set_vocab_map(used - torch.arange(64), t2d)
-    return head.to(target.dtype).eval()
+from random_models import CTX, VOCAB, make_head, make_target
 
 
 def random_prompts(n: int, seed: int, max_len: int = 24) -> list[torch.Tensor]:
@@ -58,15 +35,6 @@ def random_prompts(n: int, seed: int, max_len: int = 24) -> list[torch.Tensor]:
         ids = torch.randint(0, VOCAB, (length,), generator=g)
         prompts.append(torch.cat([ids, ids[: length // 2]]) if i % 2 else ids)
     return prompts
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread avoids thread oversubscription (10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
