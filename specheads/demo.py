@@ -98,7 +98,10 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
                        str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit)
     timings["eval_s"] = time.time() - t1
     timings["total_s"] = time.time() - t0
+    build = json.loads((target / "specheads_build.json").read_text()) if (target / "specheads_build.json").is_file() else {}
     summary = {"run": str(run), "checkpoint": str(ckpt), "exports": {k: str(v) for k, v in exports.items()},
+               "target": {k: build.get(k) for k in ("builder_version", "parameters", "heldout_text_loss",
+                                                    "heldout_assistant_loss", "wall_seconds")},
                "timings": {k: round(v, 1) for k, v in timings.items()}, "metrics": metrics}
     write_json(run / "demo_summary.json", summary)
     return summary
@@ -132,6 +135,10 @@ def print_summary(summary: dict) -> None:
     ratio = spec["tau"] / ngram["tau"] if ngram["tau"] else float("nan")
     console.print(f"EAGLE-3 tau / n-gram tau = {ratio:.2f}; draft/target cost ratio c = "
                   f"{spec.get('cost_ratio_c', float('nan')):.3f} (EAGLE-3), {ngram.get('cost_ratio_c', float('nan')):.3f} (n-gram)")
+    t = summary.get("target", {})
+    if t.get("heldout_text_loss") is not None:
+        console.print(f"target {t['builder_version']}: {t['parameters']:,} parameters, held-out loss "
+                      f"{t['heldout_text_loss']:.3f} (module text) / {t['heldout_assistant_loss']:.3f} (assistant tokens)")
     console.print("timings (s): " + json.dumps(summary["timings"]))
     for fmt, folder in summary["exports"].items():
         for cmd in serve_commands(Path(folder)):
