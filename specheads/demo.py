@@ -97,14 +97,27 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
     metrics = evaluate(str(target), str(exports["vllm"]), str(data / "heldout_prompts.jsonl"),
                        str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit)
     timings["eval_s"] = time.time() - t1
+    parity = demo_parity(target, ckpt, run / "eval")
     timings["total_s"] = time.time() - t0
     build = json.loads((target / "specheads_build.json").read_text()) if (target / "specheads_build.json").is_file() else {}
     summary = {"run": str(run), "checkpoint": str(ckpt), "exports": {k: str(v) for k, v in exports.items()},
                "target": {k: build.get(k) for k in ("builder_version", "parameters", "heldout_text_loss",
                                                     "heldout_assistant_loss", "wall_seconds")},
-               "timings": {k: round(v, 1) for k, v in timings.items()}, "metrics": metrics}
+               "timings": {k: round(v, 1) for k, v in timings.items()}, "metrics": metrics,
+               "parity": parity}
     write_json(run / "demo_summary.json", summary)
     return summary
+
+
+def demo_parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
+    """Offline tau of the training checkpoint vs the online tau of its vLLM export (same prompts)."""
+    from specheads.eval.offline import check_parity
+    from specheads.export.checkpoint import Checkpoint
+    from specheads.target import Target
+
+    result = check_parity(Target.load(str(target_dir)), Checkpoint(ckpt).build_head(), eval_dir)
+    write_json(eval_dir / "parity.json", result)
+    return {k: v for k, v in result.items() if k != "offline"}
 
 
 def serve_commands(export_dir: Path) -> list[str]:
@@ -135,6 +148,12 @@ def print_summary(summary: dict) -> None:
     ratio = spec["tau"] / ngram["tau"] if ngram["tau"] else float("nan")
     console.print(f"EAGLE-3 tau / n-gram tau = {ratio:.2f}; draft/target cost ratio c = "
                   f"{spec.get('cost_ratio_c', float('nan')):.3f} (EAGLE-3), {ngram.get('cost_ratio_c', float('nan')):.3f} (n-gram)")
+    par = summary.get("parity")
+    if par:
+        verdict = "ok" if par["ok"] else "GAP: " + "; ".join(par["likely_causes"][:2])
+        console.print(f"parity: offline tau (checkpoint, teacher-forced) {par['offline_tau']:.3f} vs online tau "
+                      f"(export, verifier) {par['online_tau']:.3f}, gap {par['relative_gap']:+.1%} "
+                      f"(tolerance {par['tolerance']:.0%}): {verdict}")
     t = summary.get("target", {})
     if t.get("heldout_text_loss") is not None:
         console.print(f"target {t['builder_version']}: {t['parameters']:,} parameters, held-out loss "

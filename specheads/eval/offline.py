@@ -1,0 +1,81 @@
+"""Offline acceptance and the offline/online parity check.
+
+Offline: teacher-forced per-position acceptance of a head on tokenised data, from the same TTT
+counts training logs (no generation, fast). Parity: the offline tau of the trained checkpoint on
+the target's own greedy answers against the online tau the verifier measured with the EXPORTED
+folder on the same prompts. A gap means the export or the serving setup differs from training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specheads.data.tokenize import TokenizedSample, collate
+from specheads.metrics import ttt_summary
+
+LIKELY_CAUSES = [
+    "vocabulary map: d2t/t2d in the export differ from training (draft ids land on wrong target ids)",
+    "aux layers: the engine taps other target layers than the head was trained on",
+    "chat template: prompts rendered differently at eval than in the training data",
+    "context length: eval prompts longer than anything seen in training",
+]
+
+
+@torch.no_grad()
+def offline_acceptance(target, head, samples: list[TokenizedSample], batch_size: int = 8) -> dict:
+    """Teacher-forced acceptance per draft step, counts summed over batches before any ratio."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    head = head.to(target.device, target.dtype).eval()
+    totals = None
+    for b in range(0, len(samples), batch_size):
+        batch = {k: v.to(target.device) for k, v in collate(samples[b:b + batch_size], pad).items()}
+        out = target.forward(batch["input_ids"], layers=head.required_layers(),
+                             attention_mask=batch["attention_mask"])
+        aux = torch.cat([out.hidden[i] for i in head.required_layers()], dim=-1)  # [B, T, n*H]
+        res = head.train_forward(aux, target.embed(batch["input_ids"]), out.logits,
+                                 batch["loss_mask"], batch["attention_mask"])
+        counts = torch.stack([res.counts[k] for k in ("rows", "reached", "cond_rows")])
+        totals = counts if totals is None else totals + counts
+    if totals is None:
+        raise ValueError("offline acceptance needs at least one sample")
+    rows, reached, cond_rows = totals.tolist()
+    return {**ttt_summary(rows, reached, cond_rows), "rows": rows, "samples": len(samples)}
+
+
+def samples_from_outputs(tokenizer, outputs_path: str | Path) -> list[TokenizedSample]:
+    """First turns of an eval's outputs.jsonl: chat-rendered prompt + the target's greedy answer."""
+    samples = []
+    for line in Path(outputs_path).read_text().splitlines():
+        row = json.loads(line)
+        if row.get("turn", 0) != 0 or not row.get("plain_ids"):
+            continue
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                               tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer = list(row["plain_ids"])
+        samples.append(TokenizedSample(str(row["id"]), ids + answer, [0] * len(ids) + [1] * len(answer)))
+    return samples
+
+
+def parity(offline_tau: float, online_tau: float, tolerance: float = 0.15) -> dict:
+    """Compare taus; a relative gap beyond `tolerance` is flagged with the usual causes."""
+    gap = (online_tau - offline_tau) / offline_tau if offline_tau else 0.0
+    ok = abs(gap) <= tolerance
+    return {"offline_tau": offline_tau, "online_tau": online_tau, "relative_gap": gap,
+            "tolerance": tolerance, "ok": ok, "likely_causes": [] if ok else LIKELY_CAUSES}
+
+
+def check_parity(target, head, eval_dir: str | Path, tolerance: float = 0.15) -> dict:
+    """Offline tau of `head` (e.g. the training checkpoint) vs the online tau in eval_dir."""
+    eval_dir = Path(eval_dir)
+    metrics = json.loads((eval_dir / "metrics.json").read_text())
+    k = metrics.get("k")
+    if k is not None and k != head.config.ttt_steps:
+        raise ValueError(f"{eval_dir}/metrics.json was measured with k={k}; the head unrolls "
+                         f"{head.config.ttt_steps} steps. Evaluate with --k {head.config.ttt_steps}.")
+    samples = samples_from_outputs(target.tokenizer, eval_dir / "outputs.jsonl")
+    offline = offline_acceptance(target, head, samples)
+    return {**parity(offline["tau_est"], metrics["speculative"]["tau"], tolerance), "offline": offline}
