@@ -1,0 +1,177 @@
+"""GPU benchmark: online EAGLE-3 training throughput and memory on a Llama-8B-shaped random target,
+against the target's own forward-only throughput on the same tokens (the floor), plus the
+verifier's speed over plain decoding at batch 1. Writes OUT/gpu_train.json.
+
+    python bench/gpu_train.py --out runs/bench            # on one GPU (bf16), ~5 minutes on an H200
+    python bench/gpu_train.py --out /tmp/b --preset tiny  # a seconds-long CPU run (fp32) so it cannot rot
+
+Needs only PyTorch, transformers and accelerate: it imports specheads from this checkout.
+Weights are random, so acceptance is meaningless here; the verifier is measured with an oracle
+proposer (always right: the ceiling, tau = k + 1) and with the random head (always wrong: the
+overhead floor, tau = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from specheads.heads.eagle3 import Eagle3Head, Eagle3Options  # noqa: E402
+from specheads.target import Target  # noqa: E402
+from specheads.verify.decode import generate, greedy_decode  # noqa: E402
+
+PRESETS = {  # target shape, training batch, timing loop sizes
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, batch=4, seq=2048, steps=20, warmup=3,
+                    draft_vocab=32000, ttt=7, decode_tokens=128),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, batch=2, seq=64, steps=3, warmup=1,
+                 draft_vocab=256, ttt=3, decode_tokens=16),
+}
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation (precomputed): the verifier's ceiling."""
+
+    layers: list[int] = []
+
+    def __init__(self, reference: list[int]):
+        self.reference, self.emitted = reference, 0
+
+    def start(self, prompt_ids, first_token, out=None):
+        self.emitted = 1
+
+    def propose(self, k: int) -> torch.Tensor:
+        return torch.tensor(self.reference[self.emitted:self.emitted + k], dtype=torch.long)
+
+    def accept(self, inputs, following, out=None, start=0):
+        self.emitted += following.numel()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeat: int, warmup: int) -> float:
+    """Seconds per call of fn(), after warm-up, synchronised around the timed loop."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / repeat
+
+
+def build(preset: dict, device: torch.device, dtype: torch.dtype):
+    cfg = LlamaConfig(**{k: preset[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                "num_attention_heads", "num_key_value_heads", "vocab_size")},
+                      max_position_embeddings=max(4096, preset["seq"]))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    target = Target(model, None, Path("random-" + str(cfg.num_hidden_layers) + "-layers"))
+    with torch.device(device):
+        head = Eagle3Head.for_target(Eagle3Options(ttt_steps=preset["ttt"], draft_vocab_size=preset["draft_vocab"]), cfg)
+    return target, head.to(device)  # head in fp32 (master weights); autocast runs it in `dtype`
+
+
+def train_step(target, head, opt, ids, mask, dtype):
+    with torch.no_grad():
+        out = target.forward(ids, layers=head.required_layers(), attention_mask=mask)
+        aux = torch.cat([out.hidden[i] for i in head.required_layers()], dim=-1)  # [B, T, 3H]
+        embeds = target.embed(ids)
+    with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        res = head(aux=aux, embeds=embeds, target_logits=out.logits, loss_mask=mask, attention_mask=mask)
+    res.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def bench_training(target, head, preset, device, dtype) -> dict:
+    B, T = preset["batch"], preset["seq"]
+    ids = torch.randint(0, preset["vocab_size"], (B, T), device=device)
+    mask = torch.ones_like(ids)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-4)
+    with torch.no_grad():
+        fwd_s = timed(lambda: target.forward(ids, attention_mask=mask), device, preset["steps"], preset["warmup"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_s = timed(lambda: train_step(target, head, opt, ids, mask, dtype), device, preset["steps"], preset["warmup"])
+    tokens = B * T
+    return {
+        "batch": B, "seq_len": T, "ttt_steps": preset["ttt"], "draft_vocab_size": preset["draft_vocab"],
+        "target_forward_tokens_per_s": tokens / fwd_s, "train_tokens_per_s": tokens / step_s,
+        "train_vs_forward_floor": fwd_s / step_s,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "head_parameters": sum(p.numel() for p in head.parameters()),
+    }
+
+
+def bench_verifier(target, head, preset, device) -> dict:
+    prompt = torch.randint(0, preset["vocab_size"], (64,), device=device)
+    n = preset["decode_tokens"]
+    greedy_decode(target, prompt, 4)  # warm-up
+    results = {}
+    sync(device)
+    t0 = time.perf_counter()
+    plain = greedy_decode(target, prompt, n)
+    sync(device)
+    plain_s = time.perf_counter() - t0
+    results["plain_tokens_per_s"] = len(plain.tokens) / plain_s
+    from specheads.verify.proposers import Eagle3Proposer
+
+    for name, make in (("oracle", lambda: OracleProposer(plain.tokens)),
+                       ("random_head", lambda: Eagle3Proposer(head.to(target.dtype), target))):
+        for k in (1, 3, 5, 7):
+            sync(device)
+            t0 = time.perf_counter()
+            res = generate(target, make(), prompt, n, k)
+            sync(device)
+            secs = time.perf_counter() - t0
+            assert res.tokens == plain.tokens, f"{name} k={k}: speculative output differs from greedy"
+            results[f"{name}_k{k}"] = {"tau": res.stats.summary()["tau"],
+                                       "speedup": plain_s / secs, "tokens_per_s": len(res.tokens) / secs}
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for gpu_train.json")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="default: llama8b on a GPU, tiny on a CPU")
+    a = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    preset_name = a.preset or ("llama8b" if device.type == "cuda" else "tiny")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = PRESETS[preset_name]
+    t0 = time.time()
+    target, head = build(preset, device, dtype)
+    report = {
+        "preset": preset_name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
+        "training": bench_training(target, head, preset, device, dtype),
+        "verifier": bench_verifier(target, head, preset, device),
+    }
+    report["wall_s"] = time.time() - t0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_train.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
