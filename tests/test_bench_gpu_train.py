@@ -19,4 +19,4 @@ def test_gpu_train_bench_tiny_on_cpu(tmp_path):
     assert train["train_tokens_per_s"] > 0 and train["target_forward_tokens_per_s"] > 0
     verifier = report["verifier"]
     assert verifier["oracle_k3"]["tau"] > 3.0  # the ceiling: every draft accepted but the last step
-    assert verifier["random_head_k3"]["tau"] >= 1.0
+    assert verifier["random_head_k3"]["tau"] < verifier["oracle_k3"]["tau"]  # random drafts lose
