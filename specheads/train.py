@@ -86,10 +86,10 @@ class BatchPlan:
     __hash__ = object.__hash__
 
 
-def prepare_samples(recipe: Recipe, tokenizer):
+def prepare_samples(recipe: Recipe, tokenizer, report=print):
     """Read and tokenise the recipe's training data (assistant-only loss masks, verified)."""
     from specheads.data.conversations import read_conversations
-    from specheads.data.tokenize import tokenize_all
+    from specheads.data.tokenize import TokenizeStats, tokenize_all
 
     if not recipe.data.train:
         raise TrainError("data.train is empty: list at least one dataset file or folder")
@@ -98,7 +98,13 @@ def prepare_samples(recipe: Recipe, tokenizer):
         rows, stats = read_conversations(source, fmt=recipe.data.format,
                                          skip_malformed=recipe.data.skip_malformed)
         convs.extend(rows)
-    samples = tokenize_all(tokenizer, convs, recipe.data.max_length, end_of_turn=recipe.data.end_of_turn)
+        skipped = f", skipped {stats.skipped} malformed (e.g. {stats.reasons[0]})" if stats.skipped else ""
+        report(f"[specheads] {source}: {stats.kept} of {stats.read} rows ({stats.format}){skipped}")
+    tstats = TokenizeStats()
+    samples = tokenize_all(tokenizer, convs, recipe.data.max_length, end_of_turn=recipe.data.end_of_turn,
+                           stats=tstats)
+    report(f"[specheads] tokenised {tstats.kept} samples (max_length {recipe.data.max_length}): "
+           f"{tstats.truncated} truncated, {tstats.dropped} dropped with no supervised token left")
     if not samples:
         raise TrainError("no training sample has a supervised token after tokenisation")
     return samples
@@ -162,7 +168,7 @@ def train(recipe: Recipe) -> Path:
     set_seed(t.seed)
     target = Target.load(recipe.target.path, dtype=recipe.target.dtype, device=str(accelerator.device),
                          attn_implementation=recipe.target.attn_implementation)
-    samples = prepare_samples(recipe, target.tokenizer)
+    samples = prepare_samples(recipe, target.tokenizer, report=accelerator.print)
     head = build_head(recipe, target, samples)
     out_dir = Path(t.output_dir)
     resume_from = latest_checkpoint(out_dir) if t.resume else None

@@ -101,3 +101,19 @@ def test_two_process_ddp(launcher, tiny_target_dir, demo_data_dir, tmp_path):
     assert ckpt.provenance["num_processes"] == 2 and ckpt.trainer_state["step"] == 4
     losses = _losses(out)
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)  # logged once, by rank 0
+
+
+def test_malformed_rows_fail_or_are_skipped_and_reported(tiny_target_dir, demo_data_dir, tmp_path, capsys):
+    from specheads.data.conversations import DataError
+
+    bad = tmp_path / "bad.jsonl"
+    good = (demo_data_dir / "train.jsonl").read_text().splitlines()[:40]
+    bad.write_text("\n".join(good[:20] + ['{"messages": [{"role": "bot", "content": "hi"}]}'] + good[20:]) + "\n")
+    over = _overrides(tiny_target_dir, demo_data_dir, tmp_path / "r", **{"train.max_steps": 1})
+    over = [o for o in over if not o.startswith("data.train=")] + [f"data.train=[{bad}]"]
+    with pytest.raises(DataError, match=r"bad\.jsonl: row 20 .*'messages\[0\]\.role'"):
+        train(load_recipe(RECIPE, over))
+    assert not (tmp_path / "r").exists()
+    train(load_recipe(RECIPE, over + ["data.skip_malformed=true"]))
+    out = capsys.readouterr().out
+    assert "40 of 41 rows" in out and "skipped 1 malformed" in out
