@@ -38,6 +38,12 @@ def _eval(argv: list[str]) -> int:
     return main(argv)
 
 
+def _generate(argv: list[str]) -> int:
+    from specheads.generate import main
+
+    return main(argv)
+
+
 def _tiny_target(argv: list[str]) -> int:
     from specheads.builtin.tiny_target import build_tiny_target, cached_tiny_target
 
@@ -61,6 +67,7 @@ VERBS = {
     "train": (_train, "train a drafter from a YAML recipe"),
     "export": (_export, "export a checkpoint for vLLM or SGLang"),
     "eval": (_eval, "measure acceptance on prompts with the built-in verifier"),
+    "generate": (_generate, "stream one prompt's answer with a draft; compare with plain decoding"),
     "tiny-target": (_tiny_target, "build the embedded tiny target"),
     "demo": (_demo, "the whole pipeline on the embedded target"),
 }

@@ -6,7 +6,9 @@ n-gram (prompt lookup) baseline. The speculative outputs must equal plain decodi
 token. Counts are summed over all prompts and turns before any ratio (research/algorithms.md §10).
 
 `specheads eval --target T --draft EXPORT_DIR --prompts FILE --out DIR` writes
-DIR/metrics.json and DIR/outputs.jsonl.
+DIR/metrics.json and DIR/outputs.jsonl. The draft proposes a chain by default; `--tree eagle2`
+or `--tree FILE.json` verifies EAGLE-2 or static trees instead (metrics.json "tree" records
+which; the n-gram baseline stays a chain of k).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_json, write_text
+from specheads.generate import (
+    TreeSpec, add_tree_arguments, check_tree_fits, make_proposer, spec_from_args, speculative_decode,
+)
 from specheads.metrics import predicted_speedup
 from specheads.verify.decode import DecodeStats, generate
 from specheads.verify.proposers import Eagle3Proposer, NgramProposer
@@ -169,16 +174,20 @@ def method_metrics(stats: DecodeStats, plain: DecodeStats, k: int) -> dict:
 # --- the run -----------------------------------------------------------------------------------
 
 
-def run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos):
-    """One prompt turn decoded plain, with the draft and with the n-gram baseline."""
+def run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree: TreeSpec | None = None):
+    """One prompt turn decoded plain, with the draft (a chain of k, or `tree`) and with n-grams."""
     plain = generate(target, None, ids, max_new_tokens, k=0, eos_token_ids=eos)
-    draft = generate(target, Eagle3Proposer(head, target), ids, max_new_tokens, k, eos)
+    if tree is None or tree.kind == "chain":
+        draft = generate(target, Eagle3Proposer(head, target), ids, max_new_tokens, k, eos)
+    else:
+        draft = speculative_decode(tree, target, make_proposer(tree, head, target), ids,
+                                   max_new_tokens, eos)
     ngram = generate(target, NgramProposer(*ngram_sizes), ids, max_new_tokens, k, eos)
     return plain, draft, ngram
 
 
 def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: int,
-                  ngram_sizes=(3, 1)) -> tuple[Totals, list[dict]]:
+                  ngram_sizes=(3, 1), tree: TreeSpec | None = None) -> tuple[Totals, list[dict]]:
     """Decode every turn of every row; multi-turn rows continue with the model's own answers."""
     eos = eos_ids(target)
     totals, outputs = Totals(), []
@@ -194,7 +203,8 @@ def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: i
                 totals.skipped.append({"id": row.id, "turn": turn, "prompt_tokens": len(ids),
                                        "context": ctx})
                 break
-            plain, draft, ngram = run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos)
+            plain, draft, ngram = run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos,
+                                           tree)
             totals.plain = totals.plain.add(plain.stats)
             totals.draft = totals.draft.add(draft.stats)
             totals.ngram = totals.ngram.add(ngram.stats)
@@ -216,16 +226,24 @@ def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: i
     return totals, outputs
 
 
-def warm_up(target, head, k: int) -> None:
+def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
     """A short untimed generation so first-call overheads do not land in the first prompt."""
     ids = [0, 1, 2, 3]
     generate(target, None, ids, 4, k=0)
     generate(target, Eagle3Proposer(head, target), ids, 4, k)
+    if tree is not None and tree.kind != "chain":
+        speculative_decode(tree, target, make_proposer(tree, head, target), ids, 4, [])
 
 
 def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
-             max_new_tokens: int = 128, k: int | None = None, limit: int | None = None) -> dict:
-    """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl."""
+             max_new_tokens: int = 128, k: int | None = None, limit: int | None = None,
+             tree: TreeSpec | None = None) -> dict:
+    """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
+
+    `tree` None (or a chain) drafts a chain of k; an EAGLE-2 or static `tree` goes through the
+    tree verifier. Alpha, c and the predicted speed-up use the chain model with k = the tree's
+    depth, so for trees they are rough; the measured speed-up is exact.
+    """
     from specheads.provenance import provenance
     from specheads.target import Target
 
@@ -238,12 +256,15 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         k = _meta_value(meta, "num_speculative_tokens") or head.config.ttt_steps
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
-    warm_up(target, head, k)
+    tree = TreeSpec("chain", k=k) if tree is None or tree.kind == "chain" else tree
+    check_tree_fits(tree, target)
+    warm_up(target, head, k, tree)
     t0 = time.perf_counter()
-    totals, outputs = evaluate_rows(target, head, rows, max_new_tokens, k)
-    spec = method_metrics(totals.draft, totals.plain, k)
+    totals, outputs = evaluate_rows(target, head, rows, max_new_tokens, k, tree=tree)
+    spec = method_metrics(totals.draft, totals.plain, tree.levels())
     metrics = {
         "k": k,
+        "tree": tree.describe(),
         "max_new_tokens": max_new_tokens,
         "num_prompts": len(rows),
         "num_turns": len(outputs),
@@ -285,12 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'turns' per row")
     p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=None, help="draft length (default: the export's)")
+    add_tree_arguments(p)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     a = p.parse_args(argv)
-    m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit)
+    tree = spec_from_args(a)
+    m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit,
+                 tree=None if tree.kind == "chain" else tree)
     d, n = m["speculative"], m["ngram"]
-    print(f"k={m['k']} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
+    label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
+    print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
           f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
           f"greedy_equal={m['greedy_equal']} -> {Path(a.out) / 'metrics.json'}")
     return 0 if m["greedy_equal"] else 1

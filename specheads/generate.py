@@ -1,0 +1,442 @@
+"""`specheads generate`: decode one prompt with an exported draft, streaming the text as it comes.
+
+The same prompt is then decoded by plain greedy decoding, so the command proves the speculative
+output identical and reports tau, per-position acceptance and tokens/s for both
+(research/algorithms.md §10). Drafts are a chain (`--tree chain`, the loop in `verify.decode`),
+an EAGLE-2 dynamic tree (`--tree eagle2`) or a static tree read from a JSON file holding a
+Medusa-style list of rank paths (`--tree FILE.json`, e.g. `[[0], [1], [0, 0]]`); trees run
+through `verify.tree_decode`.
+
+The tree options (`TreeSpec`, `add_tree_arguments`, `spec_from_args`, `speculative_decode`) are
+shared by `specheads eval` and `bench/verifier.py`.
+
+`--temperature T > 0` samples instead (`verify.sample_decode`: Leviathan speculative sampling
+for chains, the EAGLE-2/3 point-mass rule for trees; both lossless, seeded by `--seed`). A sampled
+output is distributed like the target's own samples but is not token-equal to a plain sample, so
+the equality check applies to greedy decoding only; `specheads eval` and the benchmark stay greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+class GenerateError(ValueError):
+    """Arguments `specheads generate` cannot run with (the message says what to change)."""
+
+
+# --- tree settings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How drafts are shaped: a chain of k, an EAGLE-2 dynamic tree, or a static choice list."""
+
+    kind: str  # "chain" | "eagle2" | "static"
+    k: int | None = None  # chain length (None: the export's num_speculative_tokens)
+    depth: int = 5  # EAGLE-2 expansion levels after the first
+    top_k: int = 8  # EAGLE-2 branching / frontier width
+    total_tokens: int = 48  # EAGLE-2 verified nodes, root included
+    choices: tuple[tuple[int, ...], ...] = ()  # static tree: Medusa-style rank paths
+    source: str | None = None  # the file a static tree came from
+
+    def nodes(self) -> int:
+        """Tokens the target verifies per step, root included (the tree's size at most)."""
+        if self.kind == "chain":
+            return (self.k or 0) + 1
+        if self.kind == "eagle2":
+            return self.total_tokens
+        return len(self.choices) + 1
+
+    def levels(self) -> int:
+        """Draft depth: the longest run of drafts one step can accept."""
+        if self.kind == "chain":
+            return self.k or 0
+        if self.kind == "eagle2":
+            return self.depth + 1
+        return max(len(c) for c in self.choices)
+
+    def describe(self) -> dict:
+        """The settings as plain JSON (recorded in metrics.json and verifier.json)."""
+        if self.kind == "chain":
+            return {"kind": "chain", "k": self.k, "nodes": self.nodes()}
+        if self.kind == "eagle2":
+            return {"kind": "eagle2", "depth": self.depth, "top_k": self.top_k,
+                    "total_tokens": self.total_tokens, "nodes": self.nodes()}
+        return {"kind": "static", "file": self.source, "nodes": self.nodes(),
+                "depth": self.levels(), "choices": [list(c) for c in self.choices]}
+
+    def label(self) -> str:
+        """A short human name, e.g. `chain k=3`, `eagle2 d=5 k=8 n=48`, `static n=14`."""
+        if self.kind == "chain":
+            return f"chain k={self.k}"
+        if self.kind == "eagle2":
+            return f"eagle2 d={self.depth} k={self.top_k} n={self.total_tokens}"
+        return f"static n={self.nodes()}"
+
+
+def read_tree_file(path: str | Path) -> tuple[tuple[int, ...], ...]:
+    """A JSON list of rank paths (or {"choices": [...]}) -> normalised choices; clear errors."""
+    from specheads.verify.trees import normalize_choices
+
+    path = Path(path)
+    if not path.is_file():
+        raise GenerateError(f"--tree '{path}': expected 'chain', 'eagle2' or a JSON file of rank "
+                            "paths such as [[0], [1], [0, 0]]; no such file")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise GenerateError(f"--tree '{path}': not a readable JSON file ({err})") from None
+    if isinstance(obj, dict):
+        obj = obj.get("choices")
+    ok = isinstance(obj, list) and obj and all(
+        isinstance(c, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in c)
+        for c in obj)
+    if not ok:
+        raise GenerateError(f"--tree '{path}': expected a non-empty JSON list of rank paths (lists "
+                            "of integers), e.g. [[0], [1], [0, 0]]")
+    return normalize_choices(obj)
+
+
+def make_tree_spec(tree: str = "chain", k: int | None = None, depth: int = 5, top_k: int = 8,
+                   total_tokens: int = 48) -> TreeSpec:
+    """`--tree` value + sizes -> a validated TreeSpec."""
+    if k is not None and k < 1:
+        raise GenerateError(f"--k must be >= 1, got {k}")
+    if tree == "chain":
+        return TreeSpec("chain", k=k)
+    if tree == "eagle2":
+        if depth < 0 or top_k < 1 or total_tokens < 2:
+            raise GenerateError(f"an EAGLE-2 tree needs --depth >= 0, --top-k >= 1 and "
+                                f"--total-tokens >= 2; got {depth}, {top_k}, {total_tokens}")
+        return TreeSpec("eagle2", depth=depth, top_k=top_k, total_tokens=total_tokens)
+    return TreeSpec("static", choices=read_tree_file(tree), source=str(tree))
+
+
+def add_tree_arguments(p: argparse.ArgumentParser) -> None:
+    """--tree / --k / --depth / --top-k / --total-tokens, shared by generate and eval."""
+    p.add_argument("--tree", default="chain",
+                   help="chain (default), eagle2 (dynamic tree) or FILE.json (static tree: a list "
+                        "of rank paths such as [[0], [1], [0, 0]])")
+    p.add_argument("--k", type=int, default=None, help="chain draft length (default: the export's)")
+    p.add_argument("--depth", type=int, default=5, help="EAGLE-2: expansion levels after the first")
+    p.add_argument("--top-k", type=int, default=8, help="EAGLE-2: branching factor")
+    p.add_argument("--total-tokens", type=int, default=48,
+                   help="EAGLE-2: tokens verified per step, root included")
+
+
+def spec_from_args(a: argparse.Namespace) -> TreeSpec:
+    return make_tree_spec(a.tree, a.k, a.depth, a.top_k, a.total_tokens)
+
+
+def with_default_k(spec: TreeSpec, meta, head) -> TreeSpec:
+    """Fill a chain's missing k from the export (num_speculative_tokens, else the TTT steps)."""
+    if spec.kind != "chain" or spec.k is not None:
+        return spec
+    k = getattr(meta, "num_speculative_tokens", None) or head.config.ttt_steps
+    return TreeSpec("chain", k=int(k))
+
+
+def check_tree_fits(spec: TreeSpec, target) -> None:
+    """Refuse a tree that cannot be verified in one forward within the target's context."""
+    ctx = getattr(target.config, "max_position_embeddings", None)
+    if ctx is not None and spec.nodes() >= ctx:
+        raise GenerateError(f"the draft tree ({spec.label()}) verifies {spec.nodes()} tokens per "
+                            f"step but the target's context is {ctx}: use a smaller tree")
+
+
+def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
+    """The proposer for a spec: a chain proposer (drafts sampled from q when `sampled`) or an
+    EAGLE-3 tree proposer (trees are deterministic top-k either way)."""
+    from specheads.verify.proposers import Eagle3Proposer
+    from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
+
+    if spec.kind == "chain" and sampled:
+        from specheads.verify.sample_decode import SampledEagle3Proposer
+
+        return SampledEagle3Proposer(head, target)
+    if spec.kind == "chain":
+        return Eagle3Proposer(head, target)
+    if spec.kind == "eagle2":
+        return Eagle3DynamicTreeProposer(head, target, spec.depth, spec.top_k, spec.total_tokens)
+    return Eagle3StaticTreeProposer(head, target, list(spec.choices))
+
+
+def speculative_decode(spec: TreeSpec, target, proposer, ids, max_new_tokens: int, eos):
+    """Run the loop the spec needs (chain or tree) -> DecodeResult."""
+    from specheads.verify.decode import generate
+    from specheads.verify.tree_decode import tree_generate
+
+    if spec.kind == "chain":
+        return generate(target, proposer, ids, max_new_tokens, spec.k, eos)
+    return tree_generate(target, proposer, ids, max_new_tokens, eos)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Temperature > 0 samples (top-p nucleus, seeded); temperature 0 is greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def label(self) -> str:
+        return f"temperature {self.temperature:g}, top-p {self.top_p:g}, seed {self.seed}"
+
+
+def sampled_decode(spec: TreeSpec | None, target, proposer, ids, max_new_tokens: int, eos,
+                   sampling: Sampling):
+    """Speculative sampling with the loop the spec needs; `spec` None samples plainly."""
+    from specheads.verify.sample_decode import sample_generate, sample_tree_generate
+
+    warp = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
+            "seed": sampling.seed, "eos_token_ids": eos}
+    if spec is None:
+        return sample_generate(target, None, ids, max_new_tokens, 0, **warp)
+    if spec.kind == "chain":
+        return sample_generate(target, proposer, ids, max_new_tokens, spec.k, **warp)
+    return sample_tree_generate(target, proposer, ids, max_new_tokens, **warp)
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on a GPU, float32 elsewhere (tiny CPU targets gain nothing from bf16)."""
+    from specheads.target import resolve_device
+
+    return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
+
+
+def load_checked_draft(draft_dir: str | Path, target):
+    """The exported head on the target's device and dtype, and its meta; refuses another target's."""
+    from specheads.export import load_with_meta
+
+    folder = Path(draft_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
+                                "written by `specheads export`")
+    head, meta = load_with_meta(folder)
+    meta.check_target(target)
+    return head.to(device=target.device, dtype=target.dtype).eval(), meta
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """The prompt as ids: rendered as one user turn with the chat template, or raw."""
+    from specheads.eval.online import encode_chat
+
+    if not text or not text.strip():
+        raise GenerateError("the prompt is empty: pass some text with --prompt")
+    if not chat:
+        return list(tokenizer(text)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise GenerateError("the target's tokenizer has no chat template: pass --no-chat to feed "
+                            "the prompt as raw text")
+    return encode_chat(tokenizer, [{"role": "user", "content": text}])
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+
+class TextStream:
+    """Decodes a growing token list and writes only the new text (held back mid-character)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def push(self, tokens: list[int], final: bool = False) -> None:
+        """Add tokens; write the text they complete (all of it when `final`)."""
+        self.tokens.extend(int(t) for t in tokens)
+        text = self._text()
+        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character
+            return
+        if text.startswith(self.printed):
+            self.out.write(text[len(self.printed):])
+        else:  # a merge changed earlier text: print the rest from where the two agree
+            common = len(_common_prefix(text, self.printed))
+            self.out.write(text[common:])
+        self.out.flush()
+        self.printed = text
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+class StreamingProposer:
+    """Wraps a proposer so every verified token reaches a TextStream as soon as it is known.
+
+    The loops hand each step's emitted tokens to `accept` (and the prefill's token to `start`),
+    so streaming needs no change to them; the last step's tokens, which no `accept` sees, are
+    written by `finish` from the result. `seconds` (time spent decoding and writing text) is
+    taken off the speculative wall time so that tokens/s compare fairly with plain decoding.
+    """
+
+    def __init__(self, inner, stream: TextStream):
+        self.inner, self.stream = inner, stream
+        self.sent = 0
+        self.seconds = 0.0
+
+    def __getattr__(self, name):  # layers, propose, propose_tree, max_nodes, ...
+        return getattr(self.inner, name)
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        self._send([int(first_token)])
+        self.inner.start(prompt_ids, first_token, out)
+
+    def accept(self, inputs, following, out, start) -> None:
+        self._send(following.reshape(-1).tolist())
+        self.inner.accept(inputs, following, out, start)
+
+    def _send(self, tokens: list[int]) -> None:
+        t0 = time.perf_counter()
+        self.sent += len(tokens)
+        self.stream.push(tokens)
+        self.seconds += time.perf_counter() - t0
+
+    def finish(self, result_tokens: list[int]) -> None:
+        """Write whatever the result holds beyond what was streamed."""
+        self.stream.push(result_tokens[self.sent:], final=True)
+        self.sent = len(result_tokens)
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def rate(stats, overhead_s: float = 0.0) -> float:
+    """New tokens per wall-clock second of one decode (minus `overhead_s` spent streaming)."""
+    seconds = stats.wall_s - overhead_s
+    return stats.tokens / seconds if seconds > 0 else 0.0
+
+
+def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
+                 stream_s: float = 0.0, sampling: Sampling = Sampling()) -> list[str]:
+    """The summary printed after the text: tau, per-position acceptance, tokens/s.
+
+    `equal` None: sampled, where token equality with a plain sample is not expected.
+    """
+    s = spec_result.stats.summary()
+    acc = " ".join(f"{a:.2f}" for a in s["acceptance_per_position"]) or "-"
+    fast, slow = rate(spec_result.stats, stream_s), rate(plain_result.stats)
+    plain = "plain greedy" if sampling.greedy else "plain sampling"
+    check = (f"identical to plain greedy: {equal}" if equal is not None else
+             f"sampled ({sampling.label()}), lossless: distributed like the target's samples")
+    return [
+        f"draft: {spec.label()}  tau={s['tau']:.3f}  acceptance per position: {acc}",
+        f"speculative {fast:.1f} tok/s ({spec_result.stats.tokens} tokens, "
+        f"{s['target_forwards']} target forwards) | {plain} {slow:.1f} tok/s | "
+        f"speed-up {fast / slow if slow else 0.0:.2f}x | {check}",
+    ]
+
+
+def warm_up(target, proposer_factory, spec: TreeSpec, eos) -> None:
+    """One short untimed decode each way so first-call overheads stay out of the timings."""
+    from specheads.verify.decode import greedy_decode
+
+    greedy_decode(target, [0, 1, 2, 3], 4)
+    speculative_decode(spec, target, proposer_factory(), [0, 1, 2, 3], 4, eos)
+
+
+def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling) -> None:
+    """Refuse bad arguments before anything is loaded."""
+    if max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not prompt or not prompt.strip():
+        raise GenerateError("the prompt is empty: pass some text with --prompt")
+    if not Path(draft_dir).is_dir():
+        raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export "
+                                "folder written by `specheads export`")
+    if not sampling.greedy:
+        from specheads.verify.sampling import check_warp
+
+        check_warp(sampling.temperature, sampling.top_p, 0)
+
+
+def stream_decode(spec, target, head, ids, max_new_tokens, eos, sampling, out):
+    """The speculative decode, its text streamed to `out` -> (result, seconds spent streaming)."""
+    proposer = StreamingProposer(make_proposer(spec, head, target, not sampling.greedy),
+                                 TextStream(target.tokenizer, out))
+    if sampling.greedy:
+        result = speculative_decode(spec, target, proposer, ids, max_new_tokens, eos)
+    else:
+        result = sampled_decode(spec, target, proposer, ids, max_new_tokens, eos, sampling)
+    stream_s = proposer.seconds  # inside the timed decode: taken off its wall time
+    proposer.finish(result.tokens)
+    out.write("\n")
+    out.flush()
+    return result, stream_s
+
+
+def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
+                 max_new_tokens: int = 128, chat: bool = True, device: str = "auto",
+                 dtype: str | None = None, out=None, err=None,
+                 sampling: Sampling = Sampling()) -> dict:
+    """Stream the speculative decode of `prompt` to `out`, then compare it with plain decoding
+    (greedy: token for token; sampled: speed only)."""
+    from specheads.eval.online import eos_ids
+    from specheads.target import Target
+    from specheads.verify.decode import greedy_decode
+
+    out, err = out or sys.stdout, err or sys.stderr
+    check_inputs(draft_dir, prompt, max_new_tokens, sampling)
+    target = Target.load(target_path, dtype=dtype or default_dtype(device), device=device)
+    head, meta = load_checked_draft(draft_dir, target)
+    spec = with_default_k(spec, meta, head)
+    check_tree_fits(spec, target)
+    ids, eos = encode_prompt(target.tokenizer, prompt, chat), eos_ids(target)
+    warm_up(target, lambda: make_proposer(spec, head, target), spec, eos)
+    result, stream_s = stream_decode(spec, target, head, ids, max_new_tokens, eos, sampling, out)
+    if sampling.greedy:
+        plain = greedy_decode(target, ids, max_new_tokens, eos)
+        equal = result.tokens == plain.tokens
+    else:
+        plain, equal = sampled_decode(None, target, None, ids, max_new_tokens, eos, sampling), None
+    for line in report_lines(spec, result, plain, equal, stream_s, sampling):
+        print(line, file=err)
+    return {"tree": spec.describe(), "tokens": result.tokens, "plain_tokens": plain.tokens,
+            "greedy_equal": equal, "sampling": asdict(sampling), "summary": result.stats.summary(),
+            "tokens_per_s": rate(result.stats, stream_s), "plain_tokens_per_s": rate(plain.stats)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specheads generate", description=(
+        "Generate from one prompt with an exported draft (greedy unless --temperature > 0), "
+        "streaming the text; then decode it plainly and report tau, per-position acceptance "
+        "and tokens/s of both."))
+    p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
+    p.add_argument("--draft", required=True, help="export folder written by `specheads export`")
+    p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat)")
+    add_tree_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="render the prompt with the chat template (default) or feed it raw")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, checked identical to plain greedy; > 0: lossless "
+                        "speculative sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on a GPU, float32 on a CPU")
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    r = run_generate(a.target, a.draft, a.prompt, spec_from_args(a), a.max_new_tokens, a.chat,
+                     a.device, a.dtype, sampling=Sampling(a.temperature, a.top_p, a.seed))
+    print(f"done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return 1 if r["greedy_equal"] is False else 0

@@ -1,0 +1,84 @@
+"""bench/verifier.py on the tiny target: every method runs, equals plain greedy, JSON + Markdown."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "verifier.py"
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    """The benchmark script loaded as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_verifier", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tiny_target_dir, tmp_path_factory):
+    """A random EAGLE-3 head, checkpointed and exported the way users do it."""
+    from specheads.export import export
+    from specheads.export.checkpoint import save_checkpoint
+    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+    from specheads.provenance import provenance
+    from specheads.target import Target
+
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
+    root = tmp_path_factory.mktemp("draft")
+    ckpt = save_checkpoint(root / "run", 1, head, recipe={},
+                           provenance=provenance(target=target.fingerprint()), trainer_state={})
+    return export(ckpt, "vllm", root / "export")
+
+
+def test_bench_writes_every_method(verifier, tiny_target_dir, export_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "def add(a, b):"}) + "\n"
+                       + json.dumps({"id": "b", "turns": ["import os", "more"]}) + "\n"
+                       + json.dumps({"id": "c", "prompt": "unused"}) + "\n")
+    out = tmp_path / "bench"
+    rc = verifier.main(["--target", str(tiny_target_dir), "--draft", str(export_dir),
+                        "--prompts", str(prompts), "--out", str(out), "--limit", "2",
+                        "--max-new-tokens", "8", "--device", "cpu", "--eagle2", "2:2:6,3:3:10"])
+    assert rc == 0
+    assert "| method |" in capsys.readouterr().out
+
+    report = json.loads((out / "verifier.json").read_text())
+    names = [r["method"] for r in report["methods"]]
+    assert names == ["plain", *(f"chain k={k}" for k in range(1, 9)), "static n=21",
+                     "eagle2 d=2 k=2 n=6", "eagle2 d=3 k=3 n=10", "ngram k=3"]
+    assert report["greedy_equal"] is True
+    assert report["settings"]["num_prompts"] == 2 and report["settings"]["dtype"] == "float32"
+    for row in report["methods"]:
+        assert row["greedy_equal"] is True and row["mismatched_ids"] == []
+        assert row["tau"] >= 1.0 and row["tokens_per_s"] > 0 and row["wall_s"] > 0
+        assert row["tokens"] == report["methods"][0]["tokens"]
+    plain = report["methods"][0]
+    assert plain["tau"] == 1.0 and plain["speedup"] == pytest.approx(1.0)
+    assert len(report["methods"][8]["acceptance_per_position"]) == 8  # chain k=8
+
+    md = (out / "verifier.md").read_text()
+    assert md.startswith("# Verifier benchmark")
+    table = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 1 + len(names)
+    assert all(f"| {name} |" in md for name in names) and "| NO |" not in md
+
+
+def test_bench_argument_errors(verifier, tiny_target_dir, export_dir, tmp_path, capsys):
+    with pytest.raises(ValueError, match="DEPTH:TOP_K:TOTAL_TOKENS"):
+        verifier.parse_budgets("4:4")
+    rc = verifier.main(["--target", str(tiny_target_dir), "--draft", str(tmp_path / "missing"),
+                        "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")])
+    assert rc == 1 and "error" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
