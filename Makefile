@@ -6,7 +6,7 @@ RUN    ?= runs/demo
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install test demo train export eval clean
+.PHONY: install test demo train export eval bench clean
 
 install: $(STAMP)
 
@@ -32,6 +32,9 @@ export: install
 
 eval: install
 	$(BIN)/specheads eval --target $(RUN)/target --draft $(RUN)/export/vllm --prompts $(RUN)/data/heldout_prompts.jsonl --out $(RUN)/eval
+
+bench: install
+	$(BIN)/python bench/verifier.py --target $(RUN)/target --draft $(RUN)/export/vllm --prompts $(RUN)/data/heldout_prompts.jsonl --out $(RUN)/bench --limit 16 --max-new-tokens 64
 
 clean:
 	rm -rf $(VENV) runs

@@ -28,9 +28,9 @@ import torch
 
 from specheads.atomic import write_json, write_text
 from specheads.eval.online import encode_chat, eos_ids, read_prompts
-from specheads.generate import (
-    TreeSpec, check_tree_fits, default_dtype, load_checked_draft, make_proposer, make_tree_spec,
-    speculative_decode,
+from specheads.generate import default_dtype, load_checked_draft
+from specheads.verify.settings import (
+    TreeSpec, check_tree_fits, make_proposer, make_tree_spec, speculative_decode,
 )
 from specheads.verify.decode import DecodeStats, generate, greedy_decode
 from specheads.verify.proposers import NgramProposer

@@ -124,3 +124,18 @@ def test_alpha_from_tau_inverts_the_chain_formula(alpha):
     tau = sum(alpha ** j for j in range(k + 1))
     assert alpha_from_tau(tau, k) == pytest.approx(alpha, abs=1e-9)
     assert alpha_from_tau(k + 1, k) == 1.0
+
+
+def test_eval_samples_losslessly_and_reproducibly(target_dir, export_dir, prompts_file, tmp_path):
+    """--temperature > 0: seeded speculative sampling; no token equality is claimed."""
+    runs = []
+    for name in ("a", "b"):
+        rc = main(["--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts_file),
+                   "--out", str(tmp_path / name), "--max-new-tokens", "12", "--temperature", "1.0",
+                   "--top-p", "0.9", "--seed", "7"])
+        assert rc == 0
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        assert metrics["greedy_equal"] is None and metrics["sampling"] == {"temperature": 1.0, "top_p": 0.9, "seed": 7}
+        assert metrics["speculative"]["tau"] >= 1.0 and metrics["speculative"]["tokens"] > 0
+        runs.append((tmp_path / name / "outputs.jsonl").read_text())
+    assert runs[0] == runs[1]  # same seed, same samples

@@ -17,9 +17,8 @@ import torch
 
 from specheads.cli import main as cli
 from specheads.eval.online import encode_chat, eos_ids
-from specheads.generate import (
-    StreamingProposer, TextStream, TreeSpec, make_proposer, make_tree_spec, speculative_decode,
-)
+from specheads.generate import StreamingProposer, TextStream
+from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, speculative_decode
 from specheads.target import Target
 from specheads.verify.decode import greedy_decode
 

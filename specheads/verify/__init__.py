@@ -1,4 +1,4 @@
-"""Speculative verification: proposers, greedy chain acceptance and the decode loops."""
+"""Speculative verification: proposers, trees, acceptance rules and the decode loops."""
 
 from specheads.verify.decode import (
     DecodeError,
@@ -11,9 +11,13 @@ from specheads.verify.decode import (
     trim_cache,
 )
 from specheads.verify.proposers import Eagle3Proposer, NgramProposer, Proposer, lookup_continuation
+from specheads.verify.sample_decode import sample_generate, sample_tree_generate
+from specheads.verify.tree_decode import tree_generate
+from specheads.verify.trees import Tree, chain_tree, tree_from_choices, tree_from_parents
 
 __all__ = [
     "DecodeError", "DecodeResult", "DecodeStats", "Eagle3Proposer", "NgramProposer", "Proposer",
-    "accepted_prefix", "causal_mask", "generate", "greedy_decode", "lookup_continuation",
-    "trim_cache",
+    "Tree", "accepted_prefix", "causal_mask", "chain_tree", "generate", "greedy_decode",
+    "lookup_continuation", "sample_generate", "sample_tree_generate", "tree_from_choices",
+    "tree_from_parents", "tree_generate", "trim_cache",
 ]

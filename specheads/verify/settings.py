@@ -1,0 +1,191 @@
+"""Speculation settings shared by `specheads generate`, `specheads eval` and bench/verifier.py:
+the draft shape (a chain of k, an EAGLE-2 dynamic tree, a static Medusa-style choice list), the
+proposer each needs, and which decode loop (greedy or sampling, chain or tree) runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+class GenerateError(ValueError):
+    """Arguments `specheads generate` cannot run with (the message says what to change)."""
+
+
+# --- tree settings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How drafts are shaped: a chain of k, an EAGLE-2 dynamic tree, or a static choice list."""
+
+    kind: str  # "chain" | "eagle2" | "static"
+    k: int | None = None  # chain length (None: the export's num_speculative_tokens)
+    depth: int = 5  # EAGLE-2 expansion levels after the first
+    top_k: int = 8  # EAGLE-2 branching / frontier width
+    total_tokens: int = 48  # EAGLE-2 verified nodes, root included
+    choices: tuple[tuple[int, ...], ...] = ()  # static tree: Medusa-style rank paths
+    source: str | None = None  # the file a static tree came from
+
+    def nodes(self) -> int:
+        """Tokens the target verifies per step, root included (the tree's size at most)."""
+        if self.kind == "chain":
+            return (self.k or 0) + 1
+        if self.kind == "eagle2":
+            return self.total_tokens
+        return len(self.choices) + 1
+
+    def levels(self) -> int:
+        """Draft depth: the longest run of drafts one step can accept."""
+        if self.kind == "chain":
+            return self.k or 0
+        if self.kind == "eagle2":
+            return self.depth + 1
+        return max(len(c) for c in self.choices)
+
+    def describe(self) -> dict:
+        """The settings as plain JSON (recorded in metrics.json and verifier.json)."""
+        if self.kind == "chain":
+            return {"kind": "chain", "k": self.k, "nodes": self.nodes()}
+        if self.kind == "eagle2":
+            return {"kind": "eagle2", "depth": self.depth, "top_k": self.top_k,
+                    "total_tokens": self.total_tokens, "nodes": self.nodes()}
+        return {"kind": "static", "file": self.source, "nodes": self.nodes(),
+                "depth": self.levels(), "choices": [list(c) for c in self.choices]}
+
+    def label(self) -> str:
+        """A short human name, e.g. `chain k=3`, `eagle2 d=5 k=8 n=48`, `static n=14`."""
+        if self.kind == "chain":
+            return f"chain k={self.k}"
+        if self.kind == "eagle2":
+            return f"eagle2 d={self.depth} k={self.top_k} n={self.total_tokens}"
+        return f"static n={self.nodes()}"
+
+
+def read_tree_file(path: str | Path) -> tuple[tuple[int, ...], ...]:
+    """A JSON list of rank paths (or {"choices": [...]}) -> normalised choices; clear errors."""
+    from specheads.verify.trees import normalize_choices
+
+    path = Path(path)
+    if not path.is_file():
+        raise GenerateError(f"--tree '{path}': expected 'chain', 'eagle2' or a JSON file of rank "
+                            "paths such as [[0], [1], [0, 0]]; no such file")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise GenerateError(f"--tree '{path}': not a readable JSON file ({err})") from None
+    if isinstance(obj, dict):
+        obj = obj.get("choices")
+    ok = isinstance(obj, list) and obj and all(
+        isinstance(c, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in c)
+        for c in obj)
+    if not ok:
+        raise GenerateError(f"--tree '{path}': expected a non-empty JSON list of rank paths (lists "
+                            "of integers), e.g. [[0], [1], [0, 0]]")
+    return normalize_choices(obj)
+
+
+def make_tree_spec(tree: str = "chain", k: int | None = None, depth: int = 5, top_k: int = 8,
+                   total_tokens: int = 48) -> TreeSpec:
+    """`--tree` value + sizes -> a validated TreeSpec."""
+    if k is not None and k < 1:
+        raise GenerateError(f"--k must be >= 1, got {k}")
+    if tree == "chain":
+        return TreeSpec("chain", k=k)
+    if tree == "eagle2":
+        if depth < 0 or top_k < 1 or total_tokens < 2:
+            raise GenerateError(f"an EAGLE-2 tree needs --depth >= 0, --top-k >= 1 and "
+                                f"--total-tokens >= 2; got {depth}, {top_k}, {total_tokens}")
+        return TreeSpec("eagle2", depth=depth, top_k=top_k, total_tokens=total_tokens)
+    return TreeSpec("static", choices=read_tree_file(tree), source=str(tree))
+
+
+def add_tree_arguments(p: argparse.ArgumentParser) -> None:
+    """--tree / --k / --depth / --top-k / --total-tokens, shared by generate and eval."""
+    p.add_argument("--tree", default="chain",
+                   help="chain (default), eagle2 (dynamic tree) or FILE.json (static tree: a list "
+                        "of rank paths such as [[0], [1], [0, 0]])")
+    p.add_argument("--k", type=int, default=None, help="chain draft length (default: the export's)")
+    p.add_argument("--depth", type=int, default=5, help="EAGLE-2: expansion levels after the first")
+    p.add_argument("--top-k", type=int, default=8, help="EAGLE-2: branching factor")
+    p.add_argument("--total-tokens", type=int, default=48,
+                   help="EAGLE-2: tokens verified per step, root included")
+
+
+def spec_from_args(a: argparse.Namespace) -> TreeSpec:
+    return make_tree_spec(a.tree, a.k, a.depth, a.top_k, a.total_tokens)
+
+
+def with_default_k(spec: TreeSpec, meta, head) -> TreeSpec:
+    """Fill a chain's missing k from the export (num_speculative_tokens, else the TTT steps)."""
+    if spec.kind != "chain" or spec.k is not None:
+        return spec
+    k = getattr(meta, "num_speculative_tokens", None) or head.config.ttt_steps
+    return TreeSpec("chain", k=int(k))
+
+
+def check_tree_fits(spec: TreeSpec, target) -> None:
+    """Refuse a tree that cannot be verified in one forward within the target's context."""
+    ctx = getattr(target.config, "max_position_embeddings", None)
+    if ctx is not None and spec.nodes() >= ctx:
+        raise GenerateError(f"the draft tree ({spec.label()}) verifies {spec.nodes()} tokens per "
+                            f"step but the target's context is {ctx}: use a smaller tree")
+
+
+def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
+    """The proposer for a spec: a chain proposer (drafts sampled from q when `sampled`) or an
+    EAGLE-3 tree proposer (trees are deterministic top-k either way)."""
+    from specheads.verify.proposers import Eagle3Proposer
+    from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
+
+    if spec.kind == "chain" and sampled:
+        from specheads.verify.sample_decode import SampledEagle3Proposer
+
+        return SampledEagle3Proposer(head, target)
+    if spec.kind == "chain":
+        return Eagle3Proposer(head, target)
+    if spec.kind == "eagle2":
+        return Eagle3DynamicTreeProposer(head, target, spec.depth, spec.top_k, spec.total_tokens)
+    return Eagle3StaticTreeProposer(head, target, list(spec.choices))
+
+
+def speculative_decode(spec: TreeSpec, target, proposer, ids, max_new_tokens: int, eos):
+    """Run the loop the spec needs (chain or tree) -> DecodeResult."""
+    from specheads.verify.decode import generate
+    from specheads.verify.tree_decode import tree_generate
+
+    if spec.kind == "chain":
+        return generate(target, proposer, ids, max_new_tokens, spec.k, eos)
+    return tree_generate(target, proposer, ids, max_new_tokens, eos)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Temperature > 0 samples (top-p nucleus, seeded); temperature 0 is greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def label(self) -> str:
+        return f"temperature {self.temperature:g}, top-p {self.top_p:g}, seed {self.seed}"
+
+
+def sampled_decode(spec: TreeSpec | None, target, proposer, ids, max_new_tokens: int, eos,
+                   sampling: Sampling):
+    """Speculative sampling with the loop the spec needs; `spec` None samples plainly."""
+    from specheads.verify.sample_decode import sample_generate, sample_tree_generate
+
+    warp = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
+            "seed": sampling.seed, "eos_token_ids": eos}
+    if spec is None:
+        return sample_generate(target, None, ids, max_new_tokens, 0, **warp)
+    if spec.kind == "chain":
+        return sample_generate(target, proposer, ids, max_new_tokens, spec.k, **warp)
+    return sample_tree_generate(target, proposer, ids, max_new_tokens, **warp)
