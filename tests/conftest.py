@@ -32,3 +32,23 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def random_export_dir(tiny_target_dir, tmp_path_factory):
+    """A random EAGLE-3 head for the tiny target, checkpointed and exported the way users do it."""
+    import torch
+
+    from specheads.export import export
+    from specheads.export.checkpoint import save_checkpoint
+    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+    from specheads.provenance import provenance
+    from specheads.target import Target
+
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
+    root = tmp_path_factory.mktemp("draft")
+    ckpt = save_checkpoint(root / "run", 1, head, recipe={},
+                           provenance=provenance(target=target.fingerprint()), trainer_state={})
+    return export(ckpt, "vllm", root / "export")

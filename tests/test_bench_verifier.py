@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "verifier.py"
 
@@ -25,21 +24,8 @@ def verifier():
 
 
 @pytest.fixture(scope="module")
-def export_dir(tiny_target_dir, tmp_path_factory):
-    """A random EAGLE-3 head, checkpointed and exported the way users do it."""
-    from specheads.export import export
-    from specheads.export.checkpoint import save_checkpoint
-    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
-    from specheads.provenance import provenance
-    from specheads.target import Target
-
-    target = Target.load(str(tiny_target_dir), device="cpu")
-    torch.manual_seed(0)
-    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
-    root = tmp_path_factory.mktemp("draft")
-    ckpt = save_checkpoint(root / "run", 1, head, recipe={},
-                           provenance=provenance(target=target.fingerprint()), trainer_state={})
-    return export(ckpt, "vllm", root / "export")
+def export_dir(random_export_dir):
+    return random_export_dir
 
 
 def test_bench_writes_every_method(verifier, tiny_target_dir, export_dir, tmp_path, capsys):

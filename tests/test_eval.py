@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from specheads.eval.online import (
     PromptsError,
@@ -25,22 +24,8 @@ def target_dir(tiny_target_dir):
 
 
 @pytest.fixture(scope="module")
-def export_dir(target_dir, tmp_path_factory):
-    """A random EAGLE-3 head, checkpointed and exported the way users do it."""
-    export = pytest.importorskip("specheads.export")
-    if not hasattr(export, "load_with_meta"):
-        pytest.skip("specheads.export.load_with_meta is not available yet")
-    from specheads.export.checkpoint import save_checkpoint
-    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
-    from specheads.provenance import provenance
-
-    target = Target.load(str(target_dir), device="cpu")
-    torch.manual_seed(0)
-    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
-    root = tmp_path_factory.mktemp("draft")
-    ckpt = save_checkpoint(root / "run", 1, head, recipe={},
-                           provenance=provenance(target=target.fingerprint()), trainer_state={})
-    return export.export(ckpt, "vllm", root / "export")
+def export_dir(random_export_dir):
+    return random_export_dir
 
 
 @pytest.fixture

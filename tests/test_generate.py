@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from specheads.cli import main as cli
 from specheads.eval.online import encode_chat, eos_ids
@@ -44,19 +43,8 @@ def target(tiny_target_dir):
 
 
 @pytest.fixture(scope="module")
-def export_dir(target, tmp_path_factory):
-    """A random EAGLE-3 head, checkpointed and exported the way users do it."""
-    from specheads.export import export
-    from specheads.export.checkpoint import save_checkpoint
-    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
-    from specheads.provenance import provenance
-
-    torch.manual_seed(0)
-    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
-    root = tmp_path_factory.mktemp("draft")
-    ckpt = save_checkpoint(root / "run", 1, head, recipe={},
-                           provenance=provenance(target=target.fingerprint()), trainer_state={})
-    return export(ckpt, "vllm", root / "export")
+def export_dir(random_export_dir):
+    return random_export_dir
 
 
 def plain_text(target, prompt: str, max_new_tokens: int, chat: bool = True) -> str:
