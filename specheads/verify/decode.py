@@ -157,7 +157,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Clock:
+class Clock:
     """Accumulates seconds spent in a `with clock:` block (device synchronised)."""
 
     def __init__(self, device):
@@ -185,7 +185,7 @@ def target_step(target, ids: torch.Tensor, past: int, cache, layers=()):
     )
 
 
-def _new_cache(target):
+def new_cache(target):
     from transformers import DynamicCache
 
     return DynamicCache(config=target.config)
@@ -213,13 +213,13 @@ def generate(target, proposer, prompt_ids, max_new_tokens: int, k: int,
     layers = list(getattr(proposer, "layers", ())) if proposer is not None else []
     stats = DecodeStats(accepted_per_pos=[0] * k)
     result = DecodeResult(tokens=[], stop_reason="length", stats=stats)
-    tgt_clock, prop_clock = _Clock(target.device), _Clock(target.device)
+    tgt_clock, prop_clock = Clock(target.device), Clock(target.device)
     t_start = time.perf_counter()
     if budget == 0:
         stats.wall_s = time.perf_counter() - t_start
         return result
 
-    cache = _new_cache(target)
+    cache = new_cache(target)
     P = ids.shape[1]
     with tgt_clock:
         out = target_step(target, ids, 0, cache, layers)

@@ -30,8 +30,8 @@ from specheads.verify.decode import (
     DecodeError,
     DecodeResult,
     DecodeStats,
-    _Clock,
-    _new_cache,
+    Clock,
+    new_cache,
     context_length,
     cut_at_eos,
     positions,
@@ -123,8 +123,8 @@ class _Run:
     """State shared by both loops: result, clocks, the sequence and the target cache."""
 
     result: SampleResult
-    tgt_clock: _Clock
-    prop_clock: _Clock
+    tgt_clock: Clock
+    prop_clock: Clock
     t_start: float
     seq: list[int]
     cache: object = None
@@ -138,11 +138,11 @@ def _begin(target, proposer, prompt_ids, max_new_tokens: int, warper: Warper, ge
     layers = list(getattr(proposer, "layers", ())) if proposer is not None else []
     result = SampleResult(tokens=[], stop_reason="length", stats=stats, rule=rule, lossy=lossy,
                           seed=seed)
-    run = _Run(result, _Clock(target.device), _Clock(target.device), time.perf_counter(),
+    run = _Run(result, Clock(target.device), Clock(target.device), time.perf_counter(),
                ids[0].tolist())
     if budget == 0:
         return run, budget, layers
-    run.cache = _new_cache(target)
+    run.cache = new_cache(target)
     with run.tgt_clock:
         out = target_step(target, ids, 0, run.cache, layers)
     stats.prefill_forwards, stats.target_prefill_s = 1, run.tgt_clock.seconds

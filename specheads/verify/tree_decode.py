@@ -24,8 +24,8 @@ from specheads.verify.decode import (
     DecodeError,
     DecodeResult,
     DecodeStats,
-    _Clock,
-    _new_cache,
+    Clock,
+    new_cache,
     context_length,
     cut_at_eos,
     prepare_prompt,
@@ -180,13 +180,13 @@ def tree_generate(target, proposer: TreeProposer | None, prompt_ids, max_new_tok
     layers = list(getattr(proposer, "layers", ())) if proposer is not None else []
     stats = DecodeStats()
     result = DecodeResult(tokens=[], stop_reason="length", stats=stats)
-    tgt_clock, prop_clock = _Clock(target.device), _Clock(target.device)
+    tgt_clock, prop_clock = Clock(target.device), Clock(target.device)
     t_start = time.perf_counter()
     if budget == 0:
         stats.wall_s = time.perf_counter() - t_start
         return result
 
-    cache, ctx = _new_cache(target), context_length(target)
+    cache, ctx = new_cache(target), context_length(target)
     with tgt_clock:
         out = target_step(target, ids, 0, cache, layers)
     stats.prefill_forwards, stats.target_prefill_s = 1, tgt_clock.seconds
