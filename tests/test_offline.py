@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.data.tokenize import TokenizedSample
+from specheads.data.tokenize import TokenizedSample, collate
 from specheads.eval.offline import offline_acceptance, parity
 from specheads.metrics import ttt_summary
 from random_models import VOCAB, make_head, make_target
@@ -29,8 +29,16 @@ def test_offline_acceptance_equals_summed_batches():
     split = offline_acceptance(target, head, samples, batch_size=2)
     assert whole["rows"] == pytest.approx(split["rows"])  # counts, not ratios, are summed
     assert whole["tau_est"] == pytest.approx(split["tau_est"])
-    assert whole["tau_est"] == pytest.approx(ttt_summary(whole["rows"], [r * a for r, a in zip(
-        whole["rows"], whole["acc_uncond"])], whole["rows"])["tau_est"])
+    # the same counts as the head's own training forward over one collated batch
+    batch = collate(samples, 0)
+    out = target.forward(batch["input_ids"], layers=head.required_layers(), attention_mask=batch["attention_mask"])
+    aux = torch.cat([out.hidden[i] for i in head.required_layers()], dim=-1)
+    with torch.no_grad():
+        res = head.train_forward(aux, target.embed(batch["input_ids"]), out.logits, batch["loss_mask"],
+                                 batch["attention_mask"])
+    direct = ttt_summary(*[res.counts[k].tolist() for k in ("rows", "reached", "cond_rows")])
+    assert whole["tau_est"] == pytest.approx(direct["tau_est"])
+    assert whole["rows"] == pytest.approx(res.counts["rows"].tolist())
     assert 1.0 <= whole["tau_est"] <= 1.0 + head.config.ttt_steps
 
 

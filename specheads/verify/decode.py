@@ -191,6 +191,16 @@ def new_cache(target):
     return DynamicCache(config=target.config)
 
 
+def prefill(target, ids: torch.Tensor, layers, stats: DecodeStats, clock: "Clock"):
+    """The prompt's one target forward into a new cache, timed and counted -> (cache, output)."""
+    cache = new_cache(target)
+    with clock:
+        out = target_step(target, ids, 0, cache, layers)
+    stats.prefill_forwards, stats.target_prefill_s = 1, clock.seconds
+    clock.seconds = 0.0
+    return cache, out
+
+
 @torch.no_grad()
 def greedy_decode(target, prompt_ids, max_new_tokens: int,
                   eos_token_ids: Iterable[int] = ()) -> DecodeResult:
@@ -219,12 +229,7 @@ def generate(target, proposer, prompt_ids, max_new_tokens: int, k: int,
         stats.wall_s = time.perf_counter() - t_start
         return result
 
-    cache = new_cache(target)
-    P = ids.shape[1]
-    with tgt_clock:
-        out = target_step(target, ids, 0, cache, layers)
-    stats.prefill_forwards, stats.target_prefill_s = 1, tgt_clock.seconds
-    tgt_clock.seconds = 0.0
+    cache, out = prefill(target, ids, layers, stats, tgt_clock)
     first = int(out.logits[0, -1].argmax())
     seq = ids[0].tolist() + [first]
     result.tokens.append(first)

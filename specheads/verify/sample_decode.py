@@ -31,7 +31,7 @@ from specheads.verify.decode import (
     DecodeResult,
     DecodeStats,
     Clock,
-    new_cache,
+    prefill,
     context_length,
     cut_at_eos,
     positions,
@@ -142,11 +142,7 @@ def _begin(target, proposer, prompt_ids, max_new_tokens: int, warper: Warper, ge
                ids[0].tolist())
     if budget == 0:
         return run, budget, layers
-    run.cache = new_cache(target)
-    with run.tgt_clock:
-        out = target_step(target, ids, 0, run.cache, layers)
-    stats.prefill_forwards, stats.target_prefill_s = 1, run.tgt_clock.seconds
-    run.tgt_clock.seconds = 0.0
+    run.cache, out = prefill(target, ids, layers, stats, run.tgt_clock)
     first = int(sample(warper(out.logits[0, -1]).to(gen.device), gen))
     run.seq.append(first)
     result.tokens.append(first)

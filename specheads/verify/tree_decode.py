@@ -25,11 +25,10 @@ from specheads.verify.decode import (
     DecodeResult,
     DecodeStats,
     Clock,
-    new_cache,
+    prefill,
     context_length,
     cut_at_eos,
     prepare_prompt,
-    target_step,
 )
 from specheads.verify.trees import Tree, chain_tree, prune, subtree
 
@@ -186,11 +185,8 @@ def tree_generate(target, proposer: TreeProposer | None, prompt_ids, max_new_tok
         stats.wall_s = time.perf_counter() - t_start
         return result
 
-    cache, ctx = new_cache(target), context_length(target)
-    with tgt_clock:
-        out = target_step(target, ids, 0, cache, layers)
-    stats.prefill_forwards, stats.target_prefill_s = 1, tgt_clock.seconds
-    tgt_clock.seconds = 0.0
+    ctx = context_length(target)
+    cache, out = prefill(target, ids, layers, stats, tgt_clock)
     first = int(out.logits[0, -1].argmax())
     seq = ids[0].tolist() + [first]
     result.tokens.append(first)
