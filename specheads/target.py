@@ -25,6 +25,7 @@ class TargetOutput:
     logits: torch.Tensor  # [B, T, V]
     hidden: dict[int, torch.Tensor]  # index -> [B, T, H]
     cache: object | None = None
+    final: torch.Tensor | None = None  # [B, T, H]: final-normed last hidden state (lm_head input)
 
 
 def resolve_target_path(path: str) -> Path:
@@ -137,13 +138,23 @@ class Target:
             for h in handles:
                 h.remove()
 
+    @contextmanager
+    def _final_tap(self):
+        """Capture the final norm's output: the state the output head reads (EAGLE-1, MTP, Medusa)."""
+        store: dict[int, torch.Tensor] = {}
+        handle = self.final_norm.register_forward_hook(_store_hook(store, 0))
+        try:
+            yield store
+        finally:
+            handle.remove()
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, layers: list[int] = (), attention_mask=None,
                 position_ids=None, cache=None, use_cache: bool = False) -> TargetOutput:
         """input_ids [B, T] -> logits [B, T, V] + hidden states at `layers` (each [B, T, H])."""
         from specheads.hf_compat import cache_kwargs
 
-        with self._taps(list(layers)) as store:
+        with self._taps(list(layers)) as store, self._final_tap() as final:
             out = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=use_cache, **cache_kwargs(cache),
@@ -151,7 +162,7 @@ class Target:
         # output key is `cache` in transformers >= 5.24, `past_key_values` before (dict access: no BC warning)
         key = "cache" if "cache" in out else "past_key_values"
         new_cache = out.get(key) if use_cache else None
-        return TargetOutput(logits=out.logits, hidden=dict(store), cache=new_cache)
+        return TargetOutput(logits=out.logits, hidden=dict(store), cache=new_cache, final=final.get(0))
 
     # --- identity --------------------------------------------------------------------------
     def fingerprint(self) -> dict:

@@ -145,11 +145,7 @@ def make_batch(samples, idx, pad_id, device):
 
 def head_inputs(target, head, batch) -> dict:
     """Frozen-target features for one batch: what the head's loss needs, nothing more."""
-    out = target.forward(batch["input_ids"], layers=head.required_layers(),
-                         attention_mask=batch["attention_mask"])
-    aux = torch.cat([out.hidden[i] for i in head.required_layers()], dim=-1)  # [B, T, n*H]
-    return {"aux": aux, "embeds": target.embed(batch["input_ids"]), "target_logits": out.logits,
-            "loss_mask": batch["loss_mask"], "attention_mask": batch["attention_mask"]}
+    return head.expand(target, head.collect(target, batch), batch)
 
 
 def train(recipe: Recipe) -> Path:

@@ -19,6 +19,9 @@ def test_load_frozen_and_tap(tiny_target_dir):
         torch.testing.assert_close(h, ref[i], rtol=0, atol=0)
     with pytest.raises(TargetError, match="outside 0..7"):
         t.forward(ids, layers=[t.num_layers])
+    # the final-norm tap is HF's last hidden state, and the output head maps it to the logits
+    torch.testing.assert_close(out.final, ref[-1], rtol=0, atol=0)
+    torch.testing.assert_close(t.lm_head(out.final), out.logits, rtol=0, atol=0)
 
 
 def test_fingerprint_refuses_other_target(tiny_target_dir):

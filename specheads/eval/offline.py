@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specheads.data.tokenize import TokenizedSample, collate
+from specheads.heads.losses import COUNT_KEYS
 from specheads.metrics import ttt_summary
 
 LIKELY_CAUSES = [
@@ -32,12 +33,8 @@ def offline_acceptance(target, head, samples: list[TokenizedSample], batch_size:
     totals = None
     for b in range(0, len(samples), batch_size):
         batch = {k: v.to(target.device) for k, v in collate(samples[b:b + batch_size], pad).items()}
-        out = target.forward(batch["input_ids"], layers=head.required_layers(),
-                             attention_mask=batch["attention_mask"])
-        aux = torch.cat([out.hidden[i] for i in head.required_layers()], dim=-1)  # [B, T, n*H]
-        res = head.train_forward(aux, target.embed(batch["input_ids"]), out.logits,
-                                 batch["loss_mask"], batch["attention_mask"])
-        counts = torch.stack([res.counts[k] for k in ("rows", "reached", "cond_rows")])
+        res = head.train_forward(**head.expand(target, head.collect(target, batch), batch))
+        counts = torch.stack([res.counts[k] for k in COUNT_KEYS])
         totals = counts if totals is None else totals + counts
     if totals is None:
         raise ValueError("offline acceptance needs at least one sample")

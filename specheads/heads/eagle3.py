@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -20,6 +19,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from specheads.heads.losses import HeadOutput, forward_kl, shift
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
 
@@ -136,15 +136,6 @@ class Eagle3Layer(nn.Module):
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
-@dataclass
-class HeadOutput:
-    """Loss plus per-step counts (summed over batches and ranks before any ratio)."""
-
-    loss: torch.Tensor
-    step_losses: torch.Tensor  # [S]
-    counts: dict[str, torch.Tensor]  # each [S]: rows, reached, cond_rows
-
-
 class Eagle3Head(nn.Module):
     """EAGLE-3 drafter. State-dict names are the ones vLLM reads (fc, layers.0.*, norm, lm_head, d2t, t2d)."""
 
@@ -199,6 +190,25 @@ class Eagle3Head(nn.Module):
         return draft_to_target(draft_ids, self.d2t)
 
     # --- training-time test ---------------------------------------------------------------
+    @torch.no_grad()
+    def collect(self, target, batch: dict) -> dict[str, torch.Tensor]:
+        """Frozen-target features worth caching offline: fused taps and the lm_head input.
+
+        aux [B, T, n*Ht] (states at aux_layers), final [B, T, Ht] (final-normed last state).
+        """
+        out = target.forward(batch["input_ids"], layers=self.required_layers(),
+                             attention_mask=batch["attention_mask"])
+        return {"aux": torch.cat([out.hidden[i] for i in self.required_layers()], dim=-1),
+                "final": out.final}
+
+    @torch.no_grad()
+    def expand(self, target, feats: dict, batch: dict) -> dict:
+        """Cached features + batch -> `train_forward` kwargs (embeddings and logits recomputed)."""
+        final = feats["final"].to(target.dtype)
+        return {"aux": feats["aux"], "embeds": target.embed(batch["input_ids"]),
+                "target_logits": target.lm_head(final),  # [B, T, V]
+                "loss_mask": batch["loss_mask"], "attention_mask": batch["attention_mask"]}
+
     def forward(self, **inputs) -> "HeadOutput":
         """Training forward (what DDP/FSDP wrappers call): see `train_forward`."""
         return self.train_forward(**inputs)
@@ -247,14 +257,6 @@ class Eagle3Head(nn.Module):
         )
 
 
-def shift(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x [B, T, ...] -> x[:, n:] right-padded with zeros to length T (row i reads position i+n)."""
-    if n == 0:
-        return x
-    pad = torch.zeros_like(x[:, :n])
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
 def ttt_attention_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [B, 1, T, (step+1)T]: causal over step-0 keys, plus own row at later steps."""
     B, T = valid.shape
@@ -265,11 +267,3 @@ def ttt_attention_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> to
     mask = torch.zeros(allow.shape, dtype=dtype, device=valid.device)
     mask.masked_fill_(~allow, torch.finfo(dtype).min)
     return mask[:, None]
-
-
-def forward_kl(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Mean forward KL(p || q) over rows: logits [N, Vd], probs [N, Vd] (0 = exact match)."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) alive
-    logq = F.log_softmax(logits.float(), dim=-1)
-    return (torch.special.xlogy(probs, probs) - probs * logq).sum(-1).mean()

@@ -1,0 +1,45 @@
+"""What every head's training forward returns, and the losses and shifts heads share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+COUNT_KEYS = ("rows", "reached", "cond_rows")
+
+
+@dataclass
+class HeadOutput:
+    """Loss plus per-draft-position counts (summed over batches and ranks before any ratio).
+
+    rows[j]: positions where draft token j is scored; reached[j]: of those, where drafts 0..j
+    all match the target's argmax; cond_rows[j]: where drafts 0..j-1 matched (so acceptance of
+    position j given the earlier ones is reached[j] / cond_rows[j]).
+    """
+
+    loss: torch.Tensor
+    step_losses: torch.Tensor  # [S]
+    counts: dict[str, torch.Tensor]  # each [S]: rows, reached, cond_rows
+
+
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, T, ...] -> x[:, n:] right-padded with zeros to length T (row i reads position i+n)."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x[:, :n])
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def forward_kl(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean forward KL(p || q) over rows: logits [N, Vd], probs [N, Vd] (0 = exact match)."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) alive
+    logq = F.log_softmax(logits.float(), dim=-1)
+    return (torch.special.xlogy(probs, probs) - probs * logq).sum(-1).mean()
+
+
+def stack_counts(counts: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-step scalar counts -> float tensors [S] keyed like COUNT_KEYS."""
+    return {k: torch.stack(counts[k]).float() for k in COUNT_KEYS}
