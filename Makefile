@@ -24,7 +24,7 @@ demo: install
 	$(BIN)/specheads demo --run $(RUN)
 
 train: install
-	$(BIN)/specheads train $(or $(RECIPE),recipes/demo/eagle3.yaml) output_dir=$(RUN)/checkpoint
+	$(BIN)/specheads train $(or $(RECIPE),recipes/demo/eagle3.yaml) train.output_dir=$(RUN)/checkpoint
 
 export: install
 	$(BIN)/specheads export $(RUN)/checkpoint --format vllm --out $(RUN)/export/vllm

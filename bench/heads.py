@@ -1,0 +1,225 @@
+"""Side-by-side table of every drafter kind on the same target, data and budget.
+
+    python bench/heads.py --run runs/demo --out runs/bench-heads [--kinds eagle3,eagle,...] \
+        [--steps 300] [--limit 16] [--max-new-tokens 64] [--k 4]
+
+`--run` is a folder written by `make demo` (its `target` link and `data/`): each kind trains from
+its demo recipe on the same regenerated answers with the same step budget, is exported to the
+first format that can serve it, loaded back from that folder (as users serve it), and decoded on
+the same held-out prompts: plain greedy (the reference), a chain of k drafts and a tree (EAGLE-2
+dynamic tree where the kind has one, otherwise the static tree below). Every speculative output
+must equal plain greedy decoding. Writes OUT/heads.json and OUT/heads.md.
+
+Columns: trainable parameters; training seconds per optimizer step (the frozen target's forward
+included, CPU fp32 here); tau (tokens per target forward, bonus included); per-position
+acceptance of the chain (unconditional: share of draft steps whose first p drafts were all
+accepted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specheads.atomic import write_json, write_text
+from specheads.eval.online import eos_ids, read_prompts
+from specheads.verify.decode import DecodeStats, greedy_decode
+from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, speculative_decode
+
+DEMO_RECIPES = {"eagle3": "recipes/demo/eagle3.yaml"}  # other kinds: recipes/<kind>/demo.yaml
+TREE_EAGLE2 = (4, 4, 16)  # depth, top_k, total_tokens
+# a static tree of 15 drafts (Medusa-style rank paths), wide at the root
+STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1),
+               (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0))
+
+
+def _verifier_module():
+    """bench/verifier.py (a script, not a package) for its prompt encoding."""
+    path = Path(__file__).resolve().parent / "verifier.py"
+    spec = importlib.util.spec_from_file_location("bench_verifier", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def recipe_path(kind: str, root: Path) -> Path:
+    path = root / DEMO_RECIPES.get(kind, f"recipes/{kind}/demo.yaml")
+    if not path.is_file():
+        raise FileNotFoundError(f"no demo recipe for head kind '{kind}' (expected {path})")
+    return path
+
+
+def train_kind(kind: str, run: Path, out: Path, steps: int, root: Path, extra: list[str]):
+    """Train one kind on the run's data; returns (checkpoint, seconds per step, trainable params)."""
+    from specheads.config import load_recipe
+    from specheads.export.checkpoint import Checkpoint
+    from specheads.train import train
+
+    data = run / "data" / "train_regen.jsonl"
+    if not data.is_file():
+        data = run / "data" / "train.jsonl"
+    overrides = [f"target.path={run / 'target'}", f"data.train=[{data}]",
+                 f"train.output_dir={out / kind / 'checkpoint'}", f"train.max_steps={steps}",
+                 f"train.save_every={steps}", "train.resume=false", *extra]
+    recipe = load_recipe(recipe_path(kind, root), overrides)
+    t0 = time.perf_counter()
+    ckpt = train(recipe)
+    seconds = time.perf_counter() - t0
+    head = Checkpoint(ckpt).build_head()
+    params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    return ckpt, seconds / steps, params, recipe
+
+
+def export_kind(ckpt: Path, out: Path, kind: str) -> tuple[Path, str]:
+    """Export to the first format the kind's writer supports."""
+    from specheads.export import WRITERS, export
+
+    if kind not in WRITERS:
+        raise ValueError(f"head kind '{kind}' has no exporter")
+    fmt = WRITERS[kind].FORMATS[0]
+    return export(ckpt, fmt, out / kind / "export" / fmt), fmt
+
+
+def tree_spec_for(head, target) -> TreeSpec | None:
+    """EAGLE-2 where the kind builds dynamic trees, else the static tree, else None."""
+    depth, top_k, total = TREE_EAGLE2
+    for spec in (make_tree_spec("eagle2", depth=depth, top_k=top_k, total_tokens=total),
+                 TreeSpec("static", choices=STATIC_TREE, source="bench/heads.py")):
+        try:
+            make_proposer(spec, head, target)
+        except (ValueError, NotImplementedError, KeyError):
+            continue
+        return spec
+    return None
+
+
+def decode_all(target, head, spec: TreeSpec | None, prompts, references, max_new_tokens: int):
+    """Summed DecodeStats over prompts (None spec = plain) and the ids that differ from plain."""
+    eos = eos_ids(target)
+    total, mismatched = DecodeStats(), []
+    for (pid, ids), ref in zip(prompts, references):
+        if spec is None:
+            result = greedy_decode(target, ids, max_new_tokens, eos)
+        else:
+            result = speculative_decode(spec, target, make_proposer(spec, head, target), ids,
+                                        max_new_tokens, eos)
+        total = total.add(result.stats)
+        if ref is not None and result.tokens != ref:
+            mismatched.append(pid)
+    return total, mismatched
+
+
+def measure(target, export_dir: Path, prompts, references, k: int, max_new_tokens: int) -> dict:
+    """tau of a chain of k and of a tree, per-position acceptance, greedy equality."""
+    from specheads.generate import load_checked_draft
+
+    head, _ = load_checked_draft(export_dir, target)
+    chain = make_tree_spec("chain", k=k)
+    stats, bad = decode_all(target, head, chain, prompts, references, max_new_tokens)
+    s = stats.summary()
+    row = {"chain_k": k, "tau_chain": s["tau"], "acceptance_per_position": s["acceptance_per_position"],
+           "acceptance_per_position_conditional": s["acceptance_per_position_conditional"],
+           "tree": None, "tau_tree": None, "mismatched_ids": list(bad)}
+    tree = tree_spec_for(head, target)
+    if tree is not None:
+        tstats, tbad = decode_all(target, head, tree, prompts, references, max_new_tokens)
+        row.update(tree=tree.describe(), tau_tree=tstats.summary()["tau"])
+        row["mismatched_ids"] += [f"tree:{p}" for p in tbad]
+    row["greedy_equal"] = not row["mismatched_ids"]
+    return row
+
+
+def markdown(report: dict) -> str:
+    st = report["settings"]
+    lines = [
+        "# Drafter kinds side by side", "",
+        f"target `{st['target']}`; {st['steps']} training steps each on `{st['data']}`; "
+        f"{st['num_prompts']} held-out prompts, max {st['max_new_tokens']} new tokens, greedy, batch 1, "
+        f"CPU float32. tau counts the bonus token (plain decoding = 1.00).", "",
+        "| kind | format | trainable params | train s/step | tau chain k | tau tree | tree | acc@1..k | greedy equal |",
+        "|---|---|---:|---:|---:|---:|---|---|:---:|",
+    ]
+    for r in report["kinds"]:
+        if "error" in r:
+            lines.append(f"| {r['kind']} | | | | | | | failed: {r['error']} | |")
+            continue
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        tree = "" if r["tree"] is None else f"{r['tree']['kind']} n={r['tree']['nodes']}"
+        tau_tree = "n/a" if r["tau_tree"] is None else f"{r['tau_tree']:.2f}"
+        lines.append(f"| {r['kind']} | {r['format']} | {r['params']:,} | {r['train_s_per_step']:.3f} | "
+                     f"{r['tau_chain']:.2f} (k={r['chain_k']}) | {tau_tree} | {tree} | {acc} | "
+                     f"{'yes' if r['greedy_equal'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def bench(run: Path, out: Path, kinds: list[str], steps: int, limit: int, max_new_tokens: int,
+          k: int, root: Path, extra: list[str] = ()) -> dict:
+    """Train, export, reload and decode every kind; write OUT/heads.json and OUT/heads.md."""
+    from specheads.provenance import provenance
+    from specheads.target import Target
+
+    torch.manual_seed(0)
+    target = Target.load(str(run / "target"), device="cpu")
+    rows = read_prompts(run / "data" / "heldout_prompts.jsonl", limit)
+    prompts = _verifier_module().encode_rows(target, rows)
+    eos = eos_ids(target)
+    references = [greedy_decode(target, ids, max_new_tokens, eos).tokens for _, ids in prompts]
+    results = []
+    for kind in kinds:
+        try:
+            ckpt, s_per_step, params, _ = train_kind(kind, run, out, steps, root, list(extra))
+            export_dir, fmt = export_kind(ckpt, out, kind)
+            row = measure(target, export_dir, prompts, references, k, max_new_tokens)
+            results.append({"kind": kind, "format": fmt, "params": params,
+                            "train_s_per_step": s_per_step, **row})
+        except (ValueError, FileNotFoundError, NotImplementedError) as err:
+            results.append({"kind": kind, "error": str(err)})
+        print(f"[bench/heads] {kind}: {json.dumps(results[-1])[:300]}", flush=True)
+    report = {
+        "settings": {"target": str(run / "target"), "data": str(run / "data"), "steps": steps,
+                     "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k,
+                     "threads": torch.get_num_threads()},
+        "kinds": results,
+        "provenance": provenance(target=target.fingerprint()),
+    }
+    report["greedy_equal"] = all(r.get("greedy_equal", False) for r in results)
+    write_json(out / "heads.json", report)
+    write_text(out / "heads.md", markdown(report))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specheads.heads import HEADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, help="a `make demo` run folder (target link + data/)")
+    p.add_argument("--out", required=True, help="folder for heads.json and heads.md")
+    p.add_argument("--kinds", default=",".join(HEADS), help="comma-separated head kinds (default: all)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per kind (same for all)")
+    p.add_argument("--limit", type=int, default=16, help="held-out prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="chain length")
+    p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="repo root (recipes/)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides applied to every kind")
+    a = p.parse_args(argv)
+    kinds = [x.strip() for x in a.kinds.split(",") if x.strip()]
+    unknown = [x for x in kinds if x not in HEADS]
+    if unknown:
+        print(f"bench/heads.py: error: unknown head kinds {unknown}; known: {', '.join(HEADS)}", file=sys.stderr)
+        return 2
+    report = bench(Path(a.run), Path(a.out), kinds, a.steps, a.limit, a.max_new_tokens, a.k,
+                   Path(a.root), a.overrides)
+    print(markdown(report), end="")
+    print(f"-> {Path(a.out) / 'heads.json'}")
+    return 0 if report["greedy_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""bench/heads.py on the tiny target: every registered kind trains, exports, reloads, stays lossless."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "heads.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_heads", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_side_by_side_table(tiny_target_dir, demo_data_dir, tmp_path):
+    from specheads.heads import HEADS
+
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "target").symlink_to(tiny_target_dir, target_is_directory=True)
+    for name in ("train.jsonl", "heldout_prompts.jsonl"):
+        (run / "data" / name).write_bytes((demo_data_dir / name).read_bytes())
+    bench = load_script()
+    out = tmp_path / "out"
+    rc = bench.main(["--run", str(run), "--out", str(out), "--steps", "2", "--limit", "2",
+                     "--max-new-tokens", "8", "--k", "3", "train.batch_size=2", "data.max_length=96",
+                     "train.log_every=1", "train.warmup_steps=1"])
+    report = json.loads((out / "heads.json").read_text())
+    assert rc == 0, report
+    assert [r["kind"] for r in report["kinds"]] == list(HEADS)
+    for row in report["kinds"]:
+        assert "error" not in row, row
+        assert row["greedy_equal"] and row["params"] > 0 and row["train_s_per_step"] > 0
+        assert 1.0 <= row["tau_chain"] <= 1.0 + 3
+        assert len(row["acceptance_per_position"]) == 3
+        # unconditional acceptance cannot rise with depth
+        acc = row["acceptance_per_position"]
+        assert all(a >= b for a, b in zip(acc, acc[1:]))
+    md = (out / "heads.md").read_text()
+    assert all(f"| {kind} |" in md for kind in HEADS)
+
+
+def test_unknown_kind_is_refused(tmp_path, capsys):
+    bench = load_script()
+    assert bench.main(["--run", str(tmp_path), "--out", str(tmp_path / "o"), "--kinds", "nope"]) == 2
+    assert "unknown head kinds ['nope']" in capsys.readouterr().err
