@@ -17,15 +17,17 @@ def _export(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
     p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
-    p.add_argument("--format", required=True, choices=["vllm", "vllm-native", "sglang"])
+    p.add_argument("--format", required=True, choices=["vllm", "vllm-native", "sglang", "vllm-0.32", "medusa"])
     p.add_argument("--out", required=True, help="export folder (written atomically)")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--verifier", default=None, help="hub id of the target, for the speculators config")
+    p.add_argument("--adapter", default=None, choices=["merge", "ship"],
+                   help="medusa2 only: merge the LoRA into a full target folder (default) or ship a peft adapter")
     a = p.parse_args(argv)
     from specheads.export import read_export_meta
 
     out = export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens,
-                 verifier=a.verifier)
+                 verifier=a.verifier, adapter=a.adapter)
     print(f"exported {a.format} -> {out}")
     for cmd in read_export_meta(out).serve_commands:
         print(cmd)
@@ -63,13 +65,55 @@ def _demo(argv: list[str]) -> int:
     return main(argv)
 
 
+def _push(argv: list[str]) -> int:
+    from specheads.hub import main
+
+    return main(argv)
+
+
+def _serve(argv: list[str]) -> int:
+    from specheads.serve.server import main
+
+    return main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from specheads.eval.bench import main
+
+    return main(argv)
+
+
+def _regenerate(argv: list[str]) -> int:
+    from specheads.data.regenerate_run import main
+
+    return main(argv)
+
+
+def _capture(argv: list[str]) -> int:
+    from specheads.data.features import main
+
+    return main(argv)
+
+
+def _vocab_stats(argv: list[str]) -> int:
+    from specheads.data.vocab_stats import main
+
+    return main(argv)
+
+
 VERBS = {
     "train": (_train, "train a drafter from a YAML recipe"),
+    "capture": (_capture, "store the frozen target's features for offline training"),
+    "vocab-stats": (_vocab_stats, "count supervised tokens once for the draft vocabulary"),
     "export": (_export, "export a checkpoint for vLLM or SGLang"),
     "eval": (_eval, "measure acceptance on prompts with the built-in verifier"),
     "generate": (_generate, "stream one prompt's answer with a draft; compare with plain decoding"),
     "tiny-target": (_tiny_target, "build the embedded tiny target"),
     "demo": (_demo, "the whole pipeline on the embedded target"),
+    "push": (_push, "publish an export folder to the Hugging Face hub with a model card"),
+    "serve": (_serve, "OpenAI-compatible server (target + optional draft) with /metrics"),
+    "bench": (_bench, "load-test OpenAI-compatible servers: latency, tokens/s, acceptance, greedy match"),
+    "regenerate": (_regenerate, "rewrite a dataset's assistant turns with the target (resumable)"),
 }
 
 

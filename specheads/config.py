@@ -35,6 +35,8 @@ class DataConfig:
     max_length: int = 512
     skip_malformed: bool = False
     end_of_turn: str | None = None
+    features: str | None = None  # a `specheads capture` folder: train from it instead of target forwards
+    vocab_stats: str | None = None  # a `specheads vocab-stats` file: the draft vocabulary's frequencies
 
 
 @dataclass
@@ -48,14 +50,38 @@ class TrainConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    schedule: str = "cosine"
+    schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
+    decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying at the end
+    min_lr_ratio: float = 0.0  # cosine / wsd end at this share of the peak lr
     max_grad_norm: float = 0.5
+    mixed_precision: str | bool = "no"  # no | bf16 | fp16: the head's autocast; the target keeps target.dtype
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
     keep_last: int = 2
+    keep_best: bool = True  # also keep the checkpoint with the best validation tau
     resume: bool = True
     num_workers: int = 0
+    val_samples: int = 0  # held out from data.train (seeded) for offline tau; 0 = no validation
+    val_every: int = 0  # steps between validations (0 = only at checkpoints when val_samples > 0)
+    val_batch_size: int = 8
+    report_to: list[str] = field(default_factory=list)  # accelerate trackers: wandb, tensorboard
+    project: str = "specheads"  # tracker project name
+    progress: bool = True  # progress bar with tokens/s and ETA on the main process
+    shard_target: bool = False  # FSDP2-shard the frozen target's decoder layers over the processes
+
+    def __post_init__(self):
+        from specheads.schedule import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule '{self.schedule}': expected one of {', '.join(SCHEDULES)}")
+        if self.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
+            self.mixed_precision = "no"
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ConfigError(f"train.mixed_precision '{self.mixed_precision}': expected no, bf16 or fp16")
+        unknown = [r for r in self.report_to if r not in ("wandb", "tensorboard")]
+        if unknown:
+            raise ConfigError(f"train.report_to: unknown tracker '{unknown[0]}'; expected wandb, tensorboard")
 
 
 @dataclass

@@ -31,3 +31,155 @@ def test_regenerate_matches_plain_greedy(tiny_target_dir):
             ref = [t for t in ref if t != tok.eos_token_id]
             assert msg.content == tok.decode(ref, skip_special_tokens=True)
     assert stats.settings["target"]["tokenizer_sha256"] == target.fingerprint()["tokenizer_sha256"]
+
+
+# --- the command: files, backends, resume ------------------------------------------------------
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, Row, shape_answer
+from specheads.data.regenerate_run import read_rows, run_regenerate
+from specheads.data.resume import RowWriter, read_index
+
+SLICE = Path(__file__).parent / "fixtures" / "sharegpt_slice.json"  # 40 ShareGPT rows, 1-3 turns
+
+
+def read_out(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_row_writer_repairs_a_killed_tail(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    w = RowWriter(out)
+    for i in range(3):
+        w.write(f"r{i}", {"id": f"r{i}"})
+    w.close()
+    with open(out, "a") as f:  # a row written but never indexed, then half a row
+        f.write('{"id": "r3"}\n{"id": "r4", "mess')
+    with open(str(out) + ".index", "a") as f:
+        f.write('"r3"\t9')  # half an index line
+    w = RowWriter(out)
+    assert w.done == {"r0", "r1", "r2"} and w.dropped_tail > 0
+    w.write("r3", {"id": "r3"})
+    with pytest.raises(ValueError, match="already"):
+        w.write("r1", {"id": "r1"})
+    w.close()
+    assert [r["id"] for r in read_out(out)] == ["r0", "r1", "r2", "r3"]
+    assert read_index(out)[0] == ["r0", "r1", "r2", "r3"]
+    (tmp_path / "orphan.jsonl").write_text('{"id": 1}\n')
+    with pytest.raises(ValueError, match="without"):
+        RowWriter(tmp_path / "orphan.jsonl")
+
+
+def test_thinking_and_tool_rows_local(tiny_target_dir, tmp_path):
+    assert shape_answer("<think>hmm\n</think>\n\nyes", None, RegenOptions(thinking="drop")) == "yes"
+    assert shape_answer("yes", "hmm", RegenOptions(thinking="keep")) == "<think>\nhmm\n</think>\n\nyes"
+    assert shape_answer("yes", "hmm", RegenOptions(thinking="drop")) == "yes"
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    rows = [{"id": "t", "tools": [{"type": "function", "function": {"name": "lookup"}}], "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "def f():"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "old answer"}]},
+        {"id": "plain", "messages": [{"role": "user", "content": "def g():"},
+                                     {"role": "assistant", "content": "old"}]}]
+    src = tmp_path / "tools.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    opts = RegenOptions(max_new_tokens=8)
+    report = run_regenerate(src, tmp_path / "out.jsonl", LocalBackend(target, opts, 2), opts)
+    assert (report.finished, report.failed, report.turns) == (2, 0, 2)
+    out = {r["id"]: r for r in read_out(tmp_path / "out.jsonl")}
+    msgs = out["t"]["messages"]
+    assert msgs[:4] == rows[0]["messages"][:4] and out["t"]["tools"] == rows[0]["tools"]
+    assert msgs[4]["role"] == "assistant" and msgs[4]["content"] != "old answer"
+    skip = RegenOptions(max_new_tokens=8, tools="skip")
+    report = run_regenerate(src, tmp_path / "skip.jsonl", LocalBackend(target, skip, 2), skip)
+    assert (report.finished, report.skipped_tools) == (1, 1)
+    other = RegenOptions(max_new_tokens=9)
+    with pytest.raises(RegenerateError, match="other options"):
+        run_regenerate(src, tmp_path / "out.jsonl", LocalBackend(target, other, 2), other)
+
+
+def _regenerate_cmd(out: Path, *backend: str) -> list[str]:
+    return [sys.executable, "-m", "specheads", "regenerate", str(SLICE), "--out", str(out),
+            "--max-new-tokens", "8", "--limit", "20", *backend]
+
+
+def test_regenerate_through_server_survives_sigkill_and_matches_local(tiny_target_dir, random_export_dir,
+                                                                      tmp_path, capsys):
+    from test_serve import start_server
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc, url = start_server(["--target", str(tiny_target_dir), "--draft", str(random_export_dir),
+                              "--device", "cpu"])
+    try:
+        out = tmp_path / "regen.jsonl"
+        cmd = _regenerate_cmd(out, "--endpoint", url, "--concurrency", "2", "--retries", "1")
+        victim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        index = Path(str(out) + ".index")
+        deadline = time.time() + 120
+        while time.time() < deadline and victim.poll() is None:
+            if index.exists() and index.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.01)
+        victim.send_signal(signal.SIGKILL)
+        assert victim.wait() == -signal.SIGKILL
+        killed_at = len(read_index(out)[0])
+        assert 3 <= killed_at < 20, "the kill must land in the middle of the run"
+        from specheads.data.regenerate_run import main  # the resumed run: same command, in-process
+
+        assert main(cmd[4:]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["resumed"] == killed_at and report["finished"] == 20 - killed_at
+        assert report["failed"] == 0 and report["rows"] == 20
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    served = read_out(out)
+    ids = [r.id for r in read_rows(SLICE, limit=20)]
+    assert sorted(r["id"] for r in served) == sorted(ids) and len(served) == 20  # nothing lost or twice
+    meta = json.loads(Path(str(out) + ".meta.json").read_text())
+    assert meta["options"]["max_new_tokens"] == 8 and meta["report"]["finished"] == 20 - killed_at
+    assert meta["target"]["tokenizer_sha256"]  # the server's target fingerprint is recorded
+
+    local_out = tmp_path / "local.jsonl"
+    opts = RegenOptions(max_new_tokens=8)
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    report = run_regenerate(SLICE, local_out, LocalBackend(target, opts, 8), opts, limit=20)
+    local = {r["id"]: r for r in read_out(local_out)}
+    assert report.finished == 20 and report.truncated == sum(
+        r["regenerated"]["truncated_turns"] > 0 for r in local.values())
+    source = {r.id: r for r in read_rows(SLICE)}
+    for row in served:
+        # greedy speculative decoding behind the server == greedy generate in this process
+        assert row["messages"] == local[row["id"]]["messages"], row["id"]
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == [m["role"] for m in source[row["id"]].messages]
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        assert users == [m["content"] for m in source[row["id"]].messages if m["role"] == "user"]
+
+
+SHARED = Path(os.environ.get("SPECHEADS_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+@pytest.mark.skipif(not (SHARED / "sharegpt_dummy_conversations.json").is_file(),
+                    reason="the public ShareGPT sample is not present (optional data)")
+def test_regenerate_public_sharegpt_sample(tiny_target_dir, tmp_path):
+    """The public FastChat ShareGPT sample, multi-turn, through the local backend."""
+    src = SHARED / "sharegpt_dummy_conversations.json"
+    opts = RegenOptions(max_new_tokens=8)
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    report = run_regenerate(src, tmp_path / "out.jsonl", LocalBackend(target, opts, 8), opts, limit=12)
+    assert report.finished == 12 and report.failed == 0
+    source = {r.id: r for r in read_rows(src, limit=12)}
+    for row in read_out(tmp_path / "out.jsonl"):
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in source[row["id"]].messages]

@@ -1,16 +1,50 @@
 """Rewrite assistant turns with the target itself, so the drafter learns what the target says.
 
-Local backend: batched greedy (or sampled) `generate` on the frozen target, turn by turn: each
-assistant turn is regenerated from the conversation so far, earlier turns already rewritten.
+Turn by turn: each assistant turn is regenerated from the conversation so far, earlier assistant
+turns already rewritten; system, user and tool messages are kept. With `tools="keep"` an assistant
+turn that calls tools is kept verbatim (the tool results that follow answer those calls) and the
+assistant's text answers are regenerated; `tools="skip"` leaves rows holding tool messages out.
+`thinking="drop"` removes `<think>...</think>` blocks (and a server's separate reasoning field)
+from the new answers; `"keep"` keeps them inline.
+
+Backends: `LocalBackend` (transformers `generate`, batched across conversations per turn) and
+`OpenAIBackend` (any OpenAI-compatible server, conversations in parallel on a bounded thread
+pool). `data/regenerate_run.py` is the `specheads regenerate` command: files in, rows out
+append-only with an index of finished ids (data/resume.py), resumable after a kill.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-import torch
-
 from specheads.data.conversations import Conversation, Message
+
+THINK = re.compile(r"<think>.*?(</think>|$)\s*", re.DOTALL)
+
+
+class RegenerateError(ValueError):
+    """Options or input rows regeneration cannot use (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class RegenOptions:
+    """What shapes the new answers; recorded in the output's meta and checked on resume."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    thinking: str = "keep"  # keep | drop
+    tools: str = "keep"  # keep | skip
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise RegenerateError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise RegenerateError("--temperature must be >= 0 and --top-p in (0, 1]")
+        if self.thinking not in ("keep", "drop") or self.tools not in ("keep", "skip"):
+            raise RegenerateError("--thinking takes keep|drop and --tools keep|skip")
 
 
 @dataclass
@@ -23,14 +57,107 @@ class RegenerateStats:
     settings: dict = field(default_factory=dict)
 
 
-def _render(tokenizer, messages: list[Message]) -> str:
-    return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                         tokenize=False, add_generation_prompt=True)
+@dataclass
+class Row:
+    """One conversation as OpenAI-style message dicts (tool fields kept), its tools, its id."""
+
+    id: str
+    messages: list[dict]
+    tools: list | None = None
 
 
-@torch.no_grad()
-def _generate_batch(target, prompts: list[str], max_new_tokens: int, temperature: float) -> list[tuple[str, bool]]:
+def regenerable(msg: dict, opts: RegenOptions) -> bool:
+    """An assistant turn to rewrite (tool-calling turns are kept: their results follow)."""
+    return msg.get("role") == "assistant" and not msg.get("tool_calls")
+
+
+def shape_answer(text: str, reasoning: str | None, opts: RegenOptions) -> str:
+    """The stored answer: thinking kept inline (a separate reasoning field wrapped) or dropped."""
+    if opts.thinking == "drop":
+        return THINK.sub("", text).strip() if "<think>" in text else text
+    return f"<think>\n{reasoning}\n</think>\n\n{text}" if reasoning else text
+
+
+# --- the turn loop, shared by both backends --------------------------------------------------
+
+
+class TurnState:
+    """A row being rewritten: messages so far and the index of the next source message."""
+
+    def __init__(self, row: Row, opts: RegenOptions):
+        self.row, self.opts = row, opts
+        self.out: list[dict] = []
+        self.next = 0
+        self.truncated = 0
+        self.turns = 0
+
+    def advance(self) -> bool:
+        """Copy kept messages up to the next turn to rewrite; False when the row is complete."""
+        msgs = self.row.messages
+        while self.next < len(msgs) and not regenerable(msgs[self.next], self.opts):
+            self.out.append(dict(msgs[self.next]))
+            self.next += 1
+        return self.next < len(msgs)
+
+    def answer(self, text: str, reasoning: str | None, finish_reason: str) -> None:
+        """Record the new text of the pending assistant turn."""
+        src = self.row.messages[self.next]
+        new = {k: v for k, v in src.items() if k not in ("content", "reasoning_content", "reasoning")}
+        self.out.append({**new, "content": shape_answer(text, reasoning, self.opts)})
+        self.truncated += finish_reason == "length"
+        self.turns += 1
+        self.next += 1
+
+    def result(self) -> dict:
+        """The output row: messages, tools, and what regeneration did to it."""
+        row = {"id": self.row.id, "messages": self.out}
+        if self.row.tools:
+            row["tools"] = self.row.tools
+        row["regenerated"] = {"turns": self.turns, "truncated_turns": self.truncated}
+        return row
+
+
+def history(state: TurnState) -> list[dict]:
+    """The messages the pending turn is generated from (`name`, tool fields kept)."""
+    return [dict(m) for m in state.out]
+
+
+# --- local backend -----------------------------------------------------------------------------
+
+
+class LocalBackend:
+    """The target in this process: `generate` over a batch of prompts per turn."""
+
+    def __init__(self, target, opts: RegenOptions, batch_size: int = 16):
+        self.target, self.opts, self.batch_size = target, opts, batch_size
+
+    def describe(self) -> dict:
+        return {"backend": "local", "target": self.target.fingerprint(), "path": str(self.target.path)}
+
+    def _render(self, state: TurnState) -> str:
+        return self.target.tokenizer.apply_chat_template(
+            history(state), tools=state.row.tools or None, tokenize=False, add_generation_prompt=True)
+
+    def run(self, rows: list[Row]) -> list[dict]:
+        """Rows -> output rows (in order), every regenerable assistant turn rewritten."""
+        states = [TurnState(r, self.opts) for r in rows]
+        pending = [s for s in states if s.advance()]
+        while pending:
+            prompts = {id(s): self._render(s) for s in pending}
+            pending.sort(key=lambda s: len(prompts[id(s)]))  # similar lengths: little padding
+            for b in range(0, len(pending), self.batch_size):
+                chunk = pending[b:b + self.batch_size]
+                answers = _generate_batch(self.target, [prompts[id(s)] for s in chunk], self.opts)
+                for s, (text, cut) in zip(chunk, answers):
+                    s.answer(text, None, "length" if cut else "stop")
+            pending = [s for s in pending if s.advance()]
+        return [s.result() for s in states]
+
+
+def _generate_batch(target, prompts: list[str], opts: RegenOptions) -> list[tuple[str, bool]]:
     """Prompts (rendered text) -> (answer text without end-of-turn, truncated?) per prompt."""
+    import torch
+
     tok = target.tokenizer
     side = tok.padding_side
     tok.padding_side = "left"
@@ -38,11 +165,15 @@ def _generate_batch(target, prompts: list[str], max_new_tokens: int, temperature
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     finally:
         tok.padding_side = side
-    out = target.model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
+    sampled = opts.temperature > 0
+    if sampled:
+        torch.manual_seed(opts.seed)
+    with torch.no_grad():
+        out = target.model.generate(
+            **enc, max_new_tokens=opts.max_new_tokens, do_sample=sampled,
+            temperature=opts.temperature if sampled else None, top_p=opts.top_p if sampled else None,
+            top_k=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        )
     new = out[:, enc["input_ids"].shape[1]:]  # [B, <= max_new_tokens]
     results = []
     for row in new.tolist():
@@ -56,34 +187,65 @@ def _generate_batch(target, prompts: list[str], max_new_tokens: int, temperature
 def regenerate_local(target, convs: list[Conversation], max_new_tokens: int = 128,
                      batch_size: int = 32, temperature: float = 0.0,
                      progress: bool = True) -> tuple[list[Conversation], RegenerateStats]:
-    """Every assistant turn rewritten by `target`; system and user turns are kept as they are."""
-    from tqdm.auto import tqdm
-
+    """Every assistant turn of `convs` rewritten by `target` (in memory, no files)."""
+    opts = RegenOptions(max_new_tokens=max_new_tokens, temperature=temperature)
+    rows = [Row(c.id, [{"role": m.role, "content": m.content} for m in c.messages]) for c in convs]
+    backend = LocalBackend(target, opts, batch_size)
+    out = []
+    for b in range(0, len(rows), max(batch_size, 1) * 8):  # bounded work per generate round
+        out += backend.run(rows[b:b + max(batch_size, 1) * 8])
     stats = RegenerateStats(settings={"max_new_tokens": max_new_tokens, "temperature": temperature,
                                       "backend": "local", "target": target.fingerprint()})
-    work = [Conversation(c.id, [], c.text) for c in convs]
-    max_turns = max((len(c.messages) for c in convs), default=0)
-    bar = tqdm(total=sum(m.role == "assistant" for c in convs for m in c.messages),
-               desc="regenerate", disable=not progress)
-    for turn in range(max_turns):
-        pending = []
-        for src, dst in zip(convs, work):
-            if turn < len(src.messages):
-                msg = src.messages[turn]
-                if msg.role == "assistant":
-                    pending.append(dst)
-                else:
-                    dst.messages.append(Message(msg.role, msg.content))
-        prompts = {id(c): _render(target.tokenizer, c.messages) for c in pending}
-        pending.sort(key=lambda c: len(prompts[id(c)]))  # similar lengths batch with little padding
-        for b in range(0, len(pending), batch_size):
-            chunk = pending[b:b + batch_size]
-            answers = _generate_batch(target, [prompts[id(c)] for c in chunk], max_new_tokens, temperature)
-            for conv, (text, cut) in zip(chunk, answers):
-                conv.messages.append(Message("assistant", text))
-                stats.turns += 1
-                stats.truncated += cut
-            bar.update(len(chunk))
-    bar.close()
-    stats.conversations = sum(1 for c in work if c.messages)
-    return work, stats
+    for c, r in zip(convs, out):
+        stats.turns += r["regenerated"]["turns"]
+        stats.truncated += r["regenerated"]["truncated_turns"]
+    stats.conversations = sum(1 for r in out if r["messages"])
+    convs_out = [Conversation(r["id"], [Message(m["role"], m["content"]) for m in r["messages"]], c.text)
+                 for c, r in zip(convs, out)]
+    return convs_out, stats
+
+
+# --- OpenAI-compatible backend -----------------------------------------------------------------
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible server; one conversation's turns in order, conversations in parallel."""
+
+    def __init__(self, endpoint, model: str | None, opts: RegenOptions):
+        from specheads.data.openai_client import served_model
+
+        self.endpoint, self.opts = endpoint, opts
+        self.card = served_model(endpoint, model)
+        self.model = self.card["id"]
+
+    def describe(self) -> dict:
+        """Provenance: the endpoint, the model, and the target fingerprint when the server has one."""
+        extra = self.card.get("specheads") or {}
+        return {"backend": "openai", "endpoint": self.endpoint.base, "model": self.model,
+                "root": self.card.get("root"), "target": extra.get("target")}
+
+    def _body(self, state: TurnState) -> dict:
+        o = self.opts
+        body = {"model": self.model, "messages": history(state), "max_tokens": o.max_new_tokens,
+                "temperature": o.temperature, "top_p": o.top_p}
+        if o.temperature > 0:  # a distinct, reproducible seed per row and turn
+            body["seed"] = (o.seed * 1_000_003 + _stable(state.row.id) * 131 + state.turns) % 2**31
+        if state.row.tools:
+            body["tools"] = state.row.tools
+        return body
+
+    def run_one(self, row: Row) -> dict:
+        """One conversation, turn by turn -> its output row (raises EndpointError on failure)."""
+        from specheads.data.openai_client import chat
+
+        state = TurnState(row, self.opts)
+        while state.advance():
+            state.answer(*chat(self.endpoint, self._body(state)))
+        return state.result()
+
+
+def _stable(text: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+

@@ -83,30 +83,78 @@ def _require_prefix(prefix: str, full: str, conv_id: str, turn: int) -> None:
             "(assistant_mask_from_generation_markers) or normalise the data first")
 
 
+def _prompt_end(tokenizer: Any, messages: list[dict], i: int, full: str, conv_id: str) -> int:
+    """Where turn `i`'s generated text can start: the end of the longest generation prompt for
+    messages[:i] that the full render starts with. Variants cover templates whose prompt carries
+    boilerplate (an empty think block when thinking is off), so that boilerplate is never supervised.
+    """
+    if i == 0:
+        return 0
+    renders = [_render(tokenizer, messages[:i], conv_id, generation_prompt=True)]
+    try:
+        renders.append(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True,
+                                                     enable_thinking=False))
+    except Exception:  # a template without that switch: the plain prompt is the only variant
+        pass
+    fits = [len(r) for r in renders if full.startswith(r)]
+    if not fits:
+        _require_prefix(renders[0], full, conv_id, i)
+    return max(fits)
+
+
+def _content_variants(content: str) -> list[str]:
+    """How templates may write an assistant message: as is, or only the answer after a think block.
+
+    Trimmed content is not accepted: a template that trims (Llama 3, Gemma) is refused for messages
+    with surrounding whitespace, which the data should drop first.
+    """
+    variants = [content]
+    if "</think>" in content:
+        variants.append(content.split("</think>")[-1].lstrip("\n"))
+    return [v for i, v in enumerate(variants) if v and v not in variants[:i]]
+
+
 def assistant_char_spans(
     tokenizer: Any, messages: list[dict], full: str, end_of_turn: str, conv_id: str
 ) -> list[tuple[int, int]]:
-    """Character spans `[start, end)` of each assistant turn's content plus end-of-turn text in `full`.
+    """Character spans `[start, end)` of each assistant turn in `full`: its text through its end-of-turn.
 
-    The content is searched from the end of the generation-prompt render of the preceding messages
-    up to the end of the render through this message; the end-of-turn text is assumed to follow it
-    (the decode check in `tokenize_conversation` proves that it does).
+    A turn starts after the generation prompt of the preceding messages; the supervised text starts
+    where the message's content (as is, or the answer after a think block) appears and
+    runs through the first end-of-turn text, so tool calls the template writes after the content
+    are supervised and template boilerplate before it is not. An empty turn supervises only its
+    end-of-turn (and any tool call). The decode check in `tokenize_conversation` verifies each span.
     """
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], conv_id, generation_prompt=True) if i else ""
+        lo = _prompt_end(tokenizer, messages, i, full, conv_id)
         through = _render(tokenizer, messages[: i + 1], conv_id)
-        _require_prefix(before, full, conv_id, i)
-        _require_prefix(through, full, conv_id, i + 1)
-        start = full.find(message["content"], len(before), len(through))
-        if start < 0:
+        hi = len(through) if full.startswith(through) else len(full)  # templates that re-render: no bound
+        content = message.get("content") or ""
+        eot = full.find(end_of_turn, lo, hi)
+        found = [(full.find(v, lo, eot if eot >= 0 else hi), v) for v in _content_variants(content)]
+        start, text = next(((a, v) for a, v in found if a >= 0), (-1, content))
+        if content.strip() and start < 0:
             raise TemplateError(f"sample {conv_id}: assistant message {i} does not appear verbatim in the "
-                                f"template's render {_short(full[len(before):len(through)])} — the template "
-                                "rewrites assistant content (e.g. trims it); normalise the data first")
-        spans.append((start, min(start + len(message["content"]) + len(end_of_turn), len(full))))
+                                f"template's render {_short(full[lo:hi])} — the template rewrites assistant "
+                                "content; normalise the data first")
+        start = lo if start < 0 else start
+        if eot < 0:
+            _missing_eot(full, start, text, end_of_turn, conv_id, len(spans))
+        spans.append((start, eot + len(end_of_turn)))
     return spans
+
+
+def _missing_eot(full: str, start: int, text: str, end_of_turn: str, conv_id: str, turn: int) -> None:
+    """The turn has no end-of-turn text where it should be: say what the render has instead."""
+    cut = start + len(text)
+    raise TemplateError(
+        f"sample {conv_id}: loss-mask check failed for assistant turn {turn}: the supervised tokens decode "
+        f"to {_short(full[start:cut + len(end_of_turn)])} but should be {_short(text + end_of_turn)}; the render "
+        f"continues after the content with {_short(full[cut:cut + 40])}. If the template ends turns with a "
+        "token other than the tokenizer's eos, set end_of_turn (data.end_of_turn) to it")
 
 
 def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[list[int]]:
@@ -134,22 +182,26 @@ def _verify_turns(tokenizer: Any, ids: list[int], turns: list[list[int]], expect
 
 def _chat_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | None) -> TokenizedSample:
     """Render, tokenise, mark and verify a chat sample (not truncated)."""
+    return mask_messages(tokenizer, _as_dicts(conv), conv.id, end_of_turn)
+
+
+def mask_messages(tokenizer: Any, messages: list[dict], conv_id: str = "messages",
+                  end_of_turn: str | None = None) -> TokenizedSample:
+    """Chat-template `messages` (dicts; tool calls and tool turns allowed) -> ids + verified assistant mask."""
     _check_tokenizer(tokenizer)
     eot = tokenizer.eos_token if end_of_turn is None else end_of_turn
     if not eot:
         raise TemplateError("the tokenizer has no eos_token: set end_of_turn to the template's end-of-turn text")
-    messages = _as_dicts(conv)
-    full = _render(tokenizer, messages, conv.id)
-    spans = assistant_char_spans(tokenizer, messages, full, eot, conv.id)
+    full = _render(tokenizer, messages, conv_id)
+    spans = assistant_char_spans(tokenizer, messages, full, eot, conv_id)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, turns = list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)
-    contents = [m["content"] for m in messages if m["role"] == "assistant"]
-    expected = [(c + eot, full[s + len(c):s + len(c) + 40]) for c, (s, _) in zip(contents, spans)]
-    _verify_turns(tokenizer, ids, turns, expected, conv.id)
+    expected = [(full[s:e], full[e:e + 40]) for s, e in spans]
+    _verify_turns(tokenizer, ids, turns, expected, conv_id)
     mask = [0] * len(ids)
     for t in (t for turn in turns for t in turn):
         mask[t] = 1
-    return TokenizedSample(conv.id, ids, mask)
+    return TokenizedSample(conv_id, ids, mask)
 
 
 def _text_sample(tokenizer: Any, conv: Conversation) -> TokenizedSample:

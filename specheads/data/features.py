@@ -1,0 +1,424 @@
+"""Frozen-target features for training: online (a target forward per batch) or offline (a capture).
+
+    specheads capture RECIPE --out DIR [--dtype bfloat16|float32|int8] [key=value ...]
+    torchrun --nproc_per_node N -m specheads.data.features RECIPE --out DIR ...   (per-rank shards)
+
+A capture runs the frozen target once over the recipe's tokenised data and stores exactly what the
+head's `collect(target, batch)` returns, per real token (no padding), as safetensors shards. Each
+shard gets a sidecar index (sample id, content key, offset, length, sha256) written after it, so a
+shard is complete iff its sidecar exists: a killed capture resumes at the first missing shard.
+`manifest.json` (target fingerprint, head kind, layer ids, storage dtype, counts, shard checksums)
+is written last. Training reads either source through `feature_source`; samples are found by a
+hash of their token ids, so batches need no extra fields and stale data cannot be read silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.atomic import write_json
+
+FORMAT = "specheads-features"
+VERSION = 1
+MANIFEST = "manifest.json"
+PLAN = "capture.json"
+STORAGE = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+INT8_NOTE = "per-row absmax int8: x ~= q * scale, scale = max|x| / 127 per token row (float32, key NAME.scale)"
+_HEADER_BYTES = 160  # safetensors header per tensor, estimated
+_SIDECAR_ENTRY = 40  # json bytes per sample besides its id and key
+
+
+class FeatureCacheError(ValueError):
+    """A feature cache that cannot be written or read as asked; the message says what to do."""
+
+
+def sample_key(input_ids) -> str:
+    """Content key of a tokenised sample: sha256 of its token ids (int64, little-endian)."""
+    ids = torch.as_tensor(list(input_ids) if not torch.is_tensor(input_ids) else input_ids, dtype=torch.int64)
+    return hashlib.sha256(ids.cpu().contiguous().numpy().astype("<i8").tobytes()).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------- storage encoding
+
+
+def encode(name: str, rows: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
+    """rows [N, D] float -> the tensors stored for it (int8 adds a per-row float32 scale [N])."""
+    if storage != "int8":
+        return {name: rows.to(STORAGE[storage]).contiguous()}
+    x = rows.float()
+    scale = x.abs().amax(dim=-1).clamp_min(1e-12) / 127.0  # [N]
+    q = torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, D]
+    return {name: q.contiguous(), f"{name}.scale": scale.contiguous()}
+
+
+def decode(name: str, tensors: dict[str, torch.Tensor], storage: str, dtype: torch.dtype) -> torch.Tensor:
+    """Stored tensors -> rows [N, D] in `dtype` (int8 rows are multiplied back by their scale)."""
+    if storage != "int8":
+        return tensors[name].to(dtype)
+    return (tensors[name].float() * tensors[f"{name}.scale"][:, None]).to(dtype)
+
+
+def bytes_per_token(widths: dict[str, int], storage: str) -> int:
+    """Stored bytes per token for features of the given flattened widths."""
+    item = torch.empty(0, dtype=STORAGE[storage]).element_size()
+    return sum(w * item + (4 if storage == "int8" else 0) for w in widths.values())
+
+
+# ---------------------------------------------------------------- the capture plan
+
+
+@dataclass
+class Shard:
+    """One shard of one rank: which samples (indices into the rank's list) it holds."""
+
+    rank: int
+    index: int
+    samples: list[int]
+
+    @property
+    def stem(self) -> str:
+        return f"rank{self.rank:03d}-shard{self.index:06d}"
+
+
+def plan_shards(lengths: list[int], rank: int, world: int, shard_tokens: int) -> list[Shard]:
+    """Rank `rank` takes samples rank::world, cut into shards of about `shard_tokens` tokens."""
+    shards, current, tokens = [], [], 0
+    for i in range(rank, len(lengths), world):
+        if current and tokens + lengths[i] > shard_tokens:
+            shards.append(Shard(rank, len(shards), current))
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    if current:
+        shards.append(Shard(rank, len(shards), current))
+    return shards
+
+
+def estimate_bytes(samples, widths: dict[str, int], storage: str, shard_tokens: int, world: int) -> int:
+    """Bytes the whole capture will write: tensors, safetensors headers, sidecars, manifest."""
+    lengths = [len(s.input_ids) for s in samples]
+    n_shards = sum(len(plan_shards(lengths, r, world, shard_tokens)) for r in range(world))
+    n_tensors = len(widths) * (2 if storage == "int8" else 1)
+    sidecars = sum(len(s.id) + 32 + _SIDECAR_ENTRY for s in samples) + 200 * n_shards
+    return (sum(lengths) * bytes_per_token(widths, storage) + n_shards * (n_tensors * _HEADER_BYTES + 400)
+            + sidecars + 2048)
+
+
+def check_disk(needed: int, folder: Path) -> None:
+    """Refuse to start a capture the disk under `folder` cannot hold (with 5% to spare)."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed * 1.05 > free:
+        raise FeatureCacheError(
+            f"the feature capture needs about {needed / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free "
+            f"under {folder}: free space, choose another --out, or store --dtype int8")
+
+
+def feature_widths(feats: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Per feature, the shape after [B, T] (what a token row reshapes back to)."""
+    return {k: list(v.shape[2:]) for k, v in feats.items()}
+
+
+def _flat(tail: list[int]) -> int:
+    return int(torch.tensor(tail or [1]).prod())
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _rows(feats: dict[str, torch.Tensor], attention_mask: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Per batch row, each feature's unpadded token rows [n_b, D] (right padding)."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    return [{k: v[b, :n].reshape(n, -1).cpu() for k, v in feats.items()} for b, n in enumerate(lengths)]
+
+
+def write_shard(folder: Path, shard: Shard, samples, collect, storage: str, batch_size: int, pad_id: int,
+                device) -> dict:
+    """Collect one shard's features, write `<stem>.safetensors` then its sidecar (both atomically)."""
+    from safetensors.torch import save_file
+
+    from specheads.data.tokenize import collate
+
+    parts: dict[str, list[torch.Tensor]] = {}
+    entries, offset = [], 0
+    for b in range(0, len(shard.samples), batch_size):
+        chunk = [samples[i] for i in shard.samples[b:b + batch_size]]
+        batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
+        for s, rows in zip(chunk, _rows(collect(batch), batch["attention_mask"])):
+            for k, v in rows.items():
+                parts.setdefault(k, []).append(v)
+            entries.append({"id": s.id, "key": sample_key(s.input_ids), "offset": offset, "length": len(s.input_ids)})
+            offset += len(s.input_ids)
+    tensors = {}
+    for k, v in parts.items():
+        tensors.update(encode(k, torch.cat(v), storage))
+    path = folder / f"{shard.stem}.safetensors"
+    tmp = folder / f".{shard.stem}.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "storage": storage})
+    os.replace(tmp, path)
+    side = {"file": path.name, "sha256": _sha256(path), "bytes": path.stat().st_size, "tokens": offset,
+            "samples": entries}
+    write_json(folder / f"{shard.stem}.json", side)
+    return side
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_plan(folder: Path, plan: dict, is_main: bool) -> None:
+    """A resumed capture must use the same target, head, data and settings as the first attempt."""
+    path = folder / PLAN
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = [k for k in plan if old.get(k) != plan[k]]
+        if diff:
+            raise FeatureCacheError(
+                f"{folder} holds a capture with other settings ({', '.join(diff)} differ): "
+                "delete the folder or pass the settings it was started with")
+    elif is_main:
+        write_json(path, plan)
+
+
+# ---------------------------------------------------------------- the capture
+
+
+def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float = 1024.0,
+            batch_size: int = 8, report=print) -> Path:
+    """Run the frozen target over the recipe's data once and store the head's features in `out`."""
+    from accelerate import PartialState
+
+    from specheads.heads import head_class
+    from specheads.provenance import provenance
+    from specheads.target import Target
+    from specheads.train import prepare_samples
+
+    if storage not in STORAGE:
+        raise FeatureCacheError(f"--dtype {storage}: expected one of {', '.join(STORAGE)}")
+    state = PartialState(cpu=not torch.cuda.is_available())
+    folder = Path(out)
+    target = Target.load(recipe.target.path, dtype=recipe.target.dtype, device=str(state.device),
+                         attn_implementation=recipe.target.attn_implementation)
+    samples = prepare_samples(recipe, target.tokenizer, report=report if state.is_main_process else lambda *_: None)
+    head = head_class(recipe.head.kind).for_target(recipe.head, target.config)
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+
+    def collect(batch):
+        return head.collect(target, batch)
+
+    probe = collect({k: v.to(state.device) for k, v in _one(samples[0], pad_id).items()})
+    tails = feature_widths(probe)
+    widths = {k: _flat(t) for k, t in tails.items()}
+    shard_tokens = max(1, int(shard_mb * 2**20) // bytes_per_token(widths, storage))
+    world, rank = state.num_processes, state.process_index
+    plan = {"head_kind": head.kind, "layers": head.required_layers(), "features": tails, "storage": storage,
+            "target": target.fingerprint(), "num_samples": len(samples), "world": world,
+            "shard_tokens": shard_tokens, "data_sha256": _data_hash(samples)}
+    folder.mkdir(parents=True, exist_ok=True)
+    _check_plan(folder, plan, state.is_main_process)
+    estimate = estimate_bytes(samples, widths, storage, shard_tokens, world)
+    if state.is_main_process:
+        report(f"[specheads] capture: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens, "
+               f"{bytes_per_token(widths, storage)} bytes/token ({storage}), estimate {estimate / 2**20:.1f} MiB "
+               f"-> {folder}")
+        check_disk(estimate - _written(folder), folder)
+    state.wait_for_everyone()
+    _capture_rank(folder, plan_shards([len(s.input_ids) for s in samples], rank, world, shard_tokens),
+                  samples, collect, storage, batch_size, pad_id, state.device, report)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        manifest = _write_manifest(folder, plan, estimate, provenance(target=target.fingerprint()))
+        report(f"[specheads] capture complete: {manifest['num_tokens']} tokens in {len(manifest['shards'])} "
+               f"shard(s), {manifest['bytes'] / 2**20:.1f} MiB (estimate {estimate / 2**20:.1f} MiB)")
+    state.wait_for_everyone()
+    return folder
+
+
+def _one(sample, pad_id: int) -> dict:
+    from specheads.data.tokenize import collate
+
+    return collate([sample], pad_id)
+
+
+def _data_hash(samples) -> str:
+    """One hash over every sample's id and content key (order included)."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(f"{s.id}\0{sample_key(s.input_ids)}\n".encode())
+    return h.hexdigest()
+
+
+def _written(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("rank*-shard*.*"))
+
+
+def _capture_rank(folder, shards, samples, collect, storage, batch_size, pad_id, device, report) -> None:
+    """Write this rank's missing shards in order; finished ones (sidecar present) are skipped."""
+    for stale in folder.glob(f".rank{shards[0].rank:03d}-*") if shards else []:
+        stale.unlink(missing_ok=True)  # half-written files of a killed run
+    done = sum((folder / f"{s.stem}.json").is_file() for s in shards)
+    if done:
+        report(f"[specheads] resuming: {done} of {len(shards)} shard(s) of rank {shards[0].rank} already written")
+    t0 = time.time()
+    for shard in shards:
+        if (folder / f"{shard.stem}.json").is_file():
+            continue
+        side = write_shard(folder, shard, samples, collect, storage, batch_size, pad_id, device)
+        report(f"[specheads] shard {shard.stem} written ({side['tokens']} tokens, "
+               f"{time.time() - t0:.1f}s)", flush=True)
+
+
+def _write_manifest(folder: Path, plan: dict, estimate: int, prov: dict) -> dict:
+    """Merge every sidecar into manifest.json (written last: its presence means complete)."""
+    sides = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*-shard*.json"))]
+    expected = plan["num_samples"]
+    got = sum(len(s["samples"]) for s in sides)
+    if got != expected:
+        raise FeatureCacheError(f"{folder}: shards hold {got} samples but the data has {expected}; "
+                                "run the capture again to finish it")
+    manifest = {"format": FORMAT, "version": VERSION, **plan,
+                "quantization": INT8_NOTE if plan["storage"] == "int8" else None,
+                "num_tokens": sum(s["tokens"] for s in sides), "estimated_bytes": estimate,
+                "shards": [{k: s[k] for k in ("file", "sha256", "bytes", "tokens")} | {"sidecar": s["file"][:-12] + ".json",
+                           "samples": len(s["samples"])} for s in sides],
+                "provenance": prov}
+    manifest["bytes"] = sum(s["bytes"] for s in sides) + sum(
+        (folder / s["sidecar"]).stat().st_size for s in manifest["shards"]) + (folder / PLAN).stat().st_size
+    write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """The manifest of a complete capture, or an error saying how to finish it."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        what = "an unfinished capture (run `specheads capture` again to resume it)" if (folder / PLAN).is_file() \
+            else "not a feature capture"
+        raise FeatureCacheError(f"data.features {folder}: no {MANIFEST}; it is {what}")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise FeatureCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest")
+    return manifest
+
+
+class OnlineFeatures:
+    """Features computed per batch by the frozen target (the head's own `collect`)."""
+
+    def __init__(self, target, head):
+        self.target, self.head = target, head
+
+    def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
+        return self.head.collect(self.target, batch)
+
+
+class OfflineFeatures:
+    """Features read from a capture: the same dict `collect` gives, for any batch of cached samples."""
+
+    def __init__(self, folder: str | Path, target, head, verify: bool = False):
+        from specheads.target import check_fingerprint
+
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        m = self.manifest
+        if m["head_kind"] != head.kind or m["layers"] != head.required_layers():
+            raise FeatureCacheError(
+                f"data.features {self.folder}: captured for a {m['head_kind']} head with layers {m['layers']}, "
+                f"but this head is {head.kind} with layers {head.required_layers()}: capture again for this head")
+        check_fingerprint(m["target"], target, f"the feature capture {self.folder}")
+        self.target, self.storage, self.tails = target, m["storage"], m["features"]
+        self.index: dict[str, tuple[str, int, int]] = {}
+        for shard in m["shards"]:
+            if verify and _sha256(self.folder / shard["file"]) != shard["sha256"]:
+                raise FeatureCacheError(f"{self.folder / shard['file']}: checksum mismatch; capture again")
+            side = json.loads((self.folder / shard["sidecar"]).read_text())
+            for e in side["samples"]:
+                self.index[e["key"]] = (shard["file"], e["offset"], e["length"])
+        self._open: dict[str, object] = {}
+
+    def _handle(self, file: str):
+        from safetensors import safe_open
+
+        if file not in self._open:
+            if len(self._open) >= 8:
+                self._open.pop(next(iter(self._open)))
+            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+        return self._open[file]
+
+    def rows(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One unpadded sample's token ids [n] -> each feature [n, *tail] in the target's dtype."""
+        key = sample_key(input_ids)
+        if key not in self.index:
+            raise FeatureCacheError(
+                f"data.features {self.folder}: a batch holds a sample that is not in the capture ({input_ids.numel()} "
+                "tokens); the data, chat template or max_length changed since the capture: capture again")
+        file, offset, length = self.index[key]
+        f = self._handle(file)
+        names = [k for k in f.keys() if not k.endswith(".scale")]
+        stored = {k: f.get_slice(k)[offset:offset + length] for k in f.keys()}
+        return {k: decode(k, stored, self.storage, self.target.dtype).reshape(length, *self.tails[k]) for k in names}
+
+    def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
+        """batch input_ids / attention_mask [B, T] (right-padded) -> features [B, T, ...]; padding is zero."""
+        ids, lengths = batch["input_ids"], batch["attention_mask"].sum(dim=1).tolist()
+        B, T = ids.shape
+        out: dict[str, torch.Tensor] = {}
+        for b, n in enumerate(lengths):
+            for k, v in self.rows(ids[b, :n]).items():
+                if k not in out:
+                    out[k] = torch.zeros(B, T, *v.shape[1:], dtype=v.dtype)
+                out[k][b, :n] = v
+        return {k: v.to(ids.device) for k, v in out.items()}
+
+
+def feature_source(features_dir: str | None, target, head):
+    """What training calls per batch for the head's features: offline when a capture is given."""
+    return OfflineFeatures(features_dir, target, head) if features_dir else OnlineFeatures(target, head)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`specheads capture`: parse arguments, load the recipe, capture."""
+    from specheads.config import load_recipe
+
+    p = argparse.ArgumentParser(prog="specheads capture", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="the training recipe (its target, data and head decide what is stored)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
+    p.add_argument("--out", default=None, help="capture folder (default: the recipe's data.features)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(STORAGE),
+                   help="storage dtype; int8 = per-row absmax with a float32 scale (lossy)")
+    p.add_argument("--shard-mb", type=float, default=1024.0, help="approximate shard size in MiB")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per target forward")
+    a = p.parse_args(argv)
+    recipe = load_recipe(a.recipe, a.overrides)
+    out = a.out or recipe.data.features
+    if not out:
+        raise FeatureCacheError("no output folder: pass --out DIR or set data.features in the recipe")
+    capture(recipe, out, storage=a.dtype, shard_mb=a.shard_mb, batch_size=a.batch_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""`specheads regenerate`: read a dataset, rewrite its assistant turns with a backend, write JSON lines.
+
+Output OUT (one row per conversation: `id`, `messages`, `tools` if any, `regenerated` counts),
+OUT.index (finished ids, see data/resume.py) and OUT.meta.json (source, options, backend, target
+fingerprint or served model, and the report: rows finished, failed, truncated, resumed). A rerun
+with the same OUT continues where the last one stopped; failed rows are retried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, Row
+# --- input rows --------------------------------------------------------------------------------
+
+
+def _raw_rows(path: Path) -> list | None:
+    """A .json list / .jsonl file's rows when they are OpenAI `messages` rows, else None."""
+    if path.suffix.lower() not in (".json", ".jsonl") or not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    try:
+        rows = json.loads(text) if path.suffix.lower() == ".json" else None
+    except json.JSONDecodeError:
+        rows = None
+    if rows is None:
+        try:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError:
+            return None
+    ok = isinstance(rows, list) and rows and all(isinstance(r, dict) and "messages" in r for r in rows)
+    return rows if ok else None
+
+
+def _message_row(row: dict, n: int, path: Path) -> Row:
+    """An OpenAI row with tool messages and tool calls kept as they are."""
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in
+                                            ("system", "user", "assistant", "tool") for m in msgs):
+        raise RegenerateError(f"{path}: row {n}: 'messages' must be a list of objects with role "
+                              "system / user / assistant / tool")
+    return Row(str(row.get("id", f"{path.stem}:{n}")), msgs, row.get("tools"))
+
+
+def read_rows(path: str | Path, fmt: str = "auto", limit: int | None = None) -> list[Row]:
+    """Conversations to regenerate (any format `read_conversations` reads; tool rows kept)."""
+    from specheads.data.conversations import read_conversations
+
+    path = Path(path)
+    raw = _raw_rows(path) if fmt in ("auto", "openai", "messages") else None
+    if raw is not None:
+        rows = [_message_row(r, n, path) for n, r in enumerate(raw)]
+    else:
+        convs, _ = read_conversations(path, fmt)
+        rows = [Row(c.id, [{"role": m.role, "content": m.content} for m in c.messages]) for c in convs]
+    rows = rows[:limit] if limit is not None else rows
+    seen = set()
+    for r in rows:
+        if r.id in seen:
+            raise RegenerateError(f"{path}: row id {r.id!r} appears twice; ids must be unique to "
+                                  "resume safely")
+        seen.add(r.id)
+    return rows
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """Counts of one run (rows already finished by an earlier run are `resumed`)."""
+
+    rows: int = 0
+    resumed: int = 0
+    finished: int = 0
+    failed: int = 0
+    truncated: int = 0
+    skipped_tools: int = 0
+    turns: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, row: dict) -> None:
+        self.finished += 1
+        self.turns += row["regenerated"]["turns"]
+        self.truncated += row["regenerated"]["truncated_turns"] > 0
+
+    def fail(self, row_id: str, err: Exception) -> None:
+        self.failed += 1
+        if len(self.failures) < 20:
+            self.failures.append(f"{row_id}: {err}")
+
+
+def check_meta(out: Path, meta: dict) -> None:
+    """Refuse to resume an output made with other settings or another target."""
+    path = out.with_name(out.name + ".meta.json")
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text(encoding="utf-8"))
+    for key in ("options", "target"):
+        if old.get(key) != meta.get(key):
+            raise RegenerateError(f"{out} was made with other {key} ({old.get(key)} vs now "
+                                  f"{meta.get(key)}): pass a new --out or the same settings")
+
+
+def _run_local(backend, rows, writer, report, chunk: int) -> None:
+    for b in range(0, len(rows), chunk):
+        for row in backend.run(rows[b:b + chunk]):
+            writer.write(row["id"], row)
+            report.add(row)
+
+
+def _run_openai(backend, rows, writer, report, concurrency: int) -> None:
+    """Bounded window of in-flight conversations; results written as they finish."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    todo = iter(rows)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        running = {}
+        while True:
+            while len(running) < 2 * concurrency and (row := next(todo, None)) is not None:
+                running[pool.submit(backend.run_one, row)] = row
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                row = running.pop(fut)
+                try:
+                    result = fut.result()
+                except Exception as err:  # noqa: BLE001 - counted, the row is retried next run
+                    report.fail(row.id, err)
+                    continue
+                writer.write(row.id, result)
+                report.add(result)
+
+
+def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
+                   limit: int | None = None, concurrency: int = 8, chunk: int = 64) -> Report:
+    """Regenerate `source` into `out` (JSON lines), resuming whatever an earlier run finished."""
+    from specheads.atomic import write_json
+    from specheads.data.resume import RowWriter
+
+    out = Path(out)
+    rows = read_rows(source, fmt, limit)
+    report = Report(rows=len(rows))
+    if opts.tools == "skip":
+        kept = [r for r in rows if not any(m.get("role") == "tool" or m.get("tool_calls") for m in r.messages)]
+        report.skipped_tools, rows = len(rows) - len(kept), kept
+    about = backend.describe()
+    meta = {"source": str(source), "options": asdict(opts), "target": about.get("target") or about.get("model"),
+            "backend": about}
+    check_meta(out, meta)
+    write_json(out.with_name(out.name + ".meta.json"), {**meta, "report": None})
+    writer = RowWriter(out)
+    try:
+        todo = [r for r in rows if r.id not in writer.done]
+        report.resumed = len(rows) - len(todo)
+        if isinstance(backend, LocalBackend):
+            _run_local(backend, todo, writer, report, chunk)
+        else:
+            _run_openai(backend, todo, writer, report, concurrency)
+    finally:
+        writer.close()
+    write_json(out.with_name(out.name + ".meta.json"), {**meta, "report": asdict(report)})
+    return report
+
+
+def make_backend(a: argparse.Namespace, opts: RegenOptions):
+    """--target (local) or --endpoint (OpenAI-compatible), exactly one."""
+    if bool(a.target) == bool(a.endpoint):
+        raise RegenerateError("pass exactly one of --target (local generate) or --endpoint "
+                              "(an OpenAI-compatible server)")
+    if a.endpoint:
+        from specheads.data.openai_client import Endpoint
+        from specheads.data.regenerate import OpenAIBackend
+
+        ep = Endpoint(a.endpoint, a.api_key, a.timeout, a.retries, a.backoff)
+        return OpenAIBackend(ep, a.model, opts)
+    from specheads.generate import default_dtype
+    from specheads.target import Target
+
+    target = Target.load(a.target, dtype=a.dtype or default_dtype(a.device), device=a.device)
+    return LocalBackend(target, opts, a.batch_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specheads regenerate", description=(
+        "Rewrite the assistant turns of a dataset with the target (turn by turn), locally or "
+        "through an OpenAI-compatible server; resumable after a kill."))
+    p.add_argument("source", help="dataset file (ShareGPT, OpenAI messages, Alpaca; .json/.jsonl/...)")
+    p.add_argument("--out", required=True, help="output JSON-lines file (resumed if it exists)")
+    p.add_argument("--format", default="auto")
+    p.add_argument("--limit", type=int, default=None, help="first N rows only")
+    g = p.add_argument_group("backend")
+    g.add_argument("--target", default=None, help="local HF model folder: generate in this process")
+    g.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
+    g.add_argument("--model", default=None, help="served model name (default: the first listed)")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--concurrency", type=int, default=8, help="conversations in flight (endpoint)")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request (endpoint)")
+    g.add_argument("--retries", type=int, default=4, help="retries per request (endpoint)")
+    g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubling")
+    g.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (local)")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    s = p.add_argument_group("sampling and content")
+    s.add_argument("--max-new-tokens", type=int, default=512)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--thinking", default="keep", choices=["keep", "drop"],
+                   help="keep or drop <think> blocks / the server's reasoning in new answers")
+    s.add_argument("--tools", default="keep", choices=["keep", "skip"],
+                   help="keep: tool results and tool-calling turns stay, text answers are "
+                        "regenerated; skip: leave rows with tool messages out")
+    a = p.parse_args(argv)
+    if a.concurrency < 1 or a.batch_size < 1 or a.retries < 0 or a.timeout <= 0:
+        raise RegenerateError("--concurrency and --batch-size must be >= 1, --retries >= 0, "
+                              "--timeout > 0")
+    opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
+    report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
+                            a.concurrency, chunk=a.batch_size * 4)
+    print(json.dumps(asdict(report), indent=2))
+    print(f"regenerate: {report.finished} finished now, {report.resumed} from earlier runs, "
+          f"{report.failed} failed, {report.truncated} truncated -> {a.out}", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

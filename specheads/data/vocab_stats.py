@@ -1,0 +1,160 @@
+"""Token frequencies over the supervised tokens of a dataset, counted once and reused by any head.
+
+    specheads vocab-stats RECIPE --out FILE [--workers N] [key=value ...]
+
+The counts are exactly what training would count from the same recipe (same tokenisation, loss
+masks and max_length), streamed sample by sample and split over worker processes. Training uses
+them with `data.vocab_stats: FILE` to build the reduced draft vocabulary without re-counting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+FORMAT = "specheads-vocab-stats"
+_WORKER: dict = {}  # per worker process: the tokenizer and settings, set once by the pool initializer
+
+
+class VocabStatsError(ValueError):
+    """A vocabulary-statistics file that is missing, malformed or made for another tokenizer."""
+
+
+def count_supervised(tokenizer, convs, vocab_size: int, max_length: int,
+                     end_of_turn: str | None = None) -> tuple[torch.Tensor, int]:
+    """Counts [V] int64 of supervised token ids, and the number of samples seen (streamed)."""
+    from specheads.data.tokenize import tokenize_conversation
+
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    n = 0
+    for conv in convs:
+        s = tokenize_conversation(tokenizer, conv, max_length, end_of_turn=end_of_turn)
+        ids = torch.tensor(s.input_ids, dtype=torch.int64)[torch.tensor(s.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+        n += 1
+    return counts, n
+
+
+def _init_worker(tokenizer, vocab_size, max_length, end_of_turn) -> None:
+    torch.set_num_threads(1)
+    _WORKER.update(tokenizer=tokenizer, vocab_size=vocab_size, max_length=max_length, end_of_turn=end_of_turn)
+
+
+def _count_chunk(convs) -> tuple[torch.Tensor, int]:
+    w = _WORKER
+    return count_supervised(w["tokenizer"], convs, w["vocab_size"], w["max_length"], w["end_of_turn"])
+
+
+def count_parallel(tokenizer, convs: list, vocab_size: int, max_length: int, end_of_turn: str | None = None,
+                   workers: int = 1, chunk: int = 256) -> tuple[torch.Tensor, int]:
+    """`count_supervised` over `workers` processes (chunks of conversations); the sum is the same."""
+    if workers <= 1:
+        return count_supervised(tokenizer, convs, vocab_size, max_length, end_of_turn)
+    chunks = [convs[i:i + chunk] for i in range(0, len(convs), chunk)]
+    counts, n = torch.zeros(vocab_size, dtype=torch.int64), 0
+    with multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_init_worker, initargs=(tokenizer, vocab_size, max_length, end_of_turn)) as pool:
+        for c, k in pool.imap_unordered(_count_chunk, chunks):
+            counts += c
+            n += k
+    return counts, n
+
+
+def save_vocab_stats(path: str | Path, counts: torch.Tensor, meta: dict) -> Path:
+    """Write counts [V] and their provenance as one safetensors file (atomically)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"counts": counts.to(torch.int64).contiguous()}, tmp,
+                  metadata={"format": FORMAT, "meta": json.dumps(meta)})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_vocab_stats(path: str | Path) -> tuple[torch.Tensor, dict]:
+    """counts [V] and the metadata dict of a vocab-stats file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise VocabStatsError(f"data.vocab_stats {path}: no such file; write it with `specheads vocab-stats`")
+    with safe_open(str(path), framework="pt") as f:
+        info = f.metadata() or {}
+        if info.get("format") != FORMAT or "counts" not in f.keys():
+            raise VocabStatsError(f"data.vocab_stats {path}: not a file written by `specheads vocab-stats`")
+        return f.get_tensor("counts"), json.loads(info["meta"])
+
+
+def load_vocab_stats(path: str | Path, target) -> torch.Tensor:
+    """Counts [V] for `target`, refused when they were counted with another tokenizer or vocab size."""
+    from specheads.target import tokenizer_hash
+
+    counts, meta = read_vocab_stats(path)
+    if meta.get("tokenizer_sha256") != tokenizer_hash(target.tokenizer) or counts.numel() != target.vocab_size:
+        raise VocabStatsError(
+            f"data.vocab_stats {path}: counted for another tokenizer ({meta.get('target', '?')}, vocab "
+            f"{counts.numel()}) than this target's (vocab {target.vocab_size}); run `specheads vocab-stats` again")
+    return counts
+
+
+def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path:
+    """Count the recipe's supervised tokens and save them to `out`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specheads.data.conversations import read_conversations
+    from specheads.provenance import provenance
+    from specheads.target import resolve_target_path, tokenizer_hash
+
+    folder = resolve_target_path(recipe.target.path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+    convs = []
+    for source in recipe.data.train:
+        rows, _ = read_conversations(source, fmt=recipe.data.format, skip_malformed=recipe.data.skip_malformed)
+        convs.extend(rows)
+    counts, n = count_parallel(tokenizer, convs, vocab_size, recipe.data.max_length,
+                               recipe.data.end_of_turn, workers=workers)
+    meta = {"target": str(folder.name), "tokenizer_sha256": tokenizer_hash(tokenizer), "vocab_size": vocab_size,
+            "num_samples": n, "num_tokens": int(counts.sum()), "max_length": recipe.data.max_length,
+            "sources": list(recipe.data.train), "provenance": provenance()}
+    path = save_vocab_stats(out, counts, meta)
+    report(f"[specheads] vocab stats: {meta['num_tokens']} supervised tokens from {n} samples, "
+           f"{int((counts > 0).sum())} distinct ids -> {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`specheads vocab-stats`: parse arguments, load the recipe, count."""
+    from specheads.config import load_recipe
+
+    p = argparse.ArgumentParser(prog="specheads vocab-stats", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="the training recipe (its target tokenizer and data are used)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.train=[a.jsonl]")
+    p.add_argument("--out", default=None, help="file to write (default: the recipe's data.vocab_stats)")
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    a = p.parse_args(argv)
+    recipe = load_recipe(a.recipe, a.overrides)
+    out = a.out or recipe.data.vocab_stats
+    if not out:
+        raise VocabStatsError("no output file: pass --out FILE or set data.vocab_stats in the recipe")
+    vocab_stats(recipe, out, workers=a.workers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

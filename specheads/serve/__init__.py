@@ -1,0 +1,1 @@
+"""An OpenAI-compatible server over the built-in verifier (`specheads serve`)."""

@@ -1,0 +1,205 @@
+"""The serving engine: one frozen target (+ an optional exported draft) decoding one request at a time.
+
+Temperature 0 runs the lossless greedy speculative loop (token-equal to plain greedy decoding);
+temperature > 0 runs lossless speculative sampling, seeded. Without a draft the same loops run
+with a proposer that never proposes, which is plain decoding. Stop strings are applied to the
+decoded text: generation runs to eos or max_tokens, then the text (and the token count) is cut
+at the first stop string; streamed text is held back while it could still be a stop's prefix.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specheads.verify.decode import DecodeStats
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (the message is returned to the client with a 400)."""
+
+
+@dataclass(frozen=True)
+class Params:
+    """Decoding settings of one request (OpenAI names)."""
+
+    max_tokens: int | None = None  # None: up to the target's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completion:
+    """One finished request: text, tokens, why it stopped and the decode counts."""
+
+    text: str
+    tokens: list[int]  # generated ids (eos included when hit), cut after a stop string
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+
+class NullProposer:
+    """Proposes nothing: the speculative loops then run plain decoding (and still stream)."""
+
+    layers: list[int] = []
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        pass
+
+    def propose(self, k: int) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.long)
+
+    def accept(self, inputs, following, out, start) -> None:
+        pass
+
+
+def find_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index of the earliest stop string in `text`, or -1."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else -1
+
+
+class StopTextStream:
+    """Turns a growing token list into text deltas for `emit`, honouring stop strings.
+
+    Has the `push(tokens, final)` interface `generate.StreamingProposer` drives.
+    """
+
+    def __init__(self, tokenizer, eos: set[int], stops: tuple[str, ...], emit: Callable[[str], None]):
+        self.tokenizer, self.eos, self.stops, self.emit = tokenizer, eos, stops, emit
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.stopped = False
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, tokens: list[int], final: bool = False) -> None:
+        self.tokens.extend(int(t) for t in tokens if int(t) not in self.eos)
+        if self.stopped:
+            return
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character
+            return
+        cut = find_stop(text, self.stops)
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        elif not final and self.hold:
+            text = text[: max(len(self.sent), len(text) - self.hold)]
+        start = len(self.sent) if text.startswith(self.sent) else len(_common(text, self.sent))
+        if len(text) > start:
+            self.emit(text[start:])
+        self.sent = text
+
+
+def _common(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+class Engine:
+    """Target + optional draft, a lock so that one request decodes at a time."""
+
+    def __init__(self, target, head=None, spec=None, model_name: str = "specheads"):
+        from specheads.eval.online import eos_ids
+
+        self.target, self.head, self.spec, self.model_name = target, head, spec, model_name
+        self.eos = eos_ids(target)
+        self.lock = threading.Lock()
+
+    @property
+    def context(self) -> int | None:
+        return getattr(self.target.config, "max_position_embeddings", None)
+
+    def chat_ids(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> list[int]:
+        """The conversation rendered with the target's chat template, ready for the answer."""
+        tok = self.target.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise RequestError("the target's tokenizer has no chat template: use /v1/completions")
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def text_ids(self, prompt) -> list[int]:
+        """A completion prompt (text or a list of token ids) -> ids."""
+        if isinstance(prompt, str):
+            return list(self.target.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def _proposer(self, sampled: bool):
+        from specheads.verify.settings import make_proposer
+
+        if self.head is None:
+            return NullProposer()
+        return make_proposer(self.spec, self.head, self.target, sampled)
+
+    def budget(self, ids: list[int], params: Params) -> int:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        ctx = self.context
+        if ctx is not None and len(ids) >= ctx:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}: "
+                               "shorten it")
+        room = (ctx - len(ids)) if ctx is not None else 1 << 30
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _decode(self, proposer, ids: list[int], budget: int, params: Params):
+        """The loop for this draft and these settings -> DecodeResult."""
+        from specheads.verify.decode import generate
+        from specheads.verify.settings import Sampling, TreeSpec, sampled_decode, speculative_decode
+
+        spec = self.spec if self.head is not None else TreeSpec("chain", k=1)
+        if params.temperature == 0:
+            if self.head is None:
+                return generate(self.target, proposer, ids, budget, 1, self.eos)
+            return speculative_decode(spec, self.target, proposer, ids, budget, self.eos)
+        seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
+        return sampled_decode(spec, self.target, proposer, ids, budget, self.eos,
+                              Sampling(params.temperature, params.top_p, seed))
+
+    def complete(self, ids: list[int], params: Params,
+                 emit: Callable[[str], None] | None = None) -> Completion:
+        """Decode one prompt; `emit` receives text deltas as tokens are verified (streaming)."""
+        from specheads.generate import StreamingProposer
+
+        budget = self.budget(ids, params)
+        eos = set(self.eos)
+        stream = StopTextStream(self.target.tokenizer, eos, params.stop, emit or (lambda _t: None))
+        proposer = StreamingProposer(self._proposer(params.temperature > 0), stream)
+        with self.lock, torch.no_grad():
+            result = self._decode(proposer, ids, budget, params)
+        proposer.finish(result.tokens)
+        return self._finish(result, ids, params)
+
+    def _finish(self, result, ids: list[int], params: Params) -> Completion:
+        """Text cut at eos / the first stop string; tokens counted up to where the text ends."""
+        tok, eos = self.target.tokenizer, set(self.eos)
+        body = [t for t in result.tokens if t not in eos]
+        text = tok.decode(body, skip_special_tokens=True)
+        cut = find_stop(text, params.stop)
+        tokens, reason = result.tokens, "stop" if result.stop_reason == "eos" else "length"
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+            tokens = tokens[:_tokens_for(tok, body, params.stop)]
+        return Completion(text, tokens, reason, len(ids), result.stats)
+
+
+def _tokens_for(tok, body: list[int], stops: tuple[str, ...]) -> int:
+    """The fewest leading tokens of `body` whose text contains a stop string (binary search)."""
+    lo, hi = 1, len(body)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if find_stop(tok.decode(body[:mid], skip_special_tokens=True), stops) >= 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -1,0 +1,186 @@
+"""Offline feature cache: same losses as online, honest disk estimate, SIGKILL resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specheads.config import load_recipe
+from specheads.data.features import (
+    MANIFEST,
+    FeatureCacheError,
+    OfflineFeatures,
+    OnlineFeatures,
+    capture,
+    check_disk,
+    decode,
+    encode,
+    read_manifest,
+)
+from specheads.data.tokenize import collate
+from specheads.target import Target
+from specheads.train import build_head, head_inputs, prepare_samples
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "demo" / "eagle3.yaml"
+SHARD_MB = 0.02  # ~50 tokens of the test target in bf16 per shard: many shards
+
+
+def _recipe(target_dir, data_dir, *extra):
+    return load_recipe(RECIPE, [f"target.path={target_dir}", f"data.train=[{data_dir / 'train.jsonl'}]",
+                                "data.max_length=96", "head.draft_vocab_size=256", "head.ttt_steps=2", *extra])
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, demo_data_dir, tmp_path_factory):
+    data = tmp_path_factory.mktemp("small") / "train.jsonl"
+    data.write_text("\n".join((demo_data_dir / "train.jsonl").read_text().splitlines()[:48]) + "\n")
+    recipe = _recipe(tiny_target_dir, data.parent)
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    return recipe, target, prepare_samples(recipe, target.tokenizer, report=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def captures(setup, tmp_path_factory):
+    recipe, _, _ = setup
+    root = tmp_path_factory.mktemp("caches")
+    return {dtype: capture(recipe, root / dtype, storage=dtype, shard_mb=SHARD_MB, batch_size=4,
+                           report=lambda *a, **k: None)
+            for dtype in ("float32", "bfloat16", "int8")}
+
+
+def _files_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def test_manifest_and_estimate_within_ten_percent(setup, captures):
+    recipe, target, samples = setup
+    for dtype, folder in captures.items():
+        m = read_manifest(folder)
+        assert m["storage"] == dtype and m["head_kind"] == "eagle3" and m["layers"] == [2, 4, 5]
+        assert m["num_samples"] == len(samples) and m["num_tokens"] == sum(len(s.input_ids) for s in samples)
+        assert m["features"] == {"aux": [3 * 48], "final": [48]}
+        assert len(m["shards"]) > 5 and m["target"] == target.fingerprint()
+        assert ("absmax" in m["quantization"]) if dtype == "int8" else m["quantization"] is None
+        written = _files_bytes(folder)
+        assert abs(m["estimated_bytes"] - written) / written < 0.10, (dtype, m["estimated_bytes"], written)
+    bf16, i8 = (read_manifest(captures[k]) for k in ("bfloat16", "int8"))
+    per_token = {k: sum(s["bytes"] for s in m["shards"]) / m["num_tokens"] for k, m in (("bf16", bf16), ("i8", i8))}
+    assert 384 <= per_token["bf16"] < 400 and 200 <= per_token["i8"] < 216  # 192 values: 2 B vs 1 B + scales
+
+
+def test_offline_features_equal_collect(setup, captures):
+    recipe, target, samples = setup
+    head = build_head(recipe, target, samples)
+    batch = collate(samples[5:13], target.tokenizer.pad_token_id)  # other batches than the capture's
+    online = OnlineFeatures(target, head)(batch)
+    valid = batch["attention_mask"].bool()
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 1e-2), ("int8", 2e-2)):
+        offline = OfflineFeatures(captures[dtype], target, head, verify=True)(batch)
+        assert offline.keys() == online.keys()
+        for k in online:
+            assert offline[k].shape == online[k].shape and offline[k].dtype == online[k].dtype
+            err = (offline[k] - online[k])[valid].abs().max() / online[k][valid].abs().max()
+            assert err < tol, (dtype, k, float(err))
+            assert (offline[k][~valid] == 0).all()
+
+
+def _train_losses(recipe, target, samples, features, steps=4) -> list[float]:
+    torch.manual_seed(0)
+    head = build_head(recipe, target, samples)
+    optim = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        batch = collate(samples[step * 6:(step + 1) * 6], target.tokenizer.pad_token_id)
+        out = head(**head_inputs(target, head, batch, features(head) if features else None))
+        out.loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(out.loss.item())
+    return losses
+
+
+def test_offline_training_gives_the_online_losses(setup, captures):
+    recipe, target, samples = setup
+    online = _train_losses(recipe, target, samples, None)
+    offline = _train_losses(recipe, target, samples, lambda h: OfflineFeatures(captures["float32"], target, h))
+    assert offline == pytest.approx(online, rel=1e-5)
+    bf16 = _train_losses(recipe, target, samples, lambda h: OfflineFeatures(captures["bfloat16"], target, h))
+    assert bf16 == pytest.approx(online, rel=2e-2) and bf16 != online  # close, and really read from bf16
+
+
+def test_int8_is_per_row_absmax():
+    x = torch.randn(7, 33) * torch.logspace(-3, 3, 7)[:, None]
+    stored = encode("aux", x, "int8")
+    assert stored["aux"].dtype == torch.int8 and stored["aux.scale"].shape == (7,)
+    assert (stored["aux"].abs().amax(dim=1) == 127).all()
+    err = (decode("aux", stored, "int8", torch.float32) - x).abs()
+    assert (err <= stored["aux.scale"][:, None] / 2 + 1e-6 * x.abs()).all()
+
+
+def test_refusals(setup, captures, tiny_target_dir, demo_data_dir, tmp_path):
+    recipe, target, samples = setup
+    other = build_head(_recipe(tiny_target_dir, demo_data_dir, "head.aux_layers=[1,3,6]"), target, samples)
+    with pytest.raises(FeatureCacheError, match=r"layers \[2, 4, 5\].*layers \[1, 3, 6\].*capture again"):
+        OfflineFeatures(captures["bfloat16"], target, other)
+    head = build_head(recipe, target, samples)
+    reader = OfflineFeatures(captures["bfloat16"], target, head)
+    batch = collate(samples[:2], target.tokenizer.pad_token_id)
+    batch["input_ids"][1, 3] += 1  # data changed since the capture
+    with pytest.raises(FeatureCacheError, match="not in the capture"):
+        reader(batch)
+    with pytest.raises(FeatureCacheError, match=r"needs about .* GiB but only"):
+        check_disk(2**62, tmp_path)
+    with pytest.raises(FeatureCacheError, match="no manifest.json; it is not a feature capture"):
+        read_manifest(tmp_path)
+    with pytest.raises(FeatureCacheError, match=r"other settings \(storage, "):
+        capture(recipe, captures["float32"], storage="bfloat16", shard_mb=SHARD_MB, report=lambda *a, **k: None)
+
+
+def _cli(recipe_args, out, **kw):
+    cmd = [sys.executable, "-u", "-m", "specheads.cli", "capture", str(RECIPE), *recipe_args, "--out", str(out),
+           "--shard-mb", str(SHARD_MB), "--batch-size", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, **kw)
+
+
+def test_sigkill_then_resume_finishes_the_same_capture(setup, captures, tiny_target_dir, tmp_path):
+    recipe, _, _ = setup
+    args = [f"target.path={tiny_target_dir}", f"data.train=[{recipe.data.train[0]}]", "data.max_length=96",
+            "head.draft_vocab_size=256", "head.ttt_steps=2"]
+    reference = captures["bfloat16"]
+    out = tmp_path / "killed"
+    proc = _cli(args, out)
+    for line in proc.stdout:
+        if "shard rank000-shard00000" in line:  # killed right after its first shard
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / MANIFEST).exists()
+    before_text = {p.name: p.read_text() for p in out.glob("rank*-shard*.json")}
+    before = set(before_text)
+    total = len(read_manifest(reference)["shards"])
+    assert 1 <= len(before) < total
+    lines = []
+    capture(recipe, out, shard_mb=SHARD_MB, batch_size=1, report=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    log = "\n".join(lines)
+    assert f"resuming: {len(before)} of {total} shard(s)" in log
+    got, want = read_manifest(out), read_manifest(reference)
+    assert [(s["file"], s["tokens"]) for s in got["shards"]] == [(s["file"], s["tokens"]) for s in want["shards"]]
+    for name in sorted(before):  # shards finished before the kill are kept as they were
+        assert json.loads((out / name).read_text()) == json.loads(before_text[name])
+    for g, w in zip(got["shards"], want["shards"]):  # the same features (to bf16 rounding of CPU kernels)
+        a, b = load_file(out / g["file"]), load_file(reference / w["file"])
+        assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), rtol=2e-2, atol=1e-3) for k in a)
+        assert json.loads((out / g["sidecar"]).read_text())["samples"] == json.loads(
+            (reference / w["sidecar"]).read_text())["samples"]
+    assert not list(out.glob(".*"))  # no half-written file left behind

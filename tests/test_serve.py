@@ -1,0 +1,195 @@
+"""`specheads serve`: a real server process on loopback, checked against plain greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from specheads.eval.online import encode_chat, eos_ids
+from specheads.serve.metrics import parse_metrics
+from specheads.target import Target
+from specheads.verify.decode import greedy_decode
+
+PROMPTS = ["def add(a, b):\n    \"\"\"Sum.\"\"\"", "def read_config(path):", "class Stack:"]
+PREFIX = 'vllm:spec_decode_num_'
+
+
+def start_server(args: list[str], timeout: float = 120.0):
+    """`python -m specheads serve ... --port 0` -> (process, base URL) once it listens."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "specheads", "serve", *args, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    found = {}
+
+    def read():
+        for line in proc.stdout:
+            if "listening on " in line:
+                found["url"] = line.split("listening on ")[1].strip()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if "url" not in found:
+        proc.kill()
+        raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
+    return proc, found["url"]
+
+
+def post(url: str, body: dict, raw: bool = False):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        data = resp.read().decode()
+    return data if raw else json.loads(data)
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.read().decode()
+
+
+def sse_events(text: str) -> list:
+    return [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target_dir, random_export_dir):
+    proc, url = start_server(["--target", str(tiny_target_dir), "--draft", str(random_export_dir),
+                              "--device", "cpu"])
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return Target.load(str(tiny_target_dir), device="cpu")
+
+
+def reference(target, prompt: str, n: int) -> list[int]:
+    """Plain greedy decoding of one chat turn (the tokens a temperature-0 request must give)."""
+    ids = encode_chat(target.tokenizer, [{"role": "user", "content": prompt}])
+    return greedy_decode(target, ids, n, eos_ids(target)).tokens
+
+
+def text_of(target, tokens: list[int]) -> str:
+    eos = set(eos_ids(target))
+    return target.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+
+
+def test_greedy_chat_equals_plain_greedy_streamed_or_not(server, target):
+    for prompt in PROMPTS:
+        ref = reference(target, prompt, 24)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 24, "temperature": 0}
+        out = post(f"{server}/v1/chat/completions", body)
+        assert out["object"] == "chat.completion"
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": text_of(target, ref)}
+        assert out["usage"]["completion_tokens"] == len(ref)
+        assert out["choices"][0]["finish_reason"] == ("stop" if ref[-1] in eos_ids(target) else "length")
+        events = sse_events(post(f"{server}/v1/chat/completions",
+                                 {**body, "stream": True, "stream_options": {"include_usage": True}},
+                                 raw=True))
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == \
+            text_of(target, ref)
+        assert chunks[-2]["choices"][0]["finish_reason"] == out["choices"][0]["finish_reason"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == out["usage"]
+        assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+
+
+def test_completions_token_prompt_stop_string_and_seed(server, target):
+    ids = target.tokenizer("def parse(text):")["input_ids"]
+    ref = greedy_decode(target, ids, 20, eos_ids(target)).tokens
+    full = text_of(target, ref)
+    out = post(f"{server}/v1/completions", {"prompt": ids, "max_tokens": 20, "temperature": 0})
+    assert out["object"] == "text_completion" and out["choices"][0]["text"] == full
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert greedy_decode(target, ids, 20, eos_ids(target)).tokens == ref  # deterministic
+    sampled = {"prompt": "def parse(text):", "max_tokens": 24, "temperature": 1.0, "seed": 7}
+    full = post(f"{server}/v1/completions", sampled)
+    text = full["choices"][0]["text"]
+    assert post(f"{server}/v1/completions", sampled)["choices"][0]["text"] == text  # same seed
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert len(stop) == 2, text
+    cut = post(f"{server}/v1/completions", {**sampled, "stop": [stop, "never-there"]})
+    assert cut["choices"][0]["text"] == text[: text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] < full["usage"]["completion_tokens"]
+    events = sse_events(post(f"{server}/v1/completions", {**sampled, "stop": stop, "stream": True}, raw=True))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[: text.index(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_metrics_count_drafts_with_vllm_names(server):
+    before = parse_metrics(get(f"{server}/metrics"))
+    out = post(f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "def f(x):"}],
+                                                 "max_tokens": 32, "temperature": 0})
+    after = parse_metrics(get(f"{server}/metrics"))
+
+    def delta(name: str) -> float:
+        keys = [k for k in after if k.startswith(name + "{")]
+        assert keys, name
+        return sum(after[k] - before.get(k, 0.0) for k in keys)
+
+    drafts = delta(PREFIX + "drafts_total")
+    accepted = delta(PREFIX + "accepted_tokens_total")
+    per_pos = [after[k] - before.get(k, 0.0) for k in sorted(
+        (k for k in after if k.startswith(PREFIX + "accepted_tokens_per_pos_total")),
+        key=lambda k: int(k.split('position="')[1].split('"')[0]))]
+    assert drafts >= 1 and len(per_pos) == 3  # the export's k = 3
+    assert delta(PREFIX + "draft_tokens_total") >= accepted == sum(per_pos)
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # cumulative: position p needs p-1
+    assert delta("vllm:generation_tokens_total") == out["usage"]["completion_tokens"]
+    # every new token is an accepted draft, a bonus token or the prefill's token
+    assert out["usage"]["completion_tokens"] <= accepted + drafts + 1 + 32
+
+
+def test_models_health_and_errors(server):
+    card = json.loads(get(f"{server}/v1/models"))["data"][0]
+    assert card["id"] == "tiny" and card["specheads"]["speculation"]["kind"] == "chain"
+    assert json.loads(get(f"{server}/health")) == {"status": "ok"}
+    bad = [({"prompt": "x", "n": 2}, "'n'"), ({"prompt": "x", "model": "other"}, "not served"),
+           ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x " * 400}, "context"),
+           ({"prompt": ""}, "prompt")]
+    for body, words in bad:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(f"{server}/v1/completions", body)
+        assert err.value.code == 400 and words in json.loads(err.value.read())["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as err:
+        get(f"{server}/v1/nothing")
+    assert err.value.code == 404
+
+
+def test_no_draft_server_in_process_is_plain_greedy(target):
+    from specheads.serve.engine import Engine
+    from specheads.serve.server import build_server
+
+    server = build_server(Engine(target, model_name="plain"))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = "http://%s:%d" % server.server_address[:2]
+    try:
+        before = parse_metrics(get(f"{url}/metrics"))
+        ref = reference(target, PROMPTS[1], 20)
+        body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 20,
+                "temperature": 0, "stream": True}
+        chunks = [json.loads(e) for e in sse_events(post(f"{url}/v1/chat/completions", body, raw=True))[:-1]]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text_of(target, ref)
+        after = parse_metrics(get(f"{url}/metrics"))
+        key = PREFIX + 'drafts_total{model_name="plain",engine="0"}'
+        assert after[key] == before[key] == 0
+    finally:
+        server.shutdown()
+        server.server_close()
