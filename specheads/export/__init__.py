@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import specheads
 from specheads.atomic import atomic_dir
-from specheads.export import eagle3
+from specheads.export import draft, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.export.checkpoint import Checkpoint, CheckpointError
 from specheads.export.contract import ContractError, validate
 from specheads.export.contract_rules import (
@@ -32,8 +32,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-WRITERS = {"eagle3": eagle3}  # head kind -> writer module (FORMATS, check_exportable, tensors, config)
-FORMATS = eagle3.FORMATS
+WRITERS = {"eagle3": eagle3, "eagle": eagle1, "medusa": medusa, "medusa2": medusa2, "mtp": mtp, "draft": draft}  # head kind -> writer module (FORMATS, check_exportable, tensors, config)
+FORMATS = eagle3.FORMATS  # the EAGLE-3 formats (what existing callers iterate over)
+ALL_FORMATS = tuple(dict.fromkeys(f for w in WRITERS.values() for f in w.FORMATS))  # any kind
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -43,19 +44,27 @@ def writer_for(kind: str, fmt: str):
         raise ExportRefused(f"head kind '{kind}' has no exporter yet; kinds with one: {', '.join(WRITERS)}")
     writer = WRITERS[kind]
     if fmt not in writer.FORMATS:
-        raise ExportRefused(f"format '{fmt}' cannot serve a '{kind}' head; use one of: {', '.join(writer.FORMATS)}")
+        reason = getattr(writer, "REFUSED", {}).get(fmt)  # a kind-specific explanation, if any
+        raise ExportRefused(reason or f"format '{fmt}' cannot serve a '{kind}' head; use one of: "
+                            f"{', '.join(writer.FORMATS)}")
     return writer
 
 
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
-           verifier: str | None = None, dtype: str | None = None) -> Path:
+           verifier: str | None = None, dtype: str | None = None, adapter: str | None = None) -> Path:
     """Write `checkpoint` (a path or Checkpoint) as an `fmt` folder at `out_dir`; returns out_dir.
 
     `verifier` names the target for the serve commands (a hub id, or a local folder); `dtype`
-    casts floating weights (float32 / bfloat16 / float16), never d2t / t2d.
+    casts floating weights (float32 / bfloat16 / float16), never d2t / t2d; `adapter` (medusa2
+    only): "merge" (default) or "ship" the target's LoRA adapters.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     writer = writer_for(ckpt.kind, fmt)
+    if adapter is not None and not hasattr(writer, "ADAPTER_MODES"):
+        raise ValueError(f"--adapter applies to heads trained with target adapters (medusa2), not '{ckpt.kind}'")
+    extra = {"adapter": adapter} if adapter is not None else {}
+    if hasattr(writer, "export_folder"):  # kinds that write a whole model folder (MTP, draft model, Medusa-2)
+        return writer.export_folder(ckpt, fmt, Path(out_dir), num_speculative_tokens, verifier, dtype, **extra)
     head = ckpt.build_head()  # strict: every tensor present with the config's shape
     writer.check_exportable(head.config, fmt, ckpt.weights)
     k = head.config.ttt_steps if num_speculative_tokens is None else num_speculative_tokens
@@ -65,15 +74,19 @@ def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: in
     out_dir = Path(out_dir)
     target = target_ref(ckpt.provenance, ckpt.recipe, verifier)
     record = export_record(ckpt, head.config, fmt, k, target, float_dtype(tensors))
-    record["serve_commands"] = serve_commands(fmt, out_dir, target, k)
+    record["serve_commands"] = serve_commands(fmt, out_dir, target, k, ckpt.kind)
     config = writer.config_json(head.config, fmt, k, target.hub_id or target.name or "unknown",
                                 target.architectures, record["dtype"])
     with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        weights_file = getattr(writer, "WEIGHTS_FILES", {}).get(fmt, WEIGHTS_FILE)
+        save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
         _write_json(tmp / CONFIG_FILE, config)
         _write_json(tmp / META_FILE, record)
         (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
-        validate(tmp, fmt, ckpt.kind, expected=head.config)
+        if hasattr(writer, "validate"):  # kinds with their own loader-contract checker
+            writer.validate(tmp, fmt, expected=head.config)
+        else:
+            validate(tmp, fmt, ckpt.kind, expected=head.config)
     for cmd in record["serve_commands"]:
         log.info("serve with: %s", cmd)
     return out_dir

@@ -1,8 +1,10 @@
 """Native training checkpoints: head weights (safetensors) + resolved recipe + provenance + state.
 
 Layout of OUTPUT_DIR:  checkpoint-000100/{head.safetensors, head_config.json, recipe.json,
-provenance.json, trainer_state.json, optimizer.pt, scheduler.pt}  and  `latest` (a file naming
-the newest complete checkpoint). Every checkpoint is written to a temp folder and renamed.
+provenance.json, trainer_state.json, scheduler.pt, optimizer[-rank{r}].pt, rng-rank{r}.pt},
+`latest` (a file naming the newest complete checkpoint) and `best` (the one with the highest
+validation tau). The last `keep_last` checkpoints plus the best are kept. Every checkpoint is
+written to a temp folder and renamed.
 """
 
 from __future__ import annotations
@@ -28,12 +30,20 @@ class CheckpointError(ValueError):
 
 def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, provenance: dict,
                     trainer_state: dict, optimizer_state=None, scheduler_state=None,
-                    keep_last: int = 2) -> Path:
-    """Write checkpoint-{step} atomically, point `latest` at it, prune older ones."""
+                    keep_last: int = 2, state: dict | None = None, keep_best: bool = True,
+                    before_commit=None) -> Path:
+    """Write checkpoint-{step} atomically, point `latest` (and `best`) at it, prune older ones.
+
+    `state`: the full head state dict when it was gathered elsewhere (sharded training);
+    `trainer_state["val_tau"]`, when present, ranks checkpoints for `best`;
+    `before_commit(tmp)`: writes extra files (e.g. per-rank optimizer shards) before the rename.
+    """
     output_dir = Path(output_dir)
     dest = output_dir / f"checkpoint-{step:06d}"
     with atomic_dir(dest) as tmp:
-        state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+        if state is None:
+            state = head.state_dict()
+        state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         save_file(state, str(tmp / HEAD_FILE), metadata={"kind": head.kind})
         _dump(tmp / "head_config.json", asdict(head.config))
         _dump(tmp / "recipe.json", recipe)
@@ -43,8 +53,13 @@ def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, prove
             torch.save(optimizer_state, tmp / "optimizer.pt")
         if scheduler_state is not None:
             torch.save(scheduler_state, tmp / "scheduler.pt")
+        if before_commit is not None:
+            before_commit(tmp)
     write_text(output_dir / "latest", dest.name + "\n")
-    _prune(output_dir, keep_last)
+    best = best_checkpoint(output_dir) if keep_best else None
+    if best is not None:
+        write_text(output_dir / "best", best.name + "\n")
+    prune(output_dir, keep_last, keep=best)
     return dest
 
 
@@ -52,10 +67,26 @@ def _dump(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def _prune(output_dir: Path, keep_last: int) -> None:
-    ckpts = sorted(output_dir.glob("checkpoint-[0-9]*"))
+def _val_tau(ckpt: Path) -> float | None:
+    try:
+        return json.loads((ckpt / "trainer_state.json").read_text()).get("val_tau")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def best_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint with the highest validation tau (earliest on ties); None without validation."""
+    scored = [(tau, c) for c in sorted(Path(output_dir).glob("checkpoint-[0-9]*"))
+              if (tau := _val_tau(c)) is not None]
+    return max(scored, key=lambda tc: (tc[0], -int(tc[1].name.split("-")[1])))[1] if scored else None
+
+
+def prune(output_dir: str | Path, keep_last: int, keep: Path | None = None) -> None:
+    """Delete all but the newest `keep_last` checkpoints, sparing `keep` (the best one)."""
+    ckpts = sorted(Path(output_dir).glob("checkpoint-[0-9]*"))
     for old in ckpts[: max(0, len(ckpts) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
+        if keep is None or old.name != keep.name:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

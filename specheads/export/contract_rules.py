@@ -6,7 +6,7 @@ Encodes research/vllm_contract.md (§1.2, §3, §7, §12) and research/sglang_co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 CONFIG_FILE = "config.json"
@@ -175,6 +175,99 @@ CONTRACTS = {
         "sglang", "sglang", "eagle3", "midlayer.", "", "eagle_config.eagle_aux_hidden_state_layer_ids",
         -1, 0, SGLANG_KEYS, EAGLE3_TENSORS),
 }
+
+# --- EAGLE-1 (vllm_contract.md §2, "EAGLE-1"; sglang_contract.md §2, A) ------------------------
+EAGLE1_TENSORS = (
+    TensorRule("fc.weight", ("Hd", "2*Hd")),
+    TensorRule("{layer}self_attn.q_proj.weight", ("nh*hd", "Hd")),
+    TensorRule("{layer}self_attn.k_proj.weight", ("kvh*hd", "Hd")),
+    TensorRule("{layer}self_attn.v_proj.weight", ("kvh*hd", "Hd")),
+    TensorRule("{layer}self_attn.o_proj.weight", ("Hd", "nh*hd")),
+    TensorRule("{layer}mlp.gate_proj.weight", ("I", "Hd")),
+    TensorRule("{layer}mlp.up_proj.weight", ("I", "Hd")),
+    TensorRule("{layer}mlp.down_proj.weight", ("Hd", "I")),
+    TensorRule("{layer}post_attention_layernorm.weight", ("Hd",)),
+)
+EAGLE1_FORBIDDEN = (  # names the loaders reject or drop: (pattern, why + what to do)
+    (r"^layers\.0\.input_layernorm\.", "layer 0 of an EAGLE-1 draft has no input norm (vLLM raises on it, "
+     "SGLang ignores it, so the layer would run differently from training); remove it"),
+    (r"^norm\.weight$", "the EAGLE-1 draft has no final norm (vLLM raises on it); remove it"),
+    (r"lm_head", "the EAGLE-1 draft uses the target's lm_head (vLLM raises on one, SGLang drops it); remove it"),
+)
+EAGLE1_COMMON_KEYS = (
+    KeyRule("tie_word_embeddings", "equals", False),
+    KeyRule("n_predict", "absent", fix="vLLM would take it as num_speculative_tokens and add a divisibility rule"),
+)
+EAGLE1_VLLM_KEYS = EAGLE1_COMMON_KEYS + (
+    KeyRule("architectures", "equals", ["LlamaForCausalLM"], fix="vLLM renames it to EagleLlamaForCausalLM"),
+)
+EAGLE1_SGLANG_KEYS = EAGLE1_COMMON_KEYS + (
+    KeyRule("architectures", "equals", ["LlamaForCausalLMEagle"]),
+)
+
+# --- Medusa (vllm_contract.md §4: vLLM <= 0.32; the original Medusa layout) -------------------
+# Tensor rules depend on num_heads / num_layers / bias: `export.medusa.tensor_rules` expands them.
+MEDUSA_VLLM_KEYS = (
+    KeyRule("architectures", "equals", ["MedusaModel"]),
+    KeyRule("model_type", "equals", "medusa", fix="vLLM <= 0.32 detects Medusa drafts by model_type"),
+    KeyRule("num_heads", "positive_int", fix="the number of Medusa heads K"),
+    KeyRule("num_hidden_layers", "positive_int", fix="residual blocks per head"),
+    KeyRule("hidden_size", "positive_int"),
+    KeyRule("vocab_size", "positive_int", fix="must be the target's vocabulary size V (vLLM defaults to 32001)"),
+    KeyRule("medusa_fc_bias", "bool", fix="write whether the blocks have biases; vLLM defaults to false"),
+    KeyRule("original_lm_head", "not_true", fix="each head has its own output layer; set it to false"),
+    KeyRule("truncated_vocab_size", "positive_int", fix="write V (no token_map is exported)"),
+)
+MEDUSA_ORIGINAL_KEYS = (
+    KeyRule("medusa_num_heads", "positive_int"),
+    KeyRule("medusa_num_layers", "positive_int"),
+    KeyRule("base_model_name_or_path", "str", fix="name the target the heads were trained on"),
+)
+CONTRACTS.update({
+    ("vllm", "eagle"): FormatContract("vllm", "vllm", "eagle", "layers.0.", "", "", 0, 0,
+                                      EAGLE1_VLLM_KEYS, EAGLE1_TENSORS),
+    ("sglang", "eagle"): FormatContract("sglang", "sglang", "eagle", "layers.0.", "", "", 0, 0,
+                                        EAGLE1_SGLANG_KEYS, EAGLE1_TENSORS + (TensorRule("fc.bias", ("Hd",)),)),
+    ("vllm-0.32", "medusa"): FormatContract("vllm-0.32", "vllm-0.32", "medusa", "", "", "", 0, 0,
+                                            MEDUSA_VLLM_KEYS, ()),
+    ("medusa", "medusa"): FormatContract("medusa", "medusa", "medusa", "", "", "", 0, 0,
+                                         MEDUSA_ORIGINAL_KEYS, ()),
+})
+CONTRACTS.update({(fmt, "medusa2"): replace(CONTRACTS[(fmt, "medusa")], kind="medusa2")  # the same heads
+                  for fmt in ("vllm-0.32", "medusa")})
+ENGINE_VERSIONS.update({"vllm-0.32": "0.32", "medusa": "1.0"})
+ENGINE_NAMES.update({"vllm-0.32": "vLLM <= 0.32", "medusa": "Medusa (original)"})
+
+# MTP and draft models: the folder is a whole model (export/mtp.py, export/draft.py check it); these
+# entries give the engine of each (format, kind). MTP layouts per target family (vllm_contract.md §6,
+# sglang_contract.md §4): where the modules live, the config key counting them, per-module names.
+for _fmt in ("vllm", "sglang"):
+    for _kind in ("mtp", "draft"):
+        CONTRACTS[(_fmt, _kind)] = FormatContract(_fmt, _fmt, _kind, "", "", "", 0, 0, (), ())
+MTP_FAMILIES = {  # model_type -> (layout, count key)
+    "deepseek_v3": ("deepseek", "num_nextn_predict_layers"),
+    "glm4_moe": ("deepseek", "num_nextn_predict_layers"),
+    "qwen3_next": ("qwen3_next", "num_nextn_predict_layers"),
+}
+MTP_NAMES = {  # layout -> head name (layers.{k}.X) -> checkpoint name; {p} = module prefix
+    "deepseek": {"enorm": "{p}enorm.weight", "hnorm": "{p}hnorm.weight", "eh_proj": "{p}eh_proj.weight",
+                 "norm": "{p}shared_head.norm.weight"},
+    "qwen3_next": {"enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",
+                   "eh_proj": "mtp.fc.weight", "norm": "mtp.norm.weight"},
+}
+MTP_SHAPES = {"enorm": ("H",), "hnorm": ("H",), "eh_proj": ("H", "2*H"), "norm": ("H",)}
+MTP_SGLANG_MAX_LAYERS = {"deepseek": 1, "qwen3_next": 1}  # SGLang asserts one NextN layer
+DRAFT_KEYS = (  # an ordinary HF Llama causal LM (vLLM draft_model, SGLang STANDALONE)
+    KeyRule("architectures", "equals", ["LlamaForCausalLM"]),
+    KeyRule("model_type", "equals", "llama"),
+    KeyRule("vocab_size", "positive_int", fix="must be the target's vocabulary size (both engines check it)"),
+    KeyRule("num_hidden_layers", "positive_int"),
+    KeyRule("draft_vocab_size", "absent", fix="an EAGLE key: the engines would not treat this as a plain LM"),
+    KeyRule("eagle_config", "absent", fix="an EAGLE key: the engines would not treat this as a plain LM"),
+    KeyRule("speculators_config", "absent", fix="a speculators key: vLLM would parse it as an EAGLE draft"),
+    KeyRule("", "rope", fix="copy the target's RoPE settings"),
+)
+TOKENIZER_FILES = ("tokenizer_config.json",)  # plus tokenizer.json or a vocab file, checked by loading
 FORMATS = tuple(sorted({fmt for fmt, _ in CONTRACTS}))
 
 

@@ -71,9 +71,55 @@ def sglang_command(target: str, folder: str, k: int) -> str:
             f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
 
 
-def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int) -> list[str]:
+KIND_FORMAT_TITLES = {  # (format, kind) -> title, where the format's own title does not fit the kind
+    ("vllm", "eagle"): "vLLM 0.33, method eagle",
+    ("sglang", "eagle"): "SGLang 0.5.23, LlamaForCausalLMEagle",
+    ("vllm-0.32", "medusa"): "vLLM <= 0.32, MedusaModel",
+    ("medusa", "medusa"): "the original Medusa layout",
+    ("vllm-0.32", "medusa2"): "vLLM <= 0.32, MedusaModel",
+    ("medusa", "medusa2"): "the original Medusa layout",
+}
+KIND_NAMES = {"eagle3": "EAGLE-3 draft", "eagle": "EAGLE-1 draft", "medusa": "Medusa heads",
+              "medusa2": "Medusa-2 heads (trained with LoRA on the target)",
+              "mtp": "MTP modules inside the target checkpoint", "draft": "Draft model"}
+
+
+def mtp_draft_commands(fmt: str, kind: str, folder: str, target: str, k: int) -> list[str]:
+    """MTP: serve the export itself as the target (vLLM method mtp, SGLang NEXTN). Draft model:
+    vLLM method draft_model, SGLang STANDALONE."""
+    q = shlex.quote
+    if kind == "mtp" and fmt == "vllm":
+        spec = json.dumps({"method": "mtp", "num_speculative_tokens": k}, separators=(",", ":"))
+        return [f"vllm serve {q(folder)} --speculative-config {q(spec)}"]
+    if kind == "mtp":
+        return [f"python -m sglang.launch_server --model-path {q(folder)} --speculative-algorithm NEXTN "
+                f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
+    if fmt == "vllm":
+        spec = json.dumps({"method": "draft_model", "model": folder, "num_speculative_tokens": k}, separators=(",", ":"))
+        return [f"vllm serve {q(target)} --speculative-config {q(spec)}"]
+    return [f"python -m sglang.launch_server --model-path {q(target)} --speculative-algorithm STANDALONE "
+            f"--speculative-draft-model-path {q(folder)} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {k + 1}"]
+
+
+def other_kind_commands(fmt: str, kind: str, target: str, folder: str, k: int) -> list[str]:
+    """Serve commands of the EAGLE-1 and Medusa formats."""
+    if kind == "eagle" and fmt == "sglang":
+        return [sglang_command(target, folder, k).replace("EAGLE3", "EAGLE")]
+    if kind == "eagle":
+        return [vllm_command(target, folder, k).replace('"eagle3"', '"eagle"')]
+    if fmt == "vllm-0.32":
+        return [vllm_command(target, folder, k).replace('"eagle3"', '"medusa"')]
+    return [f"python -m medusa.inference.cli --model {shlex.quote(folder)}"]
+
+
+def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str = "eagle3") -> list[str]:
     """The exact commands that serve the export, best first."""
     folder = str(folder)
+    if kind in ("eagle", "medusa"):
+        return other_kind_commands(fmt, kind, target.serve_as, folder, k)
+    if kind in ("mtp", "draft"):
+        return mtp_draft_commands(fmt, kind, folder, target.serve_as, k)
     if fmt == "sglang":
         return [sglang_command(target.serve_as, folder, k)]
     if fmt == "vllm" and target.hub_id:
@@ -100,12 +146,45 @@ def notes(fmt: str, target: TargetRef) -> list[str]:
     return out
 
 
+def head_lines(kind: str, fmt: str, head: dict) -> list[str]:
+    """The README's description of the head, per kind."""
+    if kind == "medusa2":
+        return [*head_lines("medusa", fmt, head), f"- trained jointly with LoRA (r {head['lora_r']}, alpha "
+                f"{head['lora_alpha']}) on {len(head['lora_modules'])} target projections, self-distillation "
+                f"weight {head['distill_weight']}; see Adapter below for the verifier to use"]
+    if kind == "medusa":
+        bias = "with" if head["bias"] else "without"
+        zeros = " (written as exact zeros: the original layout always has one)" if fmt == "medusa" and not head["bias"] else ""
+        return [f"- {head['num_heads']} Medusa heads of {head['num_layers']} residual block(s), {bias} block bias{zeros}",
+                f"- each head has its own output layer over the full vocabulary ({head['vocab_size']} tokens)",
+                "- vLLM 0.33 and SGLang 0.5.23 cannot load Medusa heads; this layout is for vLLM <= 0.32 "
+                "or the original Medusa code"]
+    if kind == "mtp":
+        return [f"- {head['num_layers']} MTP module(s) after target layer {head['num_target_layers'] - 1}, "
+                f"trained for {head['ttt_steps']} draft step(s); the target's weights are unchanged"]
+    if kind == "draft":
+        m = head["model_config"]
+        return [f"- Llama draft: {m['num_hidden_layers']} layer(s), hidden size {m['hidden_size']}, "
+                f"the target's tokenizer and vocabulary ({head['vocab_size']} tokens)"]
+    if kind == "eagle":
+        bias = "trained with an fc bias" if head["fc_bias"] else (
+            "no fc bias (SGLang gets an exact zero `fc.bias`)" if fmt == "sglang" else "no fc bias")
+        return [f"- EAGLE-1: fc over [embedding ; final-normed target state], one decoder layer without "
+                f"input norm, the target's lm_head; {bias}",
+                f"- hidden size {head['hidden_size']}, trained for {head['ttt_steps']} draft step(s)"]
+    return [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
+            f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
+            f"- hidden size {head['hidden_size']}, norm_before_residual {str(head['norm_before_residual']).lower()},"
+            f" trained for {head['ttt_steps']} draft steps"]
+
+
 def readme_text(fmt: str, folder: str | Path, commands: list[str], target: TargetRef, meta: dict) -> str:
     """README.md: what this folder is, how to serve it, where it came from."""
-    head = meta["head_config"]
+    head, kind = meta["head_config"], meta.get("kind", "eagle3")
     cmd_block = "\n\n".join(commands)
+    title = KIND_FORMAT_TITLES.get((fmt, kind)) or FORMAT_TITLES[fmt]
     lines = [
-        f"# EAGLE-3 draft for `{target.name or target.serve_as}` ({FORMAT_TITLES[fmt]})",
+        f"# {KIND_NAMES.get(kind, kind)} for `{target.name or target.serve_as}` ({title})",
         "",
         f"Exported by specheads {meta['specheads_version']} from checkpoint `{meta['checkpoint']}`.",
         "",
@@ -115,14 +194,11 @@ def readme_text(fmt: str, folder: str | Path, commands: list[str], target: Targe
         cmd_block,
         "```",
         "",
-        *[f"- {n}" for n in notes(fmt, target)],
+        *[f"- {n}" for n in (notes(fmt, target) if kind == "eagle3" else [])],
         "",
         "## Head",
         "",
-        f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
-        f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
-        f"- hidden size {head['hidden_size']}, norm_before_residual {str(head['norm_before_residual']).lower()},"
-        f" trained for {head['ttt_steps']} draft steps",
+        *head_lines(kind, fmt, head),
         f"- weights: {meta['dtype']}",
         "",
         "`specheads.json` records the export format, the engine versions targeted, the training "

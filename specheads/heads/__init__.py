@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from specheads.heads.draft import DraftHead
+from specheads.heads.eagle import EagleHead
 from specheads.heads.eagle3 import Eagle3Head
+from specheads.heads.medusa import MedusaHead
+from specheads.heads.medusa2 import Medusa2Head
+from specheads.heads.mtp import MtpHead
 
 # kind -> head class; each class carries `Options` (recipe section) and `Config` (architecture).
 HEADS = {
     "eagle3": Eagle3Head,
+    "medusa": MedusaHead,
+    "medusa2": Medusa2Head,
+    "eagle": EagleHead,
+    "mtp": MtpHead,
+    "draft": DraftHead,
 }
 
 

@@ -59,6 +59,10 @@ class Eagle3Config:
     hidden_act: str = "silu"
     attention_bias: bool = False
     kind: str = "eagle3"
+    # options of heads trained elsewhere (speculators / SpecForge "EAGLE 3.1"); loaded, not trained here
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
+    fc_norm: bool = False  # one RMSNorm per feature before the concatenation
+    norm_output: bool = False  # carry norm(out) to the next step instead of the pre-norm out
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
@@ -149,6 +153,13 @@ class Eagle3Head(nn.Module):
         lc = config.llama_config(attn_implementation)
         n_aux = len(config.aux_layers)
         self.fc = nn.Linear(n_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        if config.norm_before_fc and config.fc_norm:
+            raise ValueError("EAGLE-3 config: norm_before_fc and fc_norm exclude each other; set one")
+        if config.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(n_aux * config.target_hidden_size, eps=config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(n_aux))
         self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -175,16 +186,24 @@ class Eagle3Head(nn.Module):
         """Target states at aux_layers (list of [B, T, Ht], ascending) -> fc output [B, T, H]."""
         if isinstance(aux, (list, tuple)):
             aux = torch.cat(aux, dim=-1)  # [B, T, n*Ht]
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)  # n x [B, T, Ht]
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
 
     def step(self, hidden, embeds, position_ids, attention_mask, cache=None) -> torch.Tensor:
-        """One draft step: hidden [B, T, H], embeds [B, T, H], position_ids [B, T] -> out [B, T, H]."""
+        """One draft step: hidden [B, T, H], embeds [B, T, H], position_ids [B, T] -> out [B, T, H]
+        (the state carried to the next step: pre-norm, or normed with `norm_output`)."""
         cos_sin = self.rotary_emb(hidden, position_ids)
-        return self.layers[0](embeds.to(hidden.dtype), hidden, cos_sin, attention_mask, cache)
+        out = self.layers[0](embeds.to(hidden.dtype), hidden, cos_sin, attention_mask, cache)
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Pre-norm output [B, T, H] -> draft-vocab logits [B, T, Vd]."""
-        return self.lm_head(self.norm(out))
+        """Step output [B, T, H] -> draft-vocab logits [B, T, Vd] (normed here unless already)."""
+        return self.lm_head(out if self.config.norm_output else self.norm(out))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)

@@ -134,12 +134,26 @@ def check_tree_fits(spec: TreeSpec, target) -> None:
                             f"step but the target's context is {ctx}: use a smaller tree")
 
 
+# head kind -> module with `make_proposer(spec, head, target, sampled)` (EAGLE-3 is built in below)
+KIND_PROPOSERS = {
+    "medusa": "specheads.verify.medusa_proposers",
+    "eagle": "specheads.verify.eagle1_proposers",
+    "mtp": "specheads.verify.mtp_proposers",
+    "draft": "specheads.verify.mtp_proposers",
+}
+
+
 def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
     """The proposer for a spec: a chain proposer (drafts sampled from q when `sampled`) or an
     EAGLE-3 tree proposer (trees are deterministic top-k either way)."""
     from specheads.verify.proposers import Eagle3Proposer
     from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
 
+    kind = getattr(head, "kind", "eagle3")
+    if kind in KIND_PROPOSERS:  # other head kinds: their module's own make_proposer
+        import importlib
+
+        return importlib.import_module(KIND_PROPOSERS[kind]).make_proposer(spec, head, target, sampled)
     if spec.kind == "chain" and sampled:
         from specheads.verify.sample_decode import SampledEagle3Proposer
 

@@ -133,7 +133,8 @@ def gather_rows(out: TargetOutput, rows: torch.Tensor) -> TargetOutput:
     rows = rows.to(out.logits.device)
     return TargetOutput(logits=out.logits.index_select(1, rows),
                         hidden={i: h.index_select(1, rows) for i, h in out.hidden.items()},
-                        cache=out.cache)
+                        cache=out.cache,
+                        final=None if out.final is None else out.final.index_select(1, rows))
 
 
 def count_step(stats: DecodeStats, tree: Tree, accepted: int, emitted: int) -> None:

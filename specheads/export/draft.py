@@ -1,0 +1,182 @@
+"""Draft-model export: an ordinary HF folder (config.json, model.safetensors, the target's tokenizer
+files) that AutoModelForCausalLM, vLLM (`method: draft_model`) and SGLang (`STANDALONE`) load.
+
+Both engines require the target's vocabulary size and tokenizer (vllm_contract.md "draft_model",
+sglang_contract.md F); the check compares the exported tokenizer with the training fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specheads.export.contract import KEY_CHECKS, _found, get_key, read_config, read_tensor_specs
+from specheads.export.contract_rules import (
+    CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
+)
+from specheads.export.eagle3 import DTYPES, ExportRefused
+from specheads.heads.draft import DraftConfig, DraftHead
+
+FORMATS = ("vllm", "sglang")
+REFUSED = {f: "a draft model is a plain HF causal LM: export it with --format vllm or --format sglang"
+           for f in ("vllm-native", "vllm-0.32", "medusa")}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+
+
+def check_exportable(config: DraftConfig, fmt: str, weights=None) -> None:
+    """Every engine loads a plain Llama LM: nothing to refuse beyond the format itself."""
+
+
+def tokenizer_source(ckpt, verifier: str | None) -> Path:
+    """The target folder whose tokenizer files the draft ships with."""
+    from specheads.target import resolve_target_path
+
+    if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
+        return Path(verifier).expanduser()
+    path = (ckpt.recipe.get("target") or {}).get("path") or ""
+    if not path:
+        raise ExportRefused("a draft model ships the target's tokenizer: pass --verifier TARGET_FOLDER")
+    return resolve_target_path(path)
+
+
+def model_tensors(head: DraftHead, dtype: str | None) -> dict[str, torch.Tensor]:
+    """HF names (model.layers.*, lm_head.weight) -> tensors, optionally cast."""
+    cast = DTYPES[dtype] if dtype else None
+    out = {}
+    for name, t in head.model.state_dict().items():
+        t = t.detach().cpu()
+        out[name] = (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous()
+    return out
+
+
+def export_folder(ckpt, fmt: str, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
+    """Write the draft LM as an HF folder at out_dir (atomic, contract-checked)."""
+    from specheads.atomic import atomic_dir
+    from specheads.export import export_record
+    from specheads.export.readme import readme_text, serve_commands, target_ref
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+    head = ckpt.build_head()
+    src = tokenizer_source(ckpt, verifier)
+    tensors = model_tensors(head, dtype)
+    k = k or head.config.ttt_steps
+    target = target_ref(ckpt.provenance, ckpt.recipe, verifier)
+    record = export_record(ckpt, head.config, fmt, k, target, dtype or "float32")
+    record["serve_commands"] = serve_commands(fmt, out_dir, target, k, "draft")
+    config = {**head.config.model_config, "architectures": ["LlamaForCausalLM"], "dtype": record["dtype"]}
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
+        validate(tmp, fmt, expected=head.config)
+    return out_dir
+
+
+# --- the contract -------------------------------------------------------------------------------
+def validate(folder, fmt: str, expected=None) -> None:
+    """Config keys, every tensor of the config's model with its shape, the target's vocabulary and
+    tokenizer (vs specheads.json); raise ContractError listing every violation."""
+    folder, problems = Path(folder), []
+    cfg = read_config(folder, problems)
+    specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
+    record = _record(folder)
+    if cfg is not None:
+        problems += _check_keys(cfg)
+        problems += _check_target(cfg, record)
+        problems += _check_tokenizer(folder, record)
+    if cfg is not None and specs is not None and not problems:
+        problems += _check_tensors(cfg, specs)
+    if problems:
+        raise ContractError(folder, fmt, problems)
+
+
+def _check_keys(cfg: dict) -> list[Violation]:
+    out = []
+    for rule in DRAFT_KEYS:
+        passes, expected = KEY_CHECKS[rule.check]
+        value = get_key(cfg, rule.key)
+        if not passes(value, rule):
+            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), _found(value),
+                                 rule.fix or "re-run the export"))
+    return out
+
+
+def _record(folder: Path) -> dict:
+    try:
+        return json.loads((folder / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _check_target(cfg: dict, record: dict) -> list[Violation]:
+    target = record.get("target") or {}
+    if "vocab_size" in target and cfg.get("vocab_size") != target["vocab_size"]:
+        return [Violation(f"{CONFIG_FILE}: vocab_size", f"{target['vocab_size']} (the target's)", str(cfg.get("vocab_size")),
+                          "vLLM and SGLang refuse a draft whose vocabulary size differs from the target's")]
+    return []
+
+
+def _check_tokenizer(folder: Path, record: dict) -> list[Violation]:
+    """The shipped tokenizer loads and is the target's (same token -> id map)."""
+    from transformers import AutoTokenizer
+
+    from specheads.target import tokenizer_hash
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as err:
+        return [Violation("tokenizer files", "the target's tokenizer", f"none that loads ({str(err)[:80]})",
+                          "copy the target's tokenizer files into the folder")]
+    want = (record.get("target") or {}).get("tokenizer_sha256")
+    if want and tokenizer_hash(tok) != want:
+        return [Violation("tokenizer files", "the target's tokenizer (training fingerprint)", "a different vocabulary",
+                          "both engines need the target's tokenizer; copy the target's files")]
+    return []
+
+
+def _check_tensors(cfg: dict, specs: dict) -> list[Violation]:
+    """Exactly the parameters of the config's LlamaForCausalLM, with their shapes, in one float dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}))
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    out = []
+    for name in sorted(set(want) | set(specs)):
+        got = specs.get(name)
+        if name not in want:
+            out.append(Violation(f"{WEIGHTS_FILE}: {name}", "no such tensor", str(got[1]), "not a parameter of this model"))
+        elif got is None or got[1] != want[name]:
+            out.append(Violation(f"{WEIGHTS_FILE}: {name}", f"shape {list(want[name])}", str(got and list(got[1])),
+                                 "the weights and config.json disagree; export again"))
+    floats = {d for d, _ in specs.values()}
+    if len(floats) > 1 or not floats <= {"F32", "BF16", "F16"}:
+        out.append(Violation(WEIGHTS_FILE, "one floating dtype", ", ".join(sorted(floats)), "export with one dtype"))
+    return out
+
+
+# --- loading back -------------------------------------------------------------------------------
+def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
+    """A draft-model folder -> (DraftHead in eval mode, meta), through AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM
+
+    if check:
+        validate(meta.folder, meta.format)
+    model = AutoModelForCausalLM.from_pretrained(meta.folder, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation)
+    cfg = json.loads((meta.folder / CONFIG_FILE).read_text())
+    trained = meta.head_config or {}
+    config = DraftConfig(model_config={k: v for k, v in cfg.items() if k not in ("architectures", "dtype")},
+                         vocab_size=cfg["vocab_size"], ttt_steps=trained.get("ttt_steps", 4),
+                         init_from_target=trained.get("init_from_target", True))
+    return DraftHead(config, model=model).eval(), meta

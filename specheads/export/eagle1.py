@@ -1,0 +1,173 @@
+"""EAGLE-1 writers, contract check and loader: vLLM 0.33 (`method: eagle`) and SGLang 0.5.23
+(`LlamaForCausalLMEagle`), research/vllm_contract.md §2 and research/sglang_contract.md §2 / A.
+
+Both read a Llama config and bare `fc.*` / `layers.0.*` names, no input norm on layer 0, no final
+norm, no lm_head. They differ on the fc bias: vLLM builds fc without one (a trained bias would be
+dropped silently, so such heads are refused), SGLang requires one (a head trained without it
+gets an exact zero bias).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from specheads.export.contract import (
+    KEY_CHECKS, _found, check_files, check_tensors, config_dims, config_rope, get_key,
+    read_config, read_tensor_specs,
+)
+from specheads.export.contract_rules import (
+    CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
+    contract_for,
+)
+from specheads.export.eagle3 import DTYPES, ExportRefused, layer_keys
+from specheads.heads.eagle import EagleConfig, EagleHead
+
+FORMATS = ("vllm", "sglang")
+ARCHITECTURES = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}
+REFUSED = {"vllm-native": "EAGLE-1 has one vLLM format: use --format vllm (method: eagle)"}
+
+
+def check_exportable(config: EagleConfig, fmt: str, weights: dict) -> None:
+    """Refuse formats that would drop trained weights."""
+    if fmt == "vllm" and "fc.bias" in weights:
+        raise ExportRefused(
+            "this EAGLE-1 head was trained with fc_bias: true, but vLLM builds fc without a bias and "
+            "would silently drop the trained one. Export it with --format sglang, or retrain with "
+            "head.fc_bias: false for vLLM.")
+
+
+def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Head tensors under the engines' names; SGLang gets an exact zero fc.bias when there is none."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+    out = {name: t.detach().cpu() for name, t in weights.items()}
+    if fmt == "sglang" and "fc.bias" not in out:
+        out["fc.bias"] = torch.zeros(out["fc.weight"].shape[0], dtype=out["fc.weight"].dtype)  # [H]
+    return {n: (t.to(DTYPES[dtype]) if dtype else t).contiguous() for n, t in out.items()}
+
+
+def config_json(config: EagleConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
+                dtype: str) -> dict:
+    """A Llama config.json (one decoder layer) under the engine's EAGLE-1 architecture name."""
+    keys = layer_keys(_as_layer(config), dtype)
+    keys.pop("num_aux_hidden_states")
+    return {"architectures": list(ARCHITECTURES[fmt]), **keys, "tie_word_embeddings": False}
+
+
+def _as_layer(config: EagleConfig):
+    """The fields `eagle3.layer_keys` reads (aux_layers is popped again by the caller)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{k: getattr(config, k) for k in (
+        "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+        "rope_parameters")}, aux_layers=[])
+
+
+# --- contract check ----------------------------------------------------------------------------
+def check_keys(cfg: dict, contract) -> list[Violation]:
+    """The format's key rules plus the Llama decoder-layer keys, all at the top level."""
+    out = []
+    for rule in contract.keys + LAYER_KEYS:
+        passes, expected = KEY_CHECKS[rule.check]
+        value = get_key(cfg, rule.key)
+        if not passes(value, rule):
+            found = "no RoPE keys" if rule.check == "rope" else _found(value)
+            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), found,
+                                 rule.fix or "re-run the export"))
+    return out
+
+
+def check_forbidden(specs: dict) -> list[Violation]:
+    """EAGLE-1-specific names that must not be shipped (reported with the reason)."""
+    return [Violation(f"{WEIGHTS_FILE}: {name}", "no such tensor", "an unexpected tensor", why)
+            for name in sorted(specs) for pat, why in EAGLE1_FORBIDDEN if re.search(pat, name)]
+
+
+def check_against_head(cfg: dict, head: dict) -> list[Violation]:
+    """Sizes and RoPE agree with the trained head's config."""
+    out = []
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "rms_norm_eps"):
+        if key in cfg and cfg[key] != head[key]:
+            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)", _found(cfg[key]),
+                                 "export again from the checkpoint this head came from"))
+    if config_rope(cfg) not in (None, head["rope_parameters"]):
+        out.append(Violation(f"{CONFIG_FILE}: rope_parameters", json.dumps(head["rope_parameters"]),
+                             json.dumps(config_rope(cfg)), "copy the head's (= the target's) RoPE settings"))
+    return out
+
+
+def validate(folder: str | Path, fmt: str, expected=None) -> None:
+    """Check an EAGLE-1 export folder against its engine's loader; raise ContractError listing all."""
+    from dataclasses import asdict, is_dataclass
+
+    folder, contract = Path(folder), contract_for(fmt, "eagle")
+    problems: list[Violation] = []
+    cfg = read_config(folder, problems)
+    specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
+    if folder.is_dir():
+        problems += check_files(folder)
+    if cfg is not None:
+        problems += check_keys(cfg, contract)
+        head = asdict(expected) if is_dataclass(expected) else _recorded_head(folder)
+        if head is not None:
+            problems += check_against_head(cfg, head)
+    if cfg is not None and specs is not None:
+        forbidden = check_forbidden(specs)
+        named = {v.where for v in forbidden}
+        problems += forbidden + [v for v in check_tensors(specs, config_dims(cfg, contract), contract)
+                                 if v.where not in named]
+    if problems:
+        raise ContractError(folder, fmt, problems)
+
+
+def _recorded_head(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / META_FILE).read_text()).get("head_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+# --- load back ---------------------------------------------------------------------------------
+def config_from_export(cfg: dict, trained: dict | None = None) -> EagleConfig:
+    """Rebuild the head config from config.json; `trained` supplies only training-only fields."""
+    trained = trained or {}
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    return EagleConfig(
+        hidden_size=hidden, intermediate_size=cfg["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or hidden // heads, vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg["max_position_embeddings"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_parameters=config_rope(cfg) or {"rope_type": "default", "rope_theta": 10000.0},
+        fc_bias=bool(trained.get("fc_bias", False)), ttt_steps=trained.get("ttt_steps", 1),
+        step_decay=trained.get("step_decay", 0.8), cls_weight=trained.get("cls_weight", 0.1),
+        noise=trained.get("noise", 0.0), hidden_act=cfg.get("hidden_act", "silu"),
+    )
+
+
+def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[EagleHead, object]:
+    """An EAGLE-1 export folder -> (head in eval mode, meta). A zero SGLang fc.bias is dropped
+    again when the head was trained without one."""
+    from specheads.export.checkpoint import load_strict
+    from specheads.export.load import _read_json, read_weights
+
+    if check:
+        validate(meta.folder, meta.format)
+    config = config_from_export(_read_json(meta.folder / CONFIG_FILE, meta.format), meta.head_config)
+    tensors = read_weights(meta.folder / WEIGHTS_FILE)
+    bias = tensors.get("fc.bias")
+    if bias is not None and not config.fc_bias:
+        if bool(bias.any()):
+            config.fc_bias = True  # a bias the engine will use: keep it
+        else:
+            tensors.pop("fc.bias")
+    tensors.pop("embed_tokens.weight", None)  # the target's embedding is used
+    head = EagleHead(config, attn_implementation=attn_implementation)
+    load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
+    return head.eval(), meta
+

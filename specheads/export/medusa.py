@@ -1,0 +1,224 @@
+"""Medusa writers, contract check and loader: the original Medusa layout and vLLM <= 0.32's.
+
+"medusa": config.json with medusa_num_heads / medusa_num_layers / base_model_name_or_path and
+`medusa_lm_head.safetensors` holding `{k}.{l}.linear.{weight,bias}` (block l of head k) and
+`{k}.{L}.weight` (its output layer); the original blocks always carry a bias, so a head trained
+without one gets exact zeros. "vllm-0.32": `MedusaModel` (research/vllm_contract.md §4) with
+`blocks.{k}.layers.{l}.weight` (+ `.bias` with medusa_fc_bias) and `lm_heads.{k}.weight`.
+vLLM 0.33 removed Medusa and SGLang 0.5.23 has no Medusa loader: those formats are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.export.contract import (
+    KEY_CHECKS, _found, check_float_dtypes, get_key, read_config, read_tensor_specs,
+)
+from specheads.export.contract_rules import (
+    CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, TensorRule, Violation, contract_for,
+)
+from specheads.export.eagle3 import DTYPES, ExportRefused
+from specheads.heads.medusa import MedusaConfig, MedusaHead
+
+FORMATS = ("medusa", "vllm-0.32")
+ORIGINAL_FILE = "medusa_lm_head.safetensors"
+WEIGHTS_FILES = {"medusa": ORIGINAL_FILE, "vllm-0.32": WEIGHTS_FILE}
+NO_LOADER = ("vLLM 0.33 removed Medusa (model, proposer and the 'medusa' method) and SGLang 0.5.23 has no "
+             "Medusa loader, so no current engine can serve these heads. Export with --format vllm-0.32 "
+             "(vLLM <= 0.32, MedusaModel) or --format medusa (the original Medusa layout)")
+REFUSED = {"vllm": NO_LOADER, "vllm-native": NO_LOADER, "sglang": NO_LOADER}
+ORIGINAL_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+
+
+def check_exportable(config: MedusaConfig, fmt: str, weights: dict) -> None:
+    """Both layouts hold every trained tensor (a missing bias becomes exact zeros): nothing to refuse."""
+
+
+def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Head tensors under the format's names, optionally cast to `dtype`."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+    out = {name: t.detach().cpu() for name, t in weights.items()}
+    if fmt == "medusa":
+        out = to_original(out)
+    return {n: (t.to(DTYPES[dtype]) if dtype else t).contiguous() for n, t in out.items()}
+
+
+def to_original(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our (= vLLM's) names -> the original layout; blocks without a bias get zeros [H]."""
+    out = {}
+    num_layers = 1 + max(int(n.split(".")[3]) for n in weights if n.startswith("blocks."))
+    for name, t in weights.items():
+        parts = name.split(".")
+        if parts[0] == "blocks":  # blocks.{k}.layers.{l}.{weight|bias}
+            out[f"{parts[1]}.{parts[3]}.linear.{parts[4]}"] = t
+            bias = f"blocks.{parts[1]}.layers.{parts[3]}.bias"
+            if parts[4] == "weight" and bias not in weights:
+                out[f"{parts[1]}.{parts[3]}.linear.bias"] = torch.zeros(t.shape[0], dtype=t.dtype)
+        else:  # lm_heads.{k}.weight
+            out[f"{parts[1]}.{num_layers}.weight"] = t
+    return out
+
+
+def from_original(tensors: dict[str, torch.Tensor], num_layers: int, bias: bool) -> dict[str, torch.Tensor]:
+    """The original layout -> head state-dict names (zero biases dropped when `bias` is false)."""
+    out = {}
+    for name, t in tensors.items():
+        m = ORIGINAL_NAME.match(name)
+        if m is None:
+            raise ValueError(f"{ORIGINAL_FILE}: tensor '{name}' is not a Medusa head tensor")
+        k, l, what = m.groups()
+        if int(l) == num_layers:
+            out[f"lm_heads.{k}.weight"] = t
+        elif what == "weight" or bias:
+            out[f"blocks.{k}.layers.{l}.{what}"] = t
+    return out
+
+
+def config_json(config: MedusaConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
+                dtype: str) -> dict:
+    """config.json for `fmt` (K heads; k drafts per step is recorded in specheads.json)."""
+    if fmt == "medusa":
+        return {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
+                "base_model_name_or_path": verifier, "hidden_size": config.hidden_size,
+                "vocab_size": config.vocab_size, "dtype": dtype}
+    return {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": config.num_heads,
+            "num_hidden_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
+            "medusa_fc_bias": bool(config.bias), "original_lm_head": False, "logit_scale": 1.0,
+            "dtype": dtype}
+
+
+# --- contract check ----------------------------------------------------------------------------
+def shape_of(cfg: dict, fmt: str) -> tuple[int, int, bool] | None:
+    """(num_heads, num_layers, bias) as config.json declares them; None when keys are missing."""
+    keys = ("medusa_num_heads", "medusa_num_layers") if fmt == "medusa" else ("num_heads", "num_hidden_layers")
+    K, L = cfg.get(keys[0]), cfg.get(keys[1])
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (K, L)):
+        return None
+    return K, L, True if fmt == "medusa" else cfg.get("medusa_fc_bias") is True
+
+
+def tensor_rules(fmt: str, K: int, L: int, bias: bool) -> list[TensorRule]:
+    """Every tensor the format needs for K heads of L blocks (shapes over H and V)."""
+    rules = []
+    for k in range(K):
+        for l in range(L):
+            stem = f"{k}.{l}.linear." if fmt == "medusa" else f"blocks.{k}.layers.{l}."
+            rules.append(TensorRule(stem + "weight", ("H", "H")))
+            if bias:
+                rules.append(TensorRule(stem + "bias", ("H",)))
+        rules.append(TensorRule(f"{k}.{L}.weight" if fmt == "medusa" else f"lm_heads.{k}.weight", ("V", "H")))
+    return rules
+
+
+def check_tensors(specs: dict, cfg: dict, fmt: str) -> list[Violation]:
+    """Required names with the config's shapes; nothing else (stray names are dropped or fatal)."""
+    file, shape = WEIGHTS_FILES[fmt], shape_of(cfg, fmt)
+    if shape is None:
+        return []  # the key violations say what is missing
+    dims = {"H": cfg.get("hidden_size"), "V": cfg.get("vocab_size")}
+    rules, out = {r.name: r for r in tensor_rules(fmt, *shape)}, []
+    for name, rule in rules.items():
+        if name not in specs:
+            out.append(Violation(f"{file}: {name}", "the tensor", "no tensor",
+                                 "the loader would leave this head layer uninitialised; re-export"))
+            continue
+        want = tuple(dims.get(d) for d in rule.shape)
+        if None not in want and tuple(specs[name][1]) != want:
+            out.append(Violation(f"{file}: {name}", f"shape {list(want)} ({' x '.join(rule.shape)})",
+                                 str(list(specs[name][1])), "the weights and config.json disagree; re-export"))
+    for name in sorted(set(specs) - set(rules)):
+        why = ("a bias while medusa_fc_bias is false: vLLM would fail on it; set medusa_fc_bias: true or "
+               "remove it" if name.endswith(".bias") else "not a tensor of this layout: rename or remove it")
+        out.append(Violation(f"{file}: {name}", "no such tensor", "an unexpected tensor", why))
+    return out + check_float_dtypes(specs)
+
+
+def check_keys(cfg: dict, fmt: str) -> list[Violation]:
+    """The format's config.json key rules."""
+    out = []
+    for rule in contract_for(fmt, "medusa").keys:
+        passes, expected = KEY_CHECKS[rule.check]
+        value = get_key(cfg, rule.key)
+        if not passes(value, rule):
+            out.append(Violation(f"{CONFIG_FILE}: {rule.key}", expected(rule), _found(value),
+                                 rule.fix or "re-run the export"))
+    return out
+
+
+def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
+    """Heads, blocks, widths and bias as trained."""
+    declared = shape_of(cfg, fmt)
+    out = []
+    if declared is not None and declared[:2] != (head["num_heads"], head["num_layers"]):
+        out.append(Violation(f"{CONFIG_FILE}: heads / layers", f"{head['num_heads']} / {head['num_layers']} "
+                             "(the trained head's)", f"{declared[0]} / {declared[1]}", "export again"))
+    if fmt == "vllm-0.32" and cfg.get("medusa_fc_bias") is not None and cfg.get("medusa_fc_bias") != head["bias"]:
+        out.append(Violation(f"{CONFIG_FILE}: medusa_fc_bias", json.dumps(head["bias"]),
+                             _found(cfg.get("medusa_fc_bias")), "it must match training; export again"))
+    for key in ("hidden_size", "vocab_size"):
+        if key in cfg and cfg[key] != head[key]:
+            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)", _found(cfg[key]),
+                                 "export again from the checkpoint these heads came from"))
+    return out
+
+
+def validate(folder: str | Path, fmt: str, expected=None) -> None:
+    """Check a Medusa export folder against its loader; raise ContractError listing every problem."""
+    folder = Path(folder)
+    contract_for(fmt, "medusa")
+    problems: list[Violation] = []
+    cfg = read_config(folder, problems)
+    specs = read_tensor_specs(folder / WEIGHTS_FILES[fmt], problems)
+    if folder.is_dir():
+        problems += [Violation(str(p), f"only {WEIGHTS_FILES[fmt]} as weights", "an extra weights file",
+                               "remove it: the loader may read it instead of the export")
+                     for p in sorted(folder.iterdir()) if p.name != WEIGHTS_FILES[fmt]
+                     and (p.suffix in {".safetensors", ".bin", ".pt", ".pth", ".pkl"} or p.name.endswith(".index.json"))]
+    if cfg is not None:
+        problems += check_keys(cfg, fmt)
+        head = asdict(expected) if is_dataclass(expected) else _recorded_head(folder)
+        if head is not None:
+            problems += check_against_head(cfg, fmt, head)
+    if cfg is not None and specs is not None:
+        problems += check_tensors(specs, cfg, fmt)
+    if problems:
+        raise ContractError(folder, fmt, problems)
+
+
+def _recorded_head(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / META_FILE).read_text()).get("head_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+# --- load back ---------------------------------------------------------------------------------
+def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[MedusaHead, object]:
+    """A Medusa export folder -> (heads in eval mode, meta); rebuilt from config.json alone."""
+    from specheads.export.checkpoint import load_strict
+    from specheads.export.load import _read_json, read_weights
+
+    fmt = meta.format
+    if check:
+        validate(meta.folder, fmt)
+    cfg = _read_json(meta.folder / CONFIG_FILE, fmt)
+    K, L, bias = shape_of(cfg, fmt)
+    tensors = read_weights(meta.folder / WEIGHTS_FILES[fmt])
+    if fmt == "medusa":
+        bias = bool((meta.head_config or {}).get("bias", True)) or any(
+            bool(t.any()) for n, t in tensors.items() if n.endswith(".bias"))
+        tensors = from_original(tensors, L, bias)
+    trained = meta.head_config or {}
+    config = MedusaConfig(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], num_heads=K,
+                          num_layers=L, bias=bias, step_decay=trained.get("step_decay", 0.8))
+    head = MedusaHead(config)
+    load_strict(head, tensors, str(meta.folder / WEIGHTS_FILES[fmt]))
+    return head.eval(), meta

@@ -1,0 +1,102 @@
+"""Medusa proposers: a chain (argmax of heads 1..k) and static trees (Medusa choice lists).
+
+Medusa heads read only the target's final-normed state at the last verified position, never the
+drafted prefix, so a node's token depends on its depth and rank alone: the node at choice path
+(r_1, .., r_d) holds the r_d-th most likely token of head d. Nothing is cached between steps
+except that one state [1, H] (research/algorithms.md §1.5-1.7).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.target import TargetError, TargetOutput
+from specheads.verify.trees import Tree, TreeError, tree_from_choices
+
+
+def check_medusa_fits(head, target) -> None:
+    """Refuse heads whose width / vocabulary differ from the target's."""
+    cfg = head.config
+    if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
+        raise TargetError(f"the Medusa heads (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) do not fit "
+                          f"this target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+
+
+class MedusaProposer:
+    """Chain drafts: d_j = argmax of head j on the last verified position's final state."""
+
+    layers: list[int] = []
+
+    def __init__(self, head, target):
+        check_medusa_fits(head, target)
+        self.head = head.eval()
+        self.target = target
+        self.last = None  # final-normed state of the last verified position: [1, H]
+
+    def _remember(self, out: TargetOutput, row: int) -> None:
+        if out.final is None:
+            raise RuntimeError("the target output carries no final-normed state (TargetOutput.final)")
+        self.last = out.final[0, row: row + 1]  # [1, H]
+
+    def start(self, prompt_ids: torch.Tensor, first_token: int, out: TargetOutput) -> None:
+        self._remember(out, prompt_ids.numel() - 1)
+
+    @torch.no_grad()
+    def ranked(self, depth: int, k: int) -> torch.Tensor:
+        """The top-k token ids [k] of head `depth` (1-based)."""
+        return self.head.head_logits(depth - 1, self.last)[0].topk(k).indices
+
+    @torch.no_grad()
+    def propose(self, k: int) -> torch.Tensor:
+        """Up to min(k, K) draft tokens [n]."""
+        n = min(k, self.head.config.num_heads)
+        if n == 0:
+            return torch.empty(0, dtype=torch.long)
+        return self.head.all_logits(self.last)[:n, 0].argmax(-1)  # [n]
+
+    def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput,
+               start: int) -> None:
+        self._remember(out, inputs.numel() - 1)
+
+
+class MedusaStaticTreeProposer:
+    """A fixed Medusa tree: node (r_1, .., r_d) holds rank r_d of head d (rank 0 = argmax)."""
+
+    def __init__(self, head, target, tree: Tree | list):
+        self.chain = MedusaProposer(head, target)
+        self.layers = self.chain.layers
+        self.tree = tree if isinstance(tree, Tree) else tree_from_choices(tree)
+        if self.tree.max_depth > head.config.num_heads:
+            raise TreeError(f"the tree is {self.tree.max_depth} levels deep but there are only "
+                            f"{head.config.num_heads} Medusa heads: use a tree of depth <= "
+                            f"{head.config.num_heads}")
+        self.max_nodes = self.tree.size
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        self.chain.start(prompt_ids, first_token, out)
+
+    def accept(self, inputs, following, out, start) -> None:
+        self.chain.accept(inputs, following, out, start)
+
+    @torch.no_grad()
+    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
+        tree = self.tree
+        depths, ranks = tree.depths.tolist(), tree.ranks.tolist()
+        tokens = torch.zeros(tree.size, dtype=torch.long)
+        for depth in range(1, tree.max_depth + 1):
+            level = [v for v in range(tree.size) if depths[v] == depth]
+            top = self.chain.ranked(depth, max(ranks[v] for v in level) + 1).cpu()
+            for v in level:
+                tokens[v] = top[ranks[v]]
+        return tree, tokens[1:].to(self.chain.last.device)
+
+
+def make_proposer(spec, head, target, sampled: bool = False):
+    """Medusa proposer for a `TreeSpec`: a chain or a static tree (drafts are always top-k; sampled
+    chains verify them as point masses, which stays lossless)."""
+    if spec.kind == "chain":
+        return MedusaProposer(head, target)
+    if spec.kind == "static":
+        return MedusaStaticTreeProposer(head, target, list(spec.choices))
+    raise TreeError(f"Medusa heads cannot grow '{spec.kind}' trees (each head ignores the drafted "
+                    "prefix); use a chain or a static tree file (--tree FILE.json)")
