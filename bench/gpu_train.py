@@ -5,7 +5,9 @@ verifier's speed over plain decoding at batch 1. Writes OUT/gpu_train.json.
     python bench/gpu_train.py --out runs/bench            # on one GPU (bf16), ~5 minutes on an H200
     python bench/gpu_train.py --out /tmp/b --preset tiny  # a seconds-long CPU run (fp32) so it cannot rot
 
-Needs only PyTorch, transformers and accelerate: it imports specheads from this checkout.
+Needs only PyTorch, transformers and accelerate (`pip install torch transformers accelerate` on a
+GPU machine, CUDA build of torch); it imports specheads from this checkout, so run it from a
+clone, unchanged. Results: OUT/gpu_train.json (also printed).
 Weights are random, so acceptance is meaningless here; the verifier is measured with an oracle
 proposer (always right: the ceiling, tau = k + 1) and with the random head (always wrong: the
 overhead floor, tau = 1).

@@ -1,24 +1,31 @@
 """Training entry point; the only module that builds an Accelerator.
 
     specheads train RECIPE [key=value ...]
-    accelerate launch -m specheads.train RECIPE [key=value ...]
+    accelerate launch --config_file recipes/accelerate/ddp.yaml -m specheads.train RECIPE [key=value ...]
     torchrun --nproc_per_node 2 -m specheads.train RECIPE [key=value ...]
+
+The strategy (DDP, FSDP2, DeepSpeed ZeRO-2/3) comes from the accelerate launch config; only the
+drafter is prepared (wrapped, sharded), the frozen target is loaded whole on every process.
+Resume is exact: data order is a function of the step, and the head, optimizer (per rank),
+scheduler and RNG states come back from the latest checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import copy
+import hashlib
 import json
-import math
+import os
+import random
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specheads.config import Recipe, load_recipe, to_dict
+from specheads.config import Recipe, TrainConfig, load_recipe, to_dict
+from specheads.runlog import RunLog, new_window, window_record
+from specheads.schedule import BatchPlan, lr_factor, validation_split
 
 
 class TrainError(ValueError):
@@ -28,6 +35,7 @@ class TrainError(ValueError):
 # heads whose options an engine cannot reproduce: (format, option) -> reason
 UNSUPPORTED_VARIANTS = {
     ("sglang", "norm_before_residual"): "SGLang 0.5.23 always uses the raw fc output as the residual",
+    ("vllm", "fc_bias"): "vLLM builds the EAGLE-1 fc without a bias and drops a trained one silently",
 }
 
 
@@ -39,51 +47,6 @@ def check_export_compat(recipe: Recipe) -> None:
                 f"head.{option}: true cannot be exported to {fmt} ({reason}). Set head.{option}: "
                 f"false, or drop '{fmt}' from export.formats."
             )
-
-
-@dataclass
-class BatchPlan:
-    """Deterministic data order: global micro-batch g -> sample indices for one rank (resumable).
-
-    Each epoch is a seeded permutation cut into windows of `bucket` global batches; inside a
-    window samples are sorted by length so a batch pads little, and batch order is shuffled.
-    """
-
-    lengths: list[int]
-    batch_size: int
-    world: int
-    rank: int
-    seed: int
-    bucket: int = 32
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.world
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return max(1, len(self.lengths) // self.global_batch)
-
-    @functools.lru_cache(maxsize=2)
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        perm = torch.randperm(len(self.lengths), generator=gen).tolist()
-        n = self.batches_per_epoch * self.global_batch
-        perm = perm[:n] if len(perm) >= self.global_batch else (perm * self.global_batch)[: self.global_batch]
-        window = self.bucket * self.global_batch
-        batches = []
-        for w in range(0, len(perm), window):
-            chunk = sorted(perm[w:w + window], key=lambda k: self.lengths[k])
-            batches += [chunk[b:b + self.global_batch] for b in range(0, len(chunk), self.global_batch)]
-        order = torch.randperm(len(batches), generator=gen).tolist()
-        return [batches[o] for o in order]
-
-    def indices(self, g: int) -> list[int]:
-        epoch, pos = divmod(g, self.batches_per_epoch)
-        batch = self.epoch_batches(epoch)[pos]
-        return batch[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-
-    __hash__ = object.__hash__
 
 
 def prepare_samples(recipe: Recipe, tokenizer, report=print):
@@ -116,25 +79,18 @@ def build_head(recipe: Recipe, target, samples):
     from specheads.heads.vocab import build_vocab_map, count_tokens
 
     head = head_class(recipe.head.kind).for_target(recipe.head, target.config)
+    if hasattr(head, "init_from_target"):  # e.g. Medusa output layers start as the target's head
+        head.init_from_target(target)
     if hasattr(head, "set_vocab_map"):
-        d2t, t2d = build_vocab_map(count_tokens(samples, target.vocab_size), head.config.draft_vocab_size)
+        if recipe.data.vocab_stats:
+            from specheads.data.vocab_stats import load_vocab_stats
+
+            counts = load_vocab_stats(recipe.data.vocab_stats, target)
+        else:
+            counts = count_tokens(samples, target.vocab_size)
+        d2t, t2d = build_vocab_map(counts, head.config.draft_vocab_size)
         head.set_vocab_map(d2t, t2d)
     return head
-
-
-def lr_lambda(recipe: Recipe):
-    """Linear warmup then cosine (or constant) decay, as a LambdaLR factor."""
-    t = recipe.train
-
-    def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.schedule == "constant":
-            return 1.0
-        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def make_batch(samples, idx, pad_id, device):
@@ -143,67 +99,298 @@ def make_batch(samples, idx, pad_id, device):
     return {k: v.to(device) for k, v in collate([samples[i] for i in idx], pad_id).items()}
 
 
-def head_inputs(target, head, batch) -> dict:
-    """Frozen-target features for one batch: what the head's loss needs, nothing more."""
-    return head.expand(target, head.collect(target, batch), batch)
+def head_inputs(target, head, batch, features=None) -> dict:
+    """Frozen-target features for one batch: what the head's loss needs, nothing more.
+
+    `features` is `specheads.data.features.feature_source(recipe.data.features, target, head)`
+    (offline capture or online collect); None = online.
+    """
+    feats = features(batch) if features is not None else head.collect(target, batch)
+    return head.expand(target, feats, batch)
 
 
+# --- the accelerator and the strategy it was launched with -----------------------------------
+def build_accelerator(t: TrainConfig, out_dir: Path):
+    """Accelerator from the launch config (DDP / FSDP / DeepSpeed) and the recipe's precision."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    # on CPU, gloo: DeepSpeed otherwise counts one process and fails its batch-size check
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not launched:  # a second train() in one process (tests, the demo) may change the precision
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not cuda else []
+    # accelerate honours a DeepSpeed launch config only when not forced onto the CPU
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    acc = Accelerator(cpu=not cuda and not deepspeed, gradient_accumulation_steps=t.grad_accum,
+                      mixed_precision=t.mixed_precision, log_with=t.report_to or None,
+                      project_dir=str(out_dir), kwargs_handlers=handlers)
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if plugin is not None:  # DeepSpeed clips inside its engine; accelerate's clip_grad_norm_ is a no-op
+        ds = plugin.deepspeed_config
+        if ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = t.max_grad_norm
+        ds["train_micro_batch_size_per_gpu"] = t.batch_size
+        ds["gradient_accumulation_steps"] = t.grad_accum
+        ds["train_batch_size"] = t.batch_size * t.grad_accum * acc.num_processes
+    return acc
+
+
+def cpu_fsdp(accelerator) -> bool:
+    """An FSDP launch without CUDA: accelerate runs it as plain multi-CPU, so we shard ourselves."""
+    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+            and accelerator.device.type == "cpu" and accelerator.num_processes > 1)
+
+
+def strategy(accelerator) -> str:
+    if cpu_fsdp(accelerator):
+        return "fsdp2-cpu"
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        return f"deepspeed-zero{plugin.zero_stage}"
+    if accelerator.num_processes == 1:
+        return "single"
+    return str(accelerator.distributed_type).split(".")[-1].lower()
+
+
+def wrap(accelerator, head, t: TrainConfig):
+    """(model, optimizer, the torch optimizer inside) for the launch's strategy; only the drafter
+    is ever wrapped. The LR scheduler drives the inner torch optimizer's param groups."""
+    if cpu_fsdp(accelerator):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(head)  # before the optimizer: parameters become sharded DTensors
+    base = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=t.lr,
+                             weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    if cpu_fsdp(accelerator):
+        return head, accelerator.prepare(base), base
+    return *accelerator.prepare(head, base), base
+
+
+def shard_target(target, device) -> None:
+    """FSDP2 over the frozen target's decoder layers: each process keeps 1/N of every layer and
+    gathers it in forward; embeddings, final norm and lm_head (called directly) stay whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in target.decoder_layers:
+        fully_shard(layer)
+    target.model.to(device)
+
+
+def load_target(accelerator, recipe: Recipe):
+    """The frozen target, whole on every process (a ZeRO-3 launch would partition it on load)."""
+    from specheads.target import Target
+
+    sharded = recipe.train.shard_target and accelerator.num_processes > 1
+
+    def load():
+        device = "cpu" if sharded else str(accelerator.device)  # sharded: load on the host, then split
+        target = Target.load(recipe.target.path, dtype=recipe.target.dtype, device=device,
+                             attn_implementation=recipe.target.attn_implementation)
+        if sharded:
+            shard_target(target, accelerator.device)
+            local = sum(getattr(q, "to_local", lambda q=q: q)().numel() for q in target.model.parameters())
+            total = sum(q.numel() for q in target.model.parameters())
+            accelerator.print(f"[specheads] target sharded over {accelerator.num_processes} processes: "
+                              f"{local:,} of {total:,} parameters on each")
+        return target
+
+    hf_ds = getattr(getattr(accelerator.state, "deepspeed_plugin", None), "dschf", None)
+    if hf_ds is None:
+        return load()
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # transformers would load the target through zero.Init
+    try:
+        return load()
+    finally:
+        set_hf_deepspeed_config(hf_ds)
+
+
+def full_state(accelerator, model) -> dict:
+    """Collective: the drafter's full state dict on the main process (may be empty elsewhere)."""
+    if cpu_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return accelerator.get_state_dict(model)
+
+
+# --- checkpoints: save on every rank, resume ---------------------------------------------------
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def state_digest(state: dict) -> str:
+    """sha256 over names and bytes of a state dict: equal digests = identical weights."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save(accelerator, model, optim, sched, out_dir: Path, step: int, recipe: Recipe, prov: dict,
+         trainer_state: dict):
+    """Checkpoint on all ranks: gathered full head weights, per-rank optimizer and RNG shards."""
+    from specheads.export.checkpoint import save_checkpoint
+
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    full = full_state(accelerator, model)
+    digests = gather_object([state_digest(full) if full else None])  # one per rank
+    rank = accelerator.process_index
+    shard = {"optimizer": optim.state_dict(), "rng": rng_state()}
+
+    def write_shards(tmp: Path) -> None:
+        torch.save(shard, Path(tmp) / f"rank{rank:03d}.pt")
+        accelerator.wait_for_everyone()
+
+    if accelerator.is_main_process:
+        def before_commit(tmp: Path) -> None:
+            broadcast_object_list([str(tmp)])  # tells the other ranks where to write
+            write_shards(tmp)
+
+        save_checkpoint(out_dir, step, accelerator.unwrap_model(model), to_dict(recipe), prov,
+                        {**trainer_state, "weights_sha256_per_rank": digests}, None, sched.state_dict(),
+                        recipe.train.keep_last, state=full, keep_best=recipe.train.keep_best,
+                        before_commit=before_commit)
+    else:
+        where = [None]
+        broadcast_object_list(where)
+        write_shards(Path(where[0]))
+    accelerator.wait_for_everyone()
+
+
+def restore(accelerator, optim, sched, ckpt_dir: Path, saved_world: int) -> None:
+    """Per-rank optimizer + RNG state and the scheduler from a checkpoint (same world size)."""
+    import torch.distributed.tensor  # noqa: F401  (lets weights_only loading rebuild FSDP2 DTensors)
+
+    shard_path = ckpt_dir / f"rank{accelerator.process_index:03d}.pt"
+    deepspeed = strategy(accelerator).startswith("deepspeed")
+    if saved_world != accelerator.num_processes or not shard_path.is_file():
+        accelerator.print(f"[specheads] {ckpt_dir}: no optimizer state for {accelerator.num_processes} "
+                          f"process(es) (written by {saved_world}); weights and schedule restored, "
+                          "optimizer moments restart")
+    else:
+        # ZeRO's optimizer state holds DeepSpeed's own classes: full unpickling, of a file this
+        # trainer wrote into the run's own folder; every other strategy loads tensors only
+        shard = torch.load(shard_path, weights_only=not deepspeed)
+        state = shard["optimizer"]
+        if deepspeed:  # ZeRO reads the list entry of its own rank
+            state = [state if r == accelerator.process_index else None for r in range(saved_world)]
+        optim.load_state_dict(state)
+        set_rng_state(shard["rng"])
+    if (ckpt_dir / "scheduler.pt").is_file():
+        sched.load_state_dict(torch.load(ckpt_dir / "scheduler.pt", weights_only=True))
+
+
+def truncate_metrics(log_path: Path, step: int) -> None:
+    """Drop records a killed run logged after its last checkpoint, so the log reads as one run."""
+    from specheads.atomic import write_text
+
+    if not log_path.is_file():
+        return
+    keep = []
+    for line in log_path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line cut short by the kill
+    write_text(log_path, "".join(ln + "\n" for ln in keep))
+
+
+# --- validation -----------------------------------------------------------------------
+def validate(accelerator, model, evaluator, target, val_samples, batch_size: int) -> float | None:
+    """Offline (teacher-forced) tau on the held-out split, from full weights; the main process's
+    number counts. With a sharded target every process runs the same forwards (they gather layers
+    together); the others may hold stale head weights, their result is discarded."""
+    from specheads.eval.offline import offline_acceptance
+
+    full = full_state(accelerator, model)
+    tau = None
+    if evaluator is not None:
+        if full:
+            evaluator.load_state_dict(full)
+        tau = offline_acceptance(target, evaluator, val_samples, batch_size)["tau_est"]
+    accelerator.wait_for_everyone()
+    return tau if accelerator.is_main_process else None
+
+
+# --- the loop ----------------------------------------------------------------------------------
 def train(recipe: Recipe) -> Path:
     """Run (or resume) training; returns the path of the final checkpoint."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from specheads.export.checkpoint import Checkpoint, latest_checkpoint, load_strict, save_checkpoint
-    from specheads.metrics import ttt_summary
+    from specheads.data.features import feature_source
+    from specheads.export.checkpoint import Checkpoint, latest_checkpoint, load_strict
+    from specheads.heads.losses import COUNT_KEYS
     from specheads.provenance import provenance
-    from specheads.target import Target, check_fingerprint
+    from specheads.target import check_fingerprint
 
     check_export_compat(recipe)
     t = recipe.train
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum)
-    set_seed(t.seed)
-    target = Target.load(recipe.target.path, dtype=recipe.target.dtype, device=str(accelerator.device),
-                         attn_implementation=recipe.target.attn_implementation)
-    samples = prepare_samples(recipe, target.tokenizer, report=accelerator.print)
-    head = build_head(recipe, target, samples)
     out_dir = Path(t.output_dir)
+    accelerator = build_accelerator(t, out_dir)
+    set_seed(t.seed)
+    target = load_target(accelerator, recipe)
+    samples = prepare_samples(recipe, target.tokenizer, report=accelerator.print)
+    train_idx, val_idx = validation_split(len(samples), t.val_samples, t.seed)
+    val_samples, samples = [samples[i] for i in val_idx], [samples[i] for i in train_idx]
+    head = build_head(recipe, target, samples)
     resume_from = latest_checkpoint(out_dir) if t.resume else None
-    start = 0
+    start, saved_world = 0, 1
     if resume_from is not None:
         ckpt = Checkpoint(resume_from)
         check_fingerprint(ckpt.provenance.get("target", {}), target, f"the run in {out_dir}")
         load_strict(head, ckpt.weights, str(resume_from))
-        start = ckpt.trainer_state["step"]
+        start, saved_world = ckpt.trainer_state["step"], ckpt.provenance.get("num_processes", 1)
     head.to(accelerator.device)
-    optim = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=t.lr,
-                              weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(recipe))
-    if resume_from is not None and (resume_from / "optimizer.pt").is_file():
-        optim.load_state_dict(torch.load(resume_from / "optimizer.pt", weights_only=True))
-        sched.load_state_dict(torch.load(resume_from / "scheduler.pt", weights_only=True))
+    every_rank_evaluates = t.shard_target and accelerator.num_processes > 1
+    evaluator = copy.deepcopy(head) if val_samples and (accelerator.is_main_process or every_rank_evaluates) else None
+    model, optim, base_optim = wrap(accelerator, head, t)
     # the scheduler stays unprepared: accelerate would step it once per process
-    model, optim = accelerator.prepare(head, optim)
-    plan = BatchPlan([len(x.input_ids) for x in samples], t.batch_size, accelerator.num_processes, accelerator.process_index, t.seed)
+    sched = torch.optim.lr_scheduler.LambdaLR(base_optim, lambda s: lr_factor(
+        s, t.max_steps, t.warmup_steps, t.schedule, t.decay_fraction, t.min_lr_ratio))
+    if resume_from is not None:
+        restore(accelerator, optim, sched, resume_from, saved_world)
+    plan = BatchPlan([len(x.input_ids) for x in samples], t.batch_size, accelerator.num_processes,
+                     accelerator.process_index, t.seed, accum=t.grad_accum)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    prov = provenance(target=target.fingerprint(), num_processes=accelerator.num_processes)
-    log_path = out_dir / "metrics.jsonl"
+    prov = provenance(target=target.fingerprint(), num_processes=accelerator.num_processes,
+                      strategy=strategy(accelerator))
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(out_dir / "metrics.jsonl", start)
         accelerator.print(
-            f"[specheads] training {recipe.head.kind} on {len(samples)} samples, "
-            f"{accelerator.num_processes} process(es), steps {start}->{t.max_steps}"
-            + (f", resumed from {resume_from}" if resume_from else "")
-        )
-    window = {"loss": 0.0, "n": 0, "tokens": 0, "t0": time.time(), "counts": None}
-    step = start
+            f"[specheads] training {recipe.head.kind} on {len(samples)} samples ({len(val_samples)} held out), "
+            f"{accelerator.num_processes} process(es), {strategy(accelerator)}, steps {start}->{t.max_steps}"
+            + (f", resumed from {resume_from}" if resume_from else ""))
+    features = feature_source(recipe.data.features, target, head)  # offline capture or online collect
+    log = RunLog(accelerator, recipe, out_dir, start)
+    window, step = new_window(), start
     while step < t.max_steps:
         for micro in range(t.grad_accum):
-            g = step * t.grad_accum + micro
-            batch = make_batch(samples, plan.indices(g), pad_id, accelerator.device)
+            batch = make_batch(samples, plan.indices(step, micro), pad_id, accelerator.device)
             with accelerator.accumulate(model):
                 with torch.no_grad():
-                    inputs = head_inputs(target, head, batch)
-                out = model(**inputs)
+                    inputs = head_inputs(target, head, batch, features)
+                with accelerator.autocast():
+                    out = model(**inputs)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients and t.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
@@ -214,37 +401,26 @@ def train(recipe: Recipe) -> Path:
             window["loss"] += out.loss.item()
             window["n"] += 1
             window["tokens"] += int(batch["attention_mask"].sum())
-            c = torch.stack([out.counts[k] for k in ("rows", "reached", "cond_rows")])
+            c = torch.stack([out.counts[k] for k in COUNT_KEYS]).float()
             window["counts"] = c if window["counts"] is None else window["counts"] + c
         step += 1
+        saving = step % t.save_every == 0 or step == t.max_steps
+        record = None
         if step % t.log_every == 0 or step == t.max_steps:
-            counts = accelerator.reduce(window["counts"], reduction="sum").tolist()
-            loss = accelerator.reduce(torch.tensor(window["loss"] / window["n"], device=accelerator.device), "mean").item()
-            tokens = accelerator.reduce(torch.tensor(window["tokens"], device=accelerator.device), "sum").item()
-            summary = ttt_summary(*counts)
-            record = {"step": step, "loss": round(loss, 5), "lr": sched.get_last_lr()[0],
-                      "tokens_per_s": round(tokens / max(1e-9, time.time() - window["t0"]), 1), **summary}
-            if accelerator.is_main_process:
-                accelerator.print(_format_log(record))
-                with log_path.open("a") as fh:
-                    fh.write(json.dumps(record) + "\n")
-            window = {"loss": 0.0, "n": 0, "tokens": 0, "t0": time.time(), "counts": None}
-        if step % t.save_every == 0 or step == t.max_steps:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                last = save_checkpoint(
-                    out_dir, step, accelerator.unwrap_model(model), to_dict(recipe), prov,
-                    {"num_samples": len(samples)}, optim.state_dict(), sched.state_dict(), t.keep_last)
-            accelerator.wait_for_everyone()
-    accelerator.end_training()
+            record = window_record(accelerator, window, step, sched.get_last_lr()[0])
+            window = new_window()
+        val_due = bool(val_samples) and bool((t.val_every and step % t.val_every == 0) or saving)
+        val_tau = validate(accelerator, model, evaluator, target, val_samples, t.val_batch_size) if val_due else None
+        if record is not None or val_tau is not None:
+            log.write({**(record or {"step": step}), **({"val_tau": val_tau} if val_tau is not None else {})})
+        log.tick(record)
+        if saving:
+            state = {"num_samples": len(samples), "val_samples": len(val_samples)}
+            if val_tau is not None:
+                state["val_tau"] = val_tau
+            save(accelerator, model, optim, sched, out_dir, step, recipe, prov, state)
+    log.close()
     return latest_checkpoint(out_dir)
-
-
-def _format_log(r: dict) -> str:
-    acc = " ".join(f"{a:.3f}" for a in r["acc_uncond"])
-    cond = " ".join(f"{a:.3f}" for a in r["acc_cond"])
-    return (f"step {r['step']:>5}  loss {r['loss']:.4f}  acc/step {acc} (cond {cond})  tau~{r['tau_est']:.3f}  "
-            f"lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     ckpt = train(recipe)
     print(f"[specheads] checkpoint: {ckpt}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # DeepSpeed ranks otherwise hang at exit
     return 0
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specheads.config import load_recipe
 from specheads.export.checkpoint import Checkpoint, latest_checkpoint
@@ -61,10 +62,11 @@ def test_resume_continues_with_identical_losses(tiny_target_dir, demo_data_dir, 
     reference = _losses(out)
     shutil.rmtree(out / "checkpoint-000006")
     (out / "latest").write_text("checkpoint-000003\n")
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text() + '{"step": 5, "loss": 9.0}\n')
     train(recipe)
-    resumed = _losses(out)[len(reference):]
-    assert len(resumed) == 3
-    assert resumed == pytest.approx(reference[3:], rel=1e-6)
+    resumed = _losses(out)  # records after the resumed-from step were dropped, then rewritten
+    assert len(resumed) == 6
+    assert resumed == pytest.approx(reference, rel=1e-6)
     assert Checkpoint(out).trainer_state["step"] == 6
 
 
@@ -79,11 +81,10 @@ def test_sglang_export_refuses_norm_before_residual(tiny_target_dir, demo_data_d
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                  "--master_port", "29517"],
-    # `accelerate launch --cpu --num_processes 2` silently runs one process; --multi_gpu on a
-    # CPU-only machine gives a real 2-process gloo group (the Accelerator is built with cpu=True)
-    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-                   "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-                   "--dynamo_backend", "no", "--main_process_port", "29518"],
+    # `accelerate launch --cpu --num_processes 2` silently runs one process; the CPU launch config
+    # (MULTI_GPU on a CPU-only machine) gives a real 2-process gloo group (Accelerator(cpu=True))
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "29518"],
 }
 
 
@@ -97,6 +98,7 @@ def test_two_process_ddp(launcher, tiny_target_dir, demo_data_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout
+    assert "train: 100%" in proc.stderr and "tok_s=" in proc.stderr  # progress bar: rate, ETA, tokens/s
     ckpt = Checkpoint(out)
     assert ckpt.provenance["num_processes"] == 2 and ckpt.trainer_state["step"] == 4
     losses = _losses(out)
@@ -117,3 +119,67 @@ def test_malformed_rows_fail_or_are_skipped_and_reported(tiny_target_dir, demo_d
     train(load_recipe(RECIPE, over + ["data.skip_malformed=true"]))
     out = capsys.readouterr().out
     assert "40 of 41 rows" in out and "skipped 1 malformed" in out
+
+
+def test_keep_last_plus_best_by_validation_tau(tmp_path):
+    from specheads.export.checkpoint import save_checkpoint
+    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+    from tests.random_models import make_target
+
+    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=2, draft_vocab_size=64), make_target().config)
+    for step, tau in ((1, 1.5), (2, 2.0), (3, 1.7), (4, 1.6)):
+        save_checkpoint(tmp_path, step, head, {}, {}, {"val_tau": tau}, keep_last=1)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-000002", "checkpoint-000004"]
+    assert (tmp_path / "best").read_text().strip() == "checkpoint-000002"
+    assert latest_checkpoint(tmp_path).name == "checkpoint-000004"
+
+
+def test_validation_trackers_schedule_and_peak_memory(tiny_target_dir, demo_data_dir, tmp_path, monkeypatch):
+    """Held-out offline tau every 2 steps (equal to eval.offline on the best checkpoint), wandb
+    offline files and tensorboard events carrying the logged losses, the wsd schedule."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from specheads.eval.offline import offline_acceptance
+    from specheads.schedule import lr_factor, validation_split
+    from specheads.target import Target
+    from specheads.train import prepare_samples
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    recipe = load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out, **{
+        "train.max_steps": 8, "train.save_every": 4, "train.val_every": 2, "train.val_samples": 12,
+        "train.schedule": "wsd", "train.decay_fraction": 0.5, "train.report_to": "[wandb, tensorboard]"}))
+    train(recipe)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_tau" in r] == [2, 4, 6, 8]
+    assert all(r["peak_mem_gib"] > 0 for r in records)
+    lrs = [r["lr"] for r in records]
+    assert lrs == pytest.approx([3e-3 * lr_factor(s, 8, 2, "wsd", 0.5) for s in range(1, 9)])
+    assert lrs[1] == lrs[2] == 3e-3 > lrs[5] > lrs[7] == 0.0  # warmup, stable, decay
+
+    best = out / (out / "best").read_text().strip()
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    samples = prepare_samples(recipe, target.tokenizer, report=lambda *_: None)
+    held = [samples[i] for i in validation_split(len(samples), 12, 0)[1]]
+    tau = offline_acceptance(target, Checkpoint(best).build_head(), held)["tau_est"]
+    assert Checkpoint(best).trainer_state["val_tau"] == pytest.approx(tau, rel=1e-5)
+    assert tau == max(r["val_tau"] for r in records if r["step"] in (4, 8))
+
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    events = EventAccumulator(str(next(out.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    logged = [e.value for e in events.Scalars("loss")]
+    assert logged == pytest.approx([r["loss"] for r in records], rel=1e-5)
+
+
+def test_bf16_autocast_trains_the_head_with_fp32_master_weights(tiny_target_dir, demo_data_dir, tmp_path):
+    runs = {}
+    for precision in ("no", "bf16"):
+        out = tmp_path / precision
+        train(load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out, **{
+            "train.max_steps": 2, "train.mixed_precision": precision})))
+        runs[precision] = (_losses(out), Checkpoint(out).weights)
+    (fp32, _), (bf16, w16) = runs["no"], runs["bf16"]
+    assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=3e-2)  # autocast ran, and agrees
+    assert w16["fc.weight"].dtype == torch.float32  # master weights stay fp32
