@@ -6,7 +6,7 @@ RUN    ?= runs/demo
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install test demo train export eval bench clean
+.PHONY: install test demo train export eval bench bench-server push clean
 
 install: $(STAMP)
 
@@ -35,6 +35,13 @@ eval: install
 
 bench: install
 	$(BIN)/python bench/verifier.py --target $(RUN)/target --draft $(RUN)/export/vllm --prompts $(RUN)/data/heldout_prompts.jsonl --out $(RUN)/bench --limit 16 --max-new-tokens 64
+
+# URL: the speculative server; BASELINE: the same target served without a draft (optional)
+bench-server: install
+	$(BIN)/specheads bench --url $(URL) $(if $(BASELINE),--baseline-url $(BASELINE)) --prompts $(RUN)/data/heldout_prompts.jsonl --out $(RUN)/server-bench $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
+
+push: install
+	$(BIN)/specheads push $(RUN)/export/vllm --repo $(REPO) $(if $(DRY),--dry-run,)
 
 clean:
 	rm -rf $(VENV) runs

@@ -5,7 +5,8 @@
 
 `--run` is a folder written by `make demo` (its `target` link and `data/`): each kind trains from
 its demo recipe on the same regenerated answers with the same step budget, is exported to the
-first format that can serve it, loaded back from that folder (as users serve it), and decoded on
+first format that can serve it, loaded back from that folder (as users serve it; a kind no
+engine serves for this target family, MTP on a Llama, runs from its checkpoint), and decoded on
 the same held-out prompts: plain greedy (the reference), a chain of k drafts and a tree (EAGLE-2
 dynamic tree where the kind has one, otherwise the static tree below). Every speculative output
 must equal plain greedy decoding. Writes OUT/heads.json and OUT/heads.md.
@@ -77,14 +78,24 @@ def train_kind(kind: str, run: Path, out: Path, steps: int, root: Path, extra: l
     return ckpt, seconds / steps, params, recipe
 
 
-def export_kind(ckpt: Path, out: Path, kind: str) -> tuple[Path, str]:
-    """Export to the first format the kind's writer supports."""
-    from specheads.export import WRITERS, export
+def exported_head(ckpt: Path, out: Path, kind: str, target):
+    """(head, format): exported to the first format the kind's writer supports and loaded back
+    from that folder; when no engine serves the kind for this target family (MTP on a Llama),
+    the checkpoint itself, labelled as such."""
+    from specheads.export import WRITERS, ExportRefused, export
+    from specheads.export.checkpoint import Checkpoint
+    from specheads.generate import load_checked_draft
 
     if kind not in WRITERS:
         raise ValueError(f"head kind '{kind}' has no exporter")
     fmt = WRITERS[kind].FORMATS[0]
-    return export(ckpt, fmt, out / kind / "export" / fmt), fmt
+    try:
+        folder = export(ckpt, fmt, out / kind / "export" / fmt)
+    except ExportRefused:
+        head = Checkpoint(ckpt).build_head()
+        return head.to(device=target.device, dtype=target.dtype).eval(), "checkpoint (no engine export)"
+    head, _ = load_checked_draft(folder, target)
+    return head, fmt
 
 
 def tree_spec_for(head, target) -> TreeSpec | None:
@@ -116,11 +127,8 @@ def decode_all(target, head, spec: TreeSpec | None, prompts, references, max_new
     return total, mismatched
 
 
-def measure(target, export_dir: Path, prompts, references, k: int, max_new_tokens: int) -> dict:
+def measure(target, head, prompts, references, k: int, max_new_tokens: int) -> dict:
     """tau of a chain of k and of a tree, per-position acceptance, greedy equality."""
-    from specheads.generate import load_checked_draft
-
-    head, _ = load_checked_draft(export_dir, target)
     chain = make_tree_spec("chain", k=k)
     stats, bad = decode_all(target, head, chain, prompts, references, max_new_tokens)
     s = stats.summary()
@@ -175,8 +183,8 @@ def bench(run: Path, out: Path, kinds: list[str], steps: int, limit: int, max_ne
     for kind in kinds:
         try:
             ckpt, s_per_step, params, _ = train_kind(kind, run, out, steps, root, list(extra))
-            export_dir, fmt = export_kind(ckpt, out, kind)
-            row = measure(target, export_dir, prompts, references, k, max_new_tokens)
+            head, fmt = exported_head(ckpt, out, kind, target)
+            row = measure(target, head, prompts, references, k, max_new_tokens)
             results.append({"kind": kind, "format": fmt, "params": params,
                             "train_s_per_step": s_per_step, **row})
         except (ValueError, FileNotFoundError, NotImplementedError) as err:

@@ -95,7 +95,7 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
     timings["export_s"] = time.time() - t1
     t1 = time.time()
     metrics = evaluate(str(target), str(exports["vllm"]), str(data / "heldout_prompts.jsonl"),
-                       str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit)
+                       str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit, attach=True)
     timings["eval_s"] = time.time() - t1
     parity = demo_parity(target, ckpt, run / "eval")
     timings["total_s"] = time.time() - t0
@@ -158,6 +158,15 @@ def print_summary(summary: dict) -> None:
     if t.get("heldout_text_loss") is not None:
         console.print(f"target {t['builder_version']}: {t['parameters']:,} parameters, held-out loss "
                       f"{t['heldout_text_loss']:.3f} (module text) / {t['heldout_assistant_loss']:.3f} (assistant tokens)")
+    adv = m.get("advice")
+    if adv:
+        from specheads.eval.predict import sglang_flags
+
+        pred = {r["k"]: r["speedup"] for r in m["prediction"]["chains"]}
+        console.print(f"predicted speed-up at k={m['k']}: {pred.get(m['k'], float('nan')):.2f}x, measured "
+                      f"{spec.get('measured_speedup', float('nan')):.2f}x; predicted best k = "
+                      f"{m['prediction']['best_chain_k']}: vLLM num_speculative_tokens="
+                      f"{adv['vllm']['num_speculative_tokens']}, SGLang {sglang_flags(adv['sglang'])}")
     console.print("timings (s): " + json.dumps(summary["timings"]))
     for fmt, folder in summary["exports"].items():
         for cmd in serve_commands(Path(folder)):

@@ -76,3 +76,39 @@ def check_parity(target, head, eval_dir: str | Path, tolerance: float = 0.15) ->
     samples = samples_from_outputs(target.tokenizer, eval_dir / "outputs.jsonl")
     offline = offline_acceptance(target, head, samples)
     return {**parity(offline["tau_est"], metrics["speculative"]["tau"], tolerance), "offline": offline}
+
+
+def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: str,
+                     limit: int | None = None, max_length: int = 2048) -> dict:
+    """`specheads eval --offline`: teacher-forced acceptance of an export on held-out
+    conversations, the simulated tau of chains and trees, metrics.json + report + plots."""
+    from specheads.data.conversations import read_conversations
+    from specheads.data.tokenize import tokenize_all
+    from specheads.eval.online import load_draft
+    from specheads.eval.predict import simulated_tau
+    from specheads.eval.report import write_report
+    from specheads.provenance import provenance
+    from specheads.target import Target
+
+    target = Target.load(target_path)
+    head, _, checked = load_draft(draft_dir, target)
+    convs, _ = read_conversations(data_file)
+    samples = tokenize_all(target.tokenizer, convs[:limit], max_length)
+    acc = offline_acceptance(target, head, samples)
+    metrics = {"mode": "offline", "tau_est": acc["tau_est"], "offline": acc,
+               "simulated_tau": simulated_tau(acc["acc_cond"]),
+               "provenance": provenance(target=target.fingerprint(), draft=str(draft_dir), data=str(data_file),
+                                        limit=limit, fingerprint_checked=checked)}
+    return write_report(out_dir, metrics)
+
+
+def main_offline(a) -> int:
+    """The `--offline` branch of `specheads eval` (arguments parsed there)."""
+    if not a.data:
+        raise ValueError("--offline needs --data FILE (held-out conversations)")
+    m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit)
+    acc = " / ".join(f"{x:.2f}" for x in m["offline"]["acc_cond"])
+    print(f"offline tau {m['tau_est']:.3f} over {m['offline']['samples']} samples, conditional acceptance "
+          f"{acc}; simulated tau {json.dumps({k: round(v, 2) for k, v in m['simulated_tau']['chain'].items()})} "
+          f"-> {Path(a.out) / 'metrics.json'}")
+    return 0

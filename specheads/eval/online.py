@@ -20,14 +20,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specheads.atomic import write_json, write_text
+from specheads.atomic import write_text
 from specheads.verify.settings import (
     Sampling, TreeSpec, add_tree_arguments, check_tree_fits, make_proposer, sampled_decode,
     spec_from_args, speculative_decode,
 )
 from specheads.metrics import predicted_speedup
 from specheads.verify.decode import DecodeStats, generate
-from specheads.verify.proposers import Eagle3Proposer, NgramProposer
+from specheads.verify.proposers import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree: TreeS
         return sampled_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree, sampling)
     plain = generate(target, None, ids, max_new_tokens, k=0, eos_token_ids=eos)
     if tree is None or tree.kind == "chain":
-        draft = generate(target, Eagle3Proposer(head, target), ids, max_new_tokens, k, eos)
+        draft = generate(target, make_proposer(TreeSpec("chain", k=k), head, target), ids, max_new_tokens, k, eos)
     else:
         draft = speculative_decode(tree, target, make_proposer(tree, head, target), ids,
                                    max_new_tokens, eos)
@@ -239,6 +239,7 @@ def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: i
                 "speculative_text": target.tokenizer.decode(draft.tokens, skip_special_tokens=True),
                 "greedy_equal": equal, "tau": draft.stats.summary()["tau"],
                 "ngram_tau": ngram.stats.summary()["tau"], "stop_reason": plain.stop_reason,
+                "decode_tokens": draft.stats.decode_tokens, "decode_forwards": draft.stats.decode_forwards,
             })
     return totals, outputs
 
@@ -247,15 +248,21 @@ def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
     """A short untimed generation so first-call overheads do not land in the first prompt."""
     ids = [0, 1, 2, 3]
     generate(target, None, ids, 4, k=0)
-    generate(target, Eagle3Proposer(head, target), ids, 4, k)
+    generate(target, make_proposer(TreeSpec("chain", k=k), head, target), ids, 4, k)
     if tree is not None and tree.kind != "chain":
         speculative_decode(tree, target, make_proposer(tree, head, target), ids, 4, [])
 
 
 def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              max_new_tokens: int = 128, k: int | None = None, limit: int | None = None,
-             tree: TreeSpec | None = None, sampling: Sampling | None = None) -> dict:
+             tree: TreeSpec | None = None, sampling: Sampling | None = None,
+             predict: bool = True, verifier_json: str | None = None, bench_json: str | None = None,
+             attach: bool = False) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
+
+    Greedy chains also get the predicted speed-up per k and serving advice (`predict`), and a
+    report (report.md + plots; `verifier_json` / `bench_json` add measured curves); `attach`
+    copies them into the export folder and its README.
 
     `tree` None (or a chain) drafts a chain of k; an EAGLE-2 or static `tree` goes through the
     tree verifier. Alpha, c and the predicted speed-up use the chain model with k = the tree's
@@ -311,9 +318,23 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             dtype=str(target.dtype).replace("torch.", ""),
         ),
     }
+    if predict and tree.kind == "chain" and not sampled:
+        from specheads.eval.predict import prediction_metrics
+
+        ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+        prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in rows]
+        prompts = [p for p in prompts if len(p) + 64 < ctx]  # room for the timed decodes
+        if prompts:
+            metrics.update(prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"]))
+        else:
+            log.warning("no prompt leaves room for the timing decodes: no speed-up prediction")
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
-    write_json(out / "metrics.json", metrics)
+    from specheads.eval.report import attach_to_export, read_json, write_report
+
+    write_report(out, metrics, outputs, read_json(verifier_json), read_json(bench_json))
+    if attach:
+        attach_to_export(draft_dir, out)
     return metrics
 
 
@@ -323,7 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         "identical and report tau, per-position acceptance, cost ratio and speed-up."))
     p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
     p.add_argument("--draft", required=True, help="export folder written by `specheads export`")
-    p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'turns' per row")
+    p.add_argument("--prompts", help="jsonl with 'prompt' or 'turns' per row (online mode)")
+    p.add_argument("--offline", action="store_true", help="teacher-forced acceptance on --data, no generation")
+    p.add_argument("--data", help="held-out conversations (any training data format) for --offline")
+    p.add_argument("--no-predict", action="store_true", help="skip the step-cost measurement and prediction")
+    p.add_argument("--verifier-json", help="bench/verifier.py's verifier.json: plot measured speed-ups")
+    p.add_argument("--bench-json", help="server load test JSON: plot throughput over concurrency")
+    p.add_argument("--attach", action="store_true",
+                   help="also copy metrics, report and plots into the export and its README (for push)")
     p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_tree_arguments(p)
@@ -333,13 +361,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     a = p.parse_args(argv)
+    if a.offline:
+        from specheads.eval.offline import main_offline
+
+        return main_offline(a)
+    if not a.prompts:
+        p.error("--prompts is required (or --offline --data FILE)")
     tree = spec_from_args(a)
     m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit,
                  tree=None if tree.kind == "chain" else tree,
-                 sampling=Sampling(a.temperature, a.top_p, a.seed))
+                 sampling=Sampling(a.temperature, a.top_p, a.seed), predict=not a.no_predict,
+                 verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach)
     d, n = m["speculative"], m["ngram"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
           f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
           f"greedy_equal={m['greedy_equal']} -> {Path(a.out) / 'metrics.json'}")
+    if m.get("advice"):
+        from specheads.eval.predict import sglang_flags
+
+        adv = m["advice"]
+        print(f"recommended: vLLM num_speculative_tokens={adv['vllm']['num_speculative_tokens']} "
+              f"(predicted {adv['vllm']['predicted_speedup']:.2f}x); SGLang {sglang_flags(adv['sglang'])} "
+              f"-> {Path(a.out) / 'report.md'}")
     return 1 if m["greedy_equal"] is False else 0

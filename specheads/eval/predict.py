@@ -1,0 +1,346 @@
+"""Speed-up prediction and serving advice from measured acceptance and measured step costs.
+
+The seed formula (1 - a^(k+1)) / ((1 - a)(k c + 1)) assumes one i.i.d. acceptance rate and a
+target forward whose cost does not depend on how many tokens it verifies. Here both are measured:
+
+* acceptance per draft position, conditional (`cond[p]` = P(draft p+1 accepted | drafts 1..p
+  accepted)); positions past the measured ones repeat the last measured value;
+* the seconds of one target forward verifying n tokens (`StepCosts.target_s[n]`), the drafter's
+  per-step cost (a fixed part plus a part per draft level) and the loop's own per-step overhead.
+
+Expected tokens per step (bonus included) of a chain of k: 1 + sum_p prod_{j<=p} cond[j]. For a
+tree, node (r_1..r_d) (sibling ranks along its path) is accepted with prob. prod_i q[i][r_i];
+expected tokens = 1 + sum over nodes. Only top-1 acceptance is measured, so ranks r >= 1 share
+the rejected mass geometrically (`sibling_decay` of what is left per rank): an assumption, so
+tree predictions are rougher than chain ones. Speed-up = E * plain_step_s / step_s.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+
+CHAIN_KS = tuple(range(1, 9))
+TREE_BUDGETS = (8, 16, 32, 48, 64)  # verified tokens per step, root included (SGLang draft tokens)
+SIBLING_DECAY = 0.5
+
+
+class PredictError(ValueError):
+    """Prediction inputs that cannot give a number (the message says which and why)."""
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds of one decode step's parts (medians or totals / counts)."""
+
+    target_s: dict[int, float]  # tokens verified by one target forward -> its seconds
+    draft_fixed_s: float = 0.0  # drafter seconds per step not growing with depth (accept, setup)
+    draft_per_level_s: float = 0.0  # drafter seconds per draft level (one head forward)
+    overhead_s: float = 0.0  # loop bookkeeping per speculative step (masks, cache trimming)
+    plain_step_s: float | None = None  # one plain decode step; default target(1)
+
+    def __post_init__(self):
+        self.target_s = {int(n): float(s) for n, s in self.target_s.items()}
+        if not self.target_s or min(self.target_s) < 1 or any(s <= 0 for s in self.target_s.values()):
+            raise PredictError("StepCosts.target_s needs positive seconds for token counts >= 1")
+
+    def target(self, n: int) -> float:
+        """Seconds of a target forward over n tokens: linear between measured counts, linear beyond."""
+        pts = sorted(self.target_s.items())
+        if len(pts) == 1:
+            return pts[0][1]
+        if n <= pts[0][0]:
+            (n0, s0), (n1, s1) = pts[0], pts[1]
+        elif n >= pts[-1][0]:
+            (n0, s0), (n1, s1) = pts[-2], pts[-1]
+        else:
+            i = next(i for i, (m, _) in enumerate(pts) if m >= n)
+            (n0, s0), (n1, s1) = pts[i - 1], pts[i]
+        return max(s0 + (s1 - s0) * (n - n0) / (n1 - n0), min(s0, s1) * 0.5)
+
+    def plain(self) -> float:
+        return self.plain_step_s if self.plain_step_s else self.target(1)
+
+    def step(self, nodes: int, levels: int) -> float:
+        """One speculative step verifying `nodes` tokens drafted in `levels` head forwards."""
+        return self.target(nodes) + self.draft_fixed_s + self.draft_per_level_s * levels + self.overhead_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "target_s": {str(n): s for n, s in sorted(self.target_s.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepCosts":
+        return cls(**{**d, "target_s": {int(n): s for n, s in d["target_s"].items()}})
+
+
+# --- acceptance models -----------------------------------------------------------------------------
+
+
+def extend(cond: list[float], depth: int) -> list[float]:
+    """Conditional acceptance for positions 1..depth; unmeasured ones repeat the last measured."""
+    cond = [min(max(float(c), 0.0), 1.0) for c in cond]
+    if not cond:
+        raise PredictError("no per-position acceptance measured: evaluate the head first")
+    return (cond + [cond[-1]] * depth)[:depth]
+
+
+def unconditional(cond: list[float]) -> list[float]:
+    """P(drafts 1..p all accepted) per p from conditional acceptance."""
+    return [math.prod(cond[: p + 1]) for p in range(len(cond))]
+
+
+def expected_tokens_chain(cond: list[float], k: int) -> float:
+    """Tokens per step of a chain of k drafts (bonus included): 1 + sum_p prod_{j<=p} cond[j]."""
+    return 1.0 + sum(unconditional(extend(cond, k))) if k > 0 else 1.0
+
+
+def rank_acceptance(cond: list[float], depth: int, width: int,
+                    sibling_decay: float = SIBLING_DECAY) -> list[list[float]]:
+    """q[d][r]: P(the draft's rank-r candidate at depth d+1 is accepted | its parent accepted)."""
+    out = []
+    for c in extend(cond, depth):
+        left, row = 1.0 - c, [c]
+        for _ in range(width - 1):
+            row.append(left * sibling_decay)
+            left -= row[-1]
+        out.append(row)
+    return out
+
+
+def expected_tokens_tree(choices, q: list[list[float]]) -> float:
+    """1 + sum over the tree's nodes (rank paths) of prod_i q[i][r_i]; missing entries count 0."""
+    total = 1.0
+    for path in choices:
+        p = 1.0
+        for d, r in enumerate(path):
+            p *= q[d][r] if d < len(q) and r < len(q[d]) else 0.0
+        total += p
+    return total
+
+
+def best_tree(q: list[list[float]], budget: int) -> tuple[list[tuple[int, ...]], float]:
+    """The `budget`-token tree (root included) with most expected tokens under q, and that number.
+
+    Path probabilities only shrink along a path and across ranks, so taking the most probable
+    frontier node budget-1 times (what EAGLE-2 does with draft confidence) is optimal here.
+    """
+    frontier = [(-q[0][0], (0,))] if q and q[0] else []
+    chosen: list[tuple[int, ...]] = []
+    total = 1.0
+    while frontier and len(chosen) < budget - 1:
+        neg_p, path = heapq.heappop(frontier)
+        chosen.append(path)
+        total -= neg_p
+        d, r = len(path) - 1, path[-1]
+        if r + 1 < len(q[d]):  # next sibling
+            heapq.heappush(frontier, (neg_p / q[d][r] * q[d][r + 1] if q[d][r] else 0.0,
+                                      path[:-1] + (r + 1,)))
+        if d + 1 < len(q):  # first child
+            heapq.heappush(frontier, (neg_p * q[d + 1][0], path + (0,)))
+    return chosen, total
+
+
+# --- prediction and advice -------------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    """Expected tokens per step and predicted speed-up per chain length and tree budget."""
+
+    chains: list[dict] = field(default_factory=list)  # {k, expected_tokens, step_s, speedup}
+    trees: list[dict] = field(default_factory=list)  # {budget, depth, top_k, expected_tokens, ...}
+    cond_acceptance: list[float] = field(default_factory=list)
+    costs: dict = field(default_factory=dict)
+    sibling_decay: float = SIBLING_DECAY
+
+    def best_chain(self) -> dict:
+        return max(self.chains, key=lambda r: r["speedup"])
+
+    def best_tree(self) -> dict | None:
+        return max(self.trees, key=lambda r: r["speedup"]) if self.trees else None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "best_chain_k": self.best_chain()["k"],
+                "best_tree_budget": (self.best_tree() or {}).get("budget")}
+
+
+def predict(cond: list[float], costs: StepCosts, ks=CHAIN_KS, budgets=TREE_BUDGETS,
+            max_depth: int = 8, sibling_decay: float = SIBLING_DECAY) -> Prediction:
+    """Predicted tokens per step and speed-up for chains of each k and the best tree per budget."""
+    if not ks:
+        raise PredictError("predict needs at least one chain length k")
+    plain = costs.plain()
+    pred = Prediction(cond_acceptance=extend(cond, max(max(ks), max_depth)), costs=costs.to_dict(),
+                      sibling_decay=sibling_decay)
+    for k in ks:
+        e, step = expected_tokens_chain(cond, k), costs.step(k + 1, k)
+        pred.chains.append({"k": k, "nodes": k + 1, "expected_tokens": e, "step_s": step,
+                            "speedup": e * plain / step})
+    q = rank_acceptance(cond, max_depth, width=8, sibling_decay=sibling_decay)
+    for n in budgets:
+        paths, e = best_tree(q, n)
+        depth = max(len(p) for p in paths) if paths else 0
+        top_k = max(p[-1] for p in paths) + 1 if paths else 1
+        step = costs.step(len(paths) + 1, depth)
+        pred.trees.append({"budget": n, "depth": depth, "top_k": top_k, "expected_tokens": e,
+                           "step_s": step, "speedup": e * plain / step,
+                           "choices": [list(p) for p in paths]})
+    return pred
+
+
+def advice(pred: Prediction) -> dict:
+    """Recommended vLLM / SGLang settings (the best chain), plus SGLang's best tree to try.
+
+    Tree predictions rest on an assumed sibling acceptance and the chain's drafter cost per
+    level, so a tree is offered to measure (bench/verifier.py), not recommended.
+    """
+    chain = pred.best_chain()
+    out = {
+        "vllm": {"num_speculative_tokens": chain["k"], "predicted_speedup": chain["speedup"],
+                 "expected_tokens": chain["expected_tokens"]},
+        "sglang": {"speculative_num_steps": chain["k"], "speculative_eagle_topk": 1,
+                   "speculative_num_draft_tokens": chain["k"] + 1,
+                   "predicted_speedup": chain["speedup"], "shape": "chain"},
+    }
+    tree = pred.best_tree()
+    if tree is not None and tree["speedup"] > chain["speedup"]:
+        out["sglang_tree_to_try"] = {
+            "speculative_num_steps": tree["depth"], "speculative_eagle_topk": tree["top_k"],
+            "speculative_num_draft_tokens": tree["budget"], "predicted_speedup": tree["speedup"],
+            "shape": "tree"}
+    return out
+
+
+def sglang_flags(s: dict) -> str:
+    """The SGLang command-line flags of an advice entry (`advice(...)["sglang"]`)."""
+    return (f"--speculative-num-steps {s['speculative_num_steps']} --speculative-eagle-topk "
+            f"{s['speculative_eagle_topk']} --speculative-num-draft-tokens {s['speculative_num_draft_tokens']}")
+
+
+# --- measuring the costs ---------------------------------------------------------------------------
+
+TARGET_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64)
+
+
+def monotone(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): timing noise never makes
+    verifying more tokens look cheaper."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+def _median_round_robin(calls: dict, reps: int, device) -> dict:
+    """Median seconds per key, keys interleaved per repetition so load bursts hit all of them."""
+    import statistics
+
+    from specheads.verify.decode import Clock
+
+    times = {key: [] for key in calls}
+    for rep in range(reps + 1):  # repetition 0 warms every shape up, untimed
+        for key, call in calls.items():
+            clock = Clock(device)
+            with clock:
+                call()
+            if rep:
+                times[key].append(clock.seconds)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, reps: int = 7) -> dict[int, float]:
+    """Median seconds of one cached target forward over n tokens after the prompt, per n (made
+    non-decreasing in n)."""
+    import torch
+
+    from specheads.verify.decode import new_cache, target_step, trim_cache
+
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)[None]  # [1, P]
+    ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+    past = ids.shape[1]
+    counts = [n for n in counts if past + n <= ctx]
+    if not counts:
+        raise PredictError(f"the prompt ({past} tokens) leaves no room in the target's context")
+    cache = new_cache(target)
+
+    def call(n):
+        def run():
+            target_step(target, ids[:, -1:].repeat(1, n), past, cache)  # values do not change the cost
+            trim_cache(cache, past)
+        return run
+
+    with torch.no_grad():
+        target_step(target, ids, 0, cache)
+        med = _median_round_robin({n: call(n) for n in counts}, reps, target.device)
+    return dict(zip(counts, monotone([med[n] for n in counts])))
+
+
+def time_proposals(target, head, prompt_ids: list[int], ks, reps: int = 7) -> tuple[float, float]:
+    """(intercept, seconds per level) of a least-squares line through the chain proposer's
+    median `propose(k)` seconds (propose is repeatable: it drops its speculative rows)."""
+    import torch
+
+    from specheads.verify.decode import new_cache, target_step
+    from specheads.verify.settings import TreeSpec, make_proposer
+
+    proposer = make_proposer(TreeSpec("chain", k=max(ks)), head, target)
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)
+    with torch.no_grad():
+        out = target_step(target, ids[None], 0, new_cache(target), proposer.layers)
+        proposer.start(ids, int(out.logits[0, -1].argmax()), out)
+        med = _median_round_robin({k: (lambda k=k: proposer.propose(k)) for k in ks}, reps, target.device)
+    xs, ys = list(med), list(med.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, max(slope, 0.0)
+
+
+def _per_step(stats, what: str) -> float:
+    return getattr(stats, what) / stats.decode_forwards if stats.decode_forwards else 0.0
+
+
+def _loop_overhead(stats) -> float:
+    """Per-step seconds of a decode loop outside the target's and the proposer's timed calls."""
+    rest = stats.wall_s - stats.target_prefill_s - stats.proposer_start_s - stats.target_decode_s - stats.proposer_s
+    return max(rest, 0.0) / stats.decode_forwards if stats.decode_forwards else 0.0
+
+
+def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal: int = 3,
+                  max_new_tokens: int = 48, max_nodes: int = 64, reps: int = 7) -> StepCosts:
+    """Target seconds per verified-token count and drafter seconds per level (micro-timed, medians);
+    the drafter's per-step remainder (accept) and the loop overhead from real decodes of `prompts`
+    plainly and with a chain of k_cal."""
+    from specheads.verify.decode import DecodeStats, generate
+    from specheads.verify.settings import TreeSpec, make_proposer
+
+    if not prompts or k_max < 2:
+        raise PredictError("measure_costs needs at least one prompt and k_max >= 2")
+    target_s = time_target_forwards(target, prompts[0], [n for n in TARGET_COUNTS if n <= max_nodes], reps)
+    _, per_level = time_proposals(target, head, prompts[0], range(1, k_max + 1), reps)
+    plain, chain = DecodeStats(), DecodeStats()
+    for ids in prompts:
+        plain = plain.add(generate(target, None, ids, max_new_tokens, 0).stats)
+        proposer = make_proposer(TreeSpec("chain", k=k_cal), head, target)
+        chain = chain.add(generate(target, proposer, ids, max_new_tokens, k_cal).stats)
+    fixed = max(_per_step(chain, "proposer_s") - per_level * k_cal, 0.0)
+    return StepCosts(target_s=target_s, draft_fixed_s=fixed, draft_per_level_s=per_level,
+                     overhead_s=_loop_overhead(chain), plain_step_s=target_s[1] + _loop_overhead(plain))
+
+
+def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float], k_max: int = 8) -> dict:
+    """metrics.json's `prediction` and `advice`: step costs measured on up to 4 prompts."""
+    costs = measure_costs(target, head, prompts[:4], k_max=k_max)
+    pred = predict(cond, costs, ks=range(1, k_max + 1))
+    return {"prediction": pred.to_dict(), "advice": advice(pred)}
+
+
+def simulated_tau(cond: list[float], ks=CHAIN_KS, budgets=TREE_BUDGETS,
+                  sibling_decay: float = SIBLING_DECAY) -> dict:
+    """tau of a chain of each k and of the best tree per budget from conditional acceptance."""
+    q = rank_acceptance(cond, max(ks), width=8, sibling_decay=sibling_decay)
+    return {"chain": {str(k): expected_tokens_chain(cond, k) for k in ks},
+            "tree": {str(n): best_tree(q, n)[1] for n in budgets}, "sibling_decay": sibling_decay}

@@ -1,0 +1,302 @@
+"""Evaluation reports: metrics.json, report.md and PNG plots, and their copy inside an export.
+
+Plots (matplotlib, Agg backend, written atomically):
+
+* `acceptance.png`: acceptance per draft position, unconditional and conditional;
+* `tau_by_category.png`: tau per prompt category (tokens / target forwards summed per category);
+* `speedup.png`: predicted speed-up per chain length k (and per tree budget), with the measured
+  points of a verifier benchmark (bench/verifier.py's verifier.json) when given;
+* `concurrency.png`: a server load test's throughput over concurrency, when given.
+
+Server benchmark input (`bench`): a JSON object with `results`, a list of rows each holding
+`concurrency` (int), a throughput (`output_tokens_per_s`, `output_throughput` or `tokens_per_s`)
+and a series name (`label`, `name` or `method`; rows without one form the series "run").
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from specheads.atomic import write_json, write_text
+
+THROUGHPUT_KEYS = ("output_tokens_per_s", "output_throughput", "tokens_per_s")
+SERIES_KEYS = ("label", "name", "method")
+RECOMMENDED = "## Recommended settings"
+
+
+class ReportError(ValueError):
+    """A report input that cannot be plotted (the message names the file and field)."""
+
+
+def _figure(width: float = 6.4, height: float = 4.0):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(width, height), dpi=110)
+    ax.grid(True, alpha=0.3)
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """PNG bytes written atomically (a half-written plot never replaces a good one)."""
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(buf.getvalue())
+    os.replace(tmp, path)
+    return path
+
+
+# --- plots -----------------------------------------------------------------------------------------
+
+
+def plot_acceptance(path: Path, uncond: list[float], cond: list[float], title: str) -> Path:
+    """Grouped bars: acceptance per draft position, unconditional and conditional."""
+    plt, fig, ax = _figure()
+    xs = list(range(1, len(uncond) + 1))
+    ax.bar([x - 0.2 for x in xs], uncond, width=0.4, label="unconditional (all drafts up to p accepted)")
+    ax.bar([x + 0.2 for x in xs], cond, width=0.4, label="conditional (given p-1 accepted)")
+    for x, u, c in zip(xs, uncond, cond):
+        ax.annotate(f"{u:.2f}", (x - 0.2, u), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{c:.2f}", (x + 0.2, c), ha="center", va="bottom", fontsize=8)
+    ax.set(xlabel="draft position p", ylabel="acceptance", ylim=(0, 1.08), xticks=xs, title=title)
+    ax.legend(loc="upper right", fontsize=8)
+    return _save(plt, fig, path)
+
+
+def tau_by_category(outputs: list[dict]) -> dict[str, dict]:
+    """tau per category: decode tokens / target forwards summed per category (mean of turns if
+    rows carry no counts)."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    for row in outputs:
+        s = sums[str(row.get("category") or "all")]
+        s[0] += row.get("decode_tokens", 0)
+        s[1] += row.get("decode_forwards", 0)
+        s[2] += row.get("tau", 0.0)
+        s[3] += 1
+    return {c: {"tau": tok / fw if fw else taus / n, "turns": n}
+            for c, (tok, fw, taus, n) in sorted(sums.items())}
+
+
+def plot_tau_by_category(path: Path, by_cat: dict[str, dict], title: str) -> Path:
+    """Horizontal bars of tau per category, plain decoding (1.0) marked."""
+    plt, fig, ax = _figure(6.4, max(2.4, 0.45 * len(by_cat) + 1.4))
+    names = list(by_cat)
+    taus = [by_cat[n]["tau"] for n in names]
+    ax.barh(names, taus, color="tab:green")
+    for i, (name, t) in enumerate(zip(names, taus)):
+        ax.annotate(f"{t:.2f} ({by_cat[name]['turns']} turns)", (t, i), va="center", fontsize=8,
+                    xytext=(3, 0), textcoords="offset points")
+    ax.axvline(1.0, color="grey", ls="--", lw=1, label="plain decoding")
+    ax.set(xlabel="tau (tokens per target forward, bonus included)", title=title,
+           xlim=(0, max(taus + [1.0]) * 1.3))
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(plt, fig, path)
+
+
+def measured_chain_speedups(verifier_json: dict) -> dict[int, float]:
+    """k -> measured speed-up of the chain rows of bench/verifier.py's verifier.json."""
+    out = {}
+    for row in verifier_json.get("methods", []):
+        st = row.get("settings", {})
+        if st.get("kind") == "chain" and st.get("k"):
+            out[int(st["k"])] = float(row["speedup"])
+    return out
+
+
+def plot_speedup(path: Path, prediction: dict, measured: dict[int, float] | None, title: str) -> Path:
+    """Predicted speed-up per chain length (and tree budget), measured chain points overlaid."""
+    plt, fig, ax = _figure()
+    ks = [r["k"] for r in prediction["chains"]]
+    ax.plot(ks, [r["speedup"] for r in prediction["chains"]], "o-", label="predicted, chain of k")
+    if measured:
+        mk = sorted(measured)
+        ax.plot(mk, [measured[k] for k in mk], "s--", color="tab:red", label="measured, chain of k")
+    best = prediction["best_chain_k"]
+    ax.axvline(best, color="tab:blue", ls=":", lw=1, label=f"predicted best k = {best}")
+    ax.axhline(1.0, color="grey", ls="--", lw=1)
+    ax.set(xlabel="draft length k (tokens verified per step = k + 1)", ylabel="speed-up over plain decoding",
+           xticks=ks, title=title)
+    if prediction.get("trees"):
+        top = ax.twiny()
+        budgets = [t["budget"] for t in prediction["trees"]]
+        top.plot(range(len(budgets)), [t["speedup"] for t in prediction["trees"]], "^-", color="tab:purple",
+                 alpha=0.7, label="predicted, best tree (top axis: tokens per step)")
+        top.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+        top.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(plt, fig, path)
+
+
+def concurrency_series(bench: dict, where: str = "bench") -> dict[str, list[tuple[int, float]]]:
+    """Series name -> [(concurrency, throughput)] sorted by concurrency."""
+    rows = bench.get("results") if isinstance(bench, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ReportError(f"{where}: expected an object with a non-empty 'results' list")
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        key = next((k for k in THROUGHPUT_KEYS if k in row), None)
+        if "concurrency" not in row or key is None:
+            raise ReportError(f"{where}: results[{i}] needs 'concurrency' and one of {', '.join(THROUGHPUT_KEYS)}")
+        name = next((str(row[k]) for k in SERIES_KEYS if row.get(k)), "run")
+        series[name].append((int(row["concurrency"]), float(row[key])))
+    return {n: sorted(pts) for n, pts in series.items()}
+
+
+def plot_concurrency(path: Path, series: dict[str, list[tuple[int, float]]], title: str) -> Path:
+    """Output tokens/s over concurrency, one line per series, log2 concurrency axis."""
+    plt, fig, ax = _figure()
+    for name, pts in series.items():
+        ax.plot([c for c, _ in pts], [t for _, t in pts], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrent requests", ylabel="output tokens/s", title=title)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+# --- report.md -----------------------------------------------------------------------------------
+
+
+def prediction_table(prediction: dict, measured: dict[int, float] | None = None) -> list[str]:
+    """Markdown rows: k, expected tokens, predicted (and measured) speed-up."""
+    head = "| k | tokens/step (predicted) | step cost / plain step | predicted speed-up |"
+    lines = [head + (" measured speed-up |" if measured else ""),
+             "|---:|---:|---:|---:|" + ("---:|" if measured else "")]
+    plain = prediction["costs"]["plain_step_s"] or prediction["costs"]["target_s"]["1"]
+    for r in prediction["chains"]:
+        m = f" {measured[r['k']]:.2f}x |" if measured and r["k"] in measured else (" |" if measured else "")
+        lines.append(f"| {r['k']} | {r['expected_tokens']:.2f} | {r['step_s'] / plain:.2f} | {r['speedup']:.2f}x |{m}")
+    return lines
+
+
+def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, float] | None = None) -> str:
+    """report.md: the headline numbers, the prediction table, the advice, the plots."""
+    spec = metrics.get("speculative") or metrics.get("offline") or {}
+    lines = ["# specheads evaluation", ""]
+    if "tau" in metrics:
+        lines.append(f"- tau {metrics['tau']:.3f} (bonus included; plain decoding = 1.00), draft shape "
+                     f"{json.dumps(metrics.get('tree'))}, greedy equal: {metrics.get('greedy_equal')}")
+    acc = spec.get("acceptance_per_position") or spec.get("acc_uncond")
+    if acc:
+        lines.append("- acceptance per position: " + " / ".join(f"{a:.2f}" for a in acc))
+    if metrics.get("ngram"):
+        lines.append(f"- n-gram (prompt lookup) tau {metrics['ngram']['tau']:.3f}")
+    if metrics.get("simulated_tau"):
+        sim = metrics["simulated_tau"]
+        lines.append("- simulated tau, chain of k: " + ", ".join(f"k={k}: {t:.2f}" for k, t in sim["chain"].items()))
+        lines.append("- simulated tau, best tree: " + ", ".join(f"{n} tokens: {t:.2f}" for n, t in sim["tree"].items()))
+    pred, adv = metrics.get("prediction"), metrics.get("advice")
+    if pred:
+        lines += ["", "## Predicted speed-up", "",
+                  "From the measured conditional acceptance per position and the measured seconds of a "
+                  "target forward per verified-token count, the drafter per level and the loop per step.", "",
+                  *prediction_table(pred, measured)]
+    if adv:
+        lines += ["", *advice_lines(adv)]
+    if plots:
+        lines += ["", "## Plots", "", *[f"![{name}]({file})" for name, file in plots.items()]]
+    return "\n".join(lines) + "\n"
+
+
+def advice_lines(adv: dict) -> list[str]:
+    """The recommended-settings section (also written into an export's README)."""
+    from specheads.eval.predict import sglang_flags
+
+    v, s = adv["vllm"], adv["sglang"]
+    lines = [RECOMMENDED, "",
+             "Predicted from acceptance and step costs measured with specheads' own verifier (batch 1); "
+             "re-check on your hardware and batch sizes.", "",
+             f"- vLLM: `\"num_speculative_tokens\": {v['num_speculative_tokens']}` in `--speculative-config` "
+             f"(predicted {v['predicted_speedup']:.2f}x, {v['expected_tokens']:.2f} tokens per step)",
+             f"- SGLang: `{sglang_flags(s)}` (predicted {s['predicted_speedup']:.2f}x)"]
+    tree = adv.get("sglang_tree_to_try")
+    if tree:
+        lines.append(f"- SGLang tree to try (a rougher prediction, {tree['predicted_speedup']:.2f}x: measure it "
+                     f"before adopting): `{sglang_flags(tree)}`")
+    return lines + [""]
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def read_json(path: str | Path | None) -> dict | None:
+    """An optional JSON input (None stays None); a missing or broken file is a clear error."""
+    if path is None:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ReportError(f"'{path}' does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ReportError(f"'{path}' is not valid JSON ({err.msg}, line {err.lineno})") from None
+
+
+def write_report(out_dir: str | Path, metrics: dict, outputs: list[dict] | None = None,
+                 verifier_json: dict | None = None, bench: dict | None = None) -> dict:
+    """Plots + report.md + metrics.json (with the plot names) under out_dir; returns metrics."""
+    out = Path(out_dir)
+    spec = metrics.get("speculative") or metrics.get("offline") or {}
+    uncond = spec.get("acceptance_per_position") or spec.get("acc_uncond") or []
+    cond = spec.get("acceptance_per_position_conditional") or spec.get("acc_cond") or []
+    measured = measured_chain_speedups(verifier_json) if verifier_json else None
+    plots = {}
+    if uncond:
+        plots["acceptance"] = plot_acceptance(out / "acceptance.png", uncond, cond, "Acceptance per draft position").name
+    if outputs:
+        metrics["tau_by_category"] = tau_by_category(outputs)
+        plots["tau_by_category"] = plot_tau_by_category(out / "tau_by_category.png", metrics["tau_by_category"],
+                                                        "tau by prompt category").name
+    if metrics.get("prediction"):
+        plots["speedup"] = plot_speedup(out / "speedup.png", metrics["prediction"], measured,
+                                        "Speed-up vs draft length").name
+        if measured:
+            metrics["measured_chain_speedup"] = {str(k): v for k, v in sorted(measured.items())}
+    if bench:
+        plots["concurrency"] = plot_concurrency(out / "concurrency.png", concurrency_series(bench),
+                                                "Server throughput over concurrency").name
+    metrics["plots"] = plots
+    write_json(out / "metrics.json", metrics)
+    write_text(out / "report.md", report_markdown(metrics, plots, measured))
+    return metrics
+
+
+def with_recommendations(readme: str, adv: dict) -> str:
+    """README text with its recommended-settings section added or replaced."""
+    lines = readme.rstrip("\n").split("\n")
+    if RECOMMENDED in lines:
+        start = lines.index(RECOMMENDED)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines = lines[:start] + lines[end:]
+    text = "\n".join(lines).rstrip("\n")
+    return text + "\n\n" + "\n".join(advice_lines(adv))
+
+
+def attach_to_export(export_dir: str | Path, eval_dir: str | Path) -> Path:
+    """Copy eval_dir's metrics.json, report.md and plots into EXPORT/eval/ and put the
+    recommended settings into EXPORT/README.md (what `specheads push` publishes)."""
+    export_dir, eval_dir = Path(export_dir), Path(eval_dir)
+    metrics_path = eval_dir / "metrics.json"
+    if not metrics_path.is_file():
+        raise ReportError(f"{metrics_path} does not exist: run `specheads eval` first")
+    metrics = json.loads(metrics_path.read_text())
+    dest = export_dir / "eval"
+    dest.mkdir(exist_ok=True)
+    for name in ["metrics.json", "report.md", *metrics.get("plots", {}).values()]:
+        if (eval_dir / name).is_file():
+            shutil.copyfile(eval_dir / name, dest / name)
+    readme = export_dir / "README.md"
+    if metrics.get("advice") and readme.is_file():
+        write_text(readme, with_recommendations(readme.read_text(), metrics["advice"]))
+    return dest

@@ -1,0 +1,132 @@
+"""`specheads push EXPORT_DIR --repo ID`: publish an export folder with a generated model card.
+
+The card (the repository's README.md) is built from the export's own files: specheads.json
+(format, head, provenance, target fingerprint), README.md (serve commands, recommended settings)
+and eval/metrics.json (written by `specheads eval --attach`). A folder without metrics, or whose
+speculative output was not identical to plain greedy decoding, is refused. The token comes from
+HF_TOKEN or the cached `hf auth login`; it is never printed or written anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+METRICS = Path("eval") / "metrics.json"
+META = "specheads.json"
+
+
+class PushError(ValueError):
+    """An export folder that cannot be pushed (the message says what to run first)."""
+
+
+def read_export(export_dir: str | Path) -> tuple[dict, dict, str]:
+    """(specheads.json, eval/metrics.json, README.md text) of an export, refusing incomplete ones."""
+    folder = Path(export_dir)
+    if not (folder / META).is_file():
+        raise PushError(f"'{folder}' is not an export folder ({META} missing): run `specheads export` first")
+    metrics_path = folder / METRICS
+    if not metrics_path.is_file():
+        raise PushError(f"'{folder}' has no {METRICS.as_posix()}: measure it first with `specheads eval "
+                        f"--draft {folder} ... --attach` (a card without measured acceptance is not published)")
+    metrics = json.loads(metrics_path.read_text())
+    if metrics.get("greedy_equal") is False:
+        raise PushError(f"{metrics_path}: speculative output differed from plain greedy decoding "
+                        f"(prompts {metrics.get('mismatched_ids')}); fix the export before publishing it")
+    readme = (folder / "README.md").read_text() if (folder / "README.md").is_file() else ""
+    return json.loads((folder / META).read_text()), metrics, readme
+
+
+def front_matter(meta: dict) -> str:
+    """The card's YAML header: license, tags, the base model when it is a hub id."""
+    hub_id = (meta.get("verifier") or {}).get("hub_id")
+    lines = ["---", "library_name: specheads", "license: apache-2.0", "tags:", "- speculative-decoding",
+             f"- {meta.get('kind', 'draft')}", f"- {meta.get('engine', {}).get('name', meta.get('format', 'engine'))}"]
+    if hub_id:
+        lines += [f"base_model: {hub_id}", "base_model_relation: adapter"]
+    return "\n".join(lines + ["---", ""])
+
+
+def metrics_section(metrics: dict) -> list[str]:
+    """Measured numbers: tau, acceptance per position, speed-ups, the prompts and device used."""
+    spec = metrics.get("speculative") or {}
+    prov = metrics.get("provenance") or {}
+    acc = " / ".join(f"{a:.2f}" for a in spec.get("acceptance_per_position", []))
+    lines = ["## Measured acceptance", "",
+             f"Built-in verifier, {metrics.get('num_prompts')} prompts from `{Path(str(prov.get('prompts_file', '?'))).name}`, "
+             f"draft shape {json.dumps(metrics.get('tree'))}, {prov.get('device', '?')} {prov.get('dtype', '')}, "
+             f"greedy output identical to plain decoding: {metrics.get('greedy_equal')}.", "",
+             "| tau (bonus included) | acceptance per position | measured speed-up | n-gram baseline tau |",
+             "|---:|---|---:|---:|",
+             f"| {metrics.get('tau', 0):.3f} | {acc} | {spec.get('measured_speedup', 0):.2f}x | "
+             f"{(metrics.get('ngram') or {}).get('tau', float('nan')):.3f} |", ""]
+    pred = metrics.get("prediction")
+    if pred:
+        best = pred["best_chain_k"]
+        lines += [f"Predicted best chain length on that hardware: k = {best} "
+                  f"({max(r['speedup'] for r in pred['chains']):.2f}x).", ""]
+    return lines
+
+
+def provenance_section(meta: dict) -> list[str]:
+    """Where the head came from: versions, checkpoint, git SHA, target fingerprint."""
+    prov = meta.get("checkpoint_provenance") or {}
+    target = meta.get("target") or {}
+    return ["## Provenance", "",
+            f"- specheads {meta.get('specheads_version')}, checkpoint `{meta.get('checkpoint')}` "
+            f"(step {meta.get('checkpoint_step')}), git {str(prov.get('git_sha') or 'unknown')[:12]}",
+            f"- engine {meta.get('engine', {}).get('name')} {meta.get('engine', {}).get('version')}, "
+            f"format `{meta.get('format')}`, weights {meta.get('dtype')}",
+            f"- target `{target.get('name')}`: vocabulary {target.get('vocab_size')}, hidden {target.get('hidden_size')}, "
+            f"{target.get('num_layers')} layers, tokenizer sha256 {str(target.get('tokenizer_sha256'))[:16]}…, "
+            f"embedding sha256 {str(target.get('embedding_sha256'))[:16]}…", ""]
+
+
+def model_card(export_dir: str | Path) -> str:
+    """The generated README.md of the hub repository."""
+    meta, metrics, readme = read_export(export_dir)
+    body = readme.strip("\n") + "\n\n" if readme else ""
+    return front_matter(meta) + "\n" + body + "\n".join(metrics_section(metrics) + provenance_section(meta))
+
+
+def upload_plan(export_dir: str | Path) -> list[tuple[str, Path | None]]:
+    """(path in repo, local file) for every file pushed; README.md is the generated card (None)."""
+    folder = Path(export_dir)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    plan = [(p.relative_to(folder).as_posix(), p) for p in files if p.relative_to(folder).as_posix() != "README.md"]
+    return [("README.md", None), *plan]
+
+
+def push(export_dir: str | Path, repo_id: str, private: bool = False, dry_run: bool = False,
+         endpoint: str | None = None, out=print) -> str | None:
+    """Create the repo (if needed) and commit the export with its card; returns the commit URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    card = model_card(export_dir)
+    plan = upload_plan(export_dir)
+    out(f"{'would push' if dry_run else 'pushing'} {export_dir} -> {repo_id} ({'private' if private else 'public'})")
+    for path, local in plan:
+        size = len(card.encode()) if local is None else local.stat().st_size
+        out(f"  {path} ({size:,} bytes){' [generated model card]' if local is None else ''}")
+    if dry_run:
+        out("--- model card ---\n" + card)
+        return None
+    api = HfApi(endpoint=endpoint)  # token: HF_TOKEN or the cached login, never echoed
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    ops = [CommitOperationAdd(path, card.encode() if local is None else str(local)) for path, local in plan]
+    info = api.create_commit(repo_id, operations=ops, commit_message="Upload draft head exported by specheads")
+    out(f"pushed: {info.commit_url}")
+    return info.commit_url
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specheads push", description=__doc__.split("\n\n")[0])
+    p.add_argument("export_dir", help="a folder written by `specheads export` and measured by `specheads eval --attach`")
+    p.add_argument("--repo", required=True, help="hub repository id, e.g. org/name-eagle3")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--dry-run", action="store_true", help="print the files and the model card; upload nothing")
+    p.add_argument("--endpoint", default=None, help="hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+    a = p.parse_args(argv)
+    push(a.export_dir, a.repo, a.private, a.dry_run, a.endpoint)
+    return 0

@@ -1,0 +1,199 @@
+"""Bring your own drafter: EAGLE-3 folders written by the speculators package and in SpecForge's
+SGLang layout load into our head, compute speculators' own logits, and decode losslessly.
+
+The folders under tests/fixtures/ were written by `speculators` 0.9.0 itself
+(tests/fixtures/make_speculators_fixture.py); the golden logits are what its TTT forward
+computed for recorded inputs, so no second virtualenv is needed here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+
+from specheads.export import load, load_with_meta
+from specheads.export.load import ForeignDraftError
+from specheads.heads.eagle3 import ttt_attention_mask
+from specheads.verify import greedy_decode
+from specheads.verify.settings import make_proposer, make_tree_spec, speculative_decode
+from random_models import VOCAB, make_target
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VARIANTS = ["speculators_eagle3", "speculators_eagle3_fcnorm"]
+
+
+def ttt_logits(head, aux: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, steps: int) -> torch.Tensor:
+    """Our head run in speculators' TTT layout: step j reads ids[j:] (zero-padded) at positions
+    i + j, over step-0 causal keys plus its own diagonal. -> [steps, T, Vd]."""
+    T = ids.shape[1]
+    hidden = head.fuse(aux)  # [1, T, H]
+    cache, out = DynamicCache(), []
+    valid = torch.ones(1, T, dtype=torch.bool)
+    for j in range(steps):
+        step_ids = torch.cat([ids[:, j:], ids.new_zeros(1, j)], dim=1)  # [1, T]
+        mask = ttt_attention_mask(valid, j, hidden.dtype)  # [1, 1, T, (j+1)T]
+        hidden = head.step(hidden, embed[step_ids], torch.arange(T)[None] + j, mask, cache)
+        out.append(head.logits(hidden)[0])
+    return torch.stack(out)
+
+
+def golden(name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / "speculators_golden" / f"{name}.safetensors"))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_logits_equal_speculators_forward(name, attn):
+    head, meta = load_with_meta(FIXTURES / name, attn_implementation=attn)
+    gold = golden(name)
+    embed = load_file(str(FIXTURES / name / "model.safetensors"))["embed_tokens.weight"]
+    with torch.no_grad():
+        ours = ttt_logits(head, gold["aux"], gold["input_ids"], embed, gold["logits"].shape[0])
+    torch.testing.assert_close(ours, gold["logits"], rtol=1e-4, atol=1e-4)
+    assert meta.format == "vllm" and meta.num_speculative_tokens == 3
+
+
+def test_options_are_read_from_the_speculators_config():
+    strict = load(FIXTURES / "speculators_eagle3").config
+    assert (strict.norm_before_residual, strict.norm_before_fc, strict.fc_norm, strict.norm_output) == (
+        True, True, False, True)
+    assert strict.aux_layers == [2, 4, 5] and strict.draft_vocab_size == 64 and strict.vocab_size == VOCAB
+    loose = load(FIXTURES / "speculators_eagle3_fcnorm").config
+    assert (loose.norm_before_residual, loose.norm_before_fc, loose.fc_norm, loose.norm_output) == (
+        False, False, True, False)
+    assert loose.draft_vocab_size == VOCAB  # speculators wrote no d2t: identity offsets
+
+
+def test_each_option_changes_the_logits():
+    """A loader that ignored an option would still pass a weak test; flipping each one must move
+    the logits away from speculators' golden values."""
+    gold = golden("speculators_eagle3")
+    embed = load_file(str(FIXTURES / "speculators_eagle3" / "model.safetensors"))["embed_tokens.weight"]
+    for option in ("norm_before_residual", "norm_output"):
+        head = load(FIXTURES / "speculators_eagle3")
+        setattr(head.config, option, not getattr(head.config, option))
+        head.layers[0].norm_before_residual = head.config.norm_before_residual
+        with torch.no_grad():
+            ours = ttt_logits(head, gold["aux"], gold["input_ids"], embed, 3)
+        assert (ours - gold["logits"]).abs().max() > 1e-2, option
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("sdpa")
+
+
+def prompts(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_speculative_decoding_equals_plain_greedy(target, name):
+    head = load(FIXTURES / name).to(target.dtype)
+    for tree in ("chain", "eagle2"):
+        spec = make_tree_spec(tree, k=3, depth=3, top_k=3, total_tokens=8)
+        for prompt in prompts(2, seed=4):
+            ref = greedy_decode(target, prompt, 20)
+            res = speculative_decode(spec, target, make_proposer(spec, head, target), prompt, 20, ())
+            assert res.tokens == ref.tokens, (name, tree, prompt.tolist())
+            assert res.stats.drafts > 0
+
+
+# --- SpecForge / SGLang layout ------------------------------------------------------------------
+
+
+def as_sglang_folder(src: Path, out: Path, legacy_names: bool) -> Path:
+    """Re-lay a speculators folder the way SpecForge's `export --to sglang` writes one: a
+    LlamaForCausalLMEagle3 config, midlayer.* names, ids in SGLang numbering (one lower)."""
+    cfg = json.loads((src / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]
+    sg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg["draft_vocab_size"],
+          "tie_word_embeddings": False, "fc_norm": cfg["fc_norm"], "norm_output": cfg["norm_output"],
+          "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]],
+                           "use_aux_hidden_state": True, "norm_before_fc": cfg["norm_before_fc"]}}
+    legacy = {"fc_norm.0.": "aux_norm_low.", "fc_norm.1.": "aux_norm_mid.", "fc_norm.2.": "aux_norm_high."}
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name == "embed_tokens.weight":
+            continue  # SpecForge drops embeddings on export
+        name = name.replace("layers.0.", "midlayer.")
+        for new, old in legacy.items():
+            name = name.replace(new, old) if legacy_names else name
+        tensors[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(sg))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_sglang_layout_computes_the_same_logits(tmp_path):
+    name = "speculators_eagle3_fcnorm"  # raw residual: the only rule SGLang runs
+    folder = as_sglang_folder(FIXTURES / name, tmp_path / "sglang", legacy_names=True)
+    head, meta = load_with_meta(folder)
+    assert meta.format == "sglang" and head.config.aux_layers == [2, 4, 5] and head.config.fc_norm
+    gold = golden(name)
+    embed = load_file(str(FIXTURES / name / "model.safetensors"))["embed_tokens.weight"]
+    with torch.no_grad():
+        ours = ttt_logits(head, gold["aux"], gold["input_ids"], embed, 3)
+    torch.testing.assert_close(ours, gold["logits"], rtol=0, atol=0.1)  # bf16 weights, as SpecForge ships
+    assert (ours.argmax(-1) == gold["logits"].argmax(-1)).float().mean() > 0.9
+
+
+def test_sglang_layout_without_ids_uses_the_engine_default(tmp_path):
+    folder = as_sglang_folder(FIXTURES / "speculators_eagle3_fcnorm", tmp_path / "sg", legacy_names=False)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ForeignDraftError, match="num_target_layers"):
+        load(folder)
+    assert load_with_meta(folder, num_target_layers=32)[0].config.aux_layers == [2, 16, 29]
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def edited_copy(tmp_path: Path, edit_config=None, edit_tensors=None) -> Path:
+    out = tmp_path / "copy"
+    shutil.copytree(FIXTURES / "speculators_eagle3", out)
+    if edit_config:
+        cfg = json.loads((out / "config.json").read_text())
+        edit_config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        tensors = load_file(str(out / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), "q_norm/k_norm"),
+    (lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), "num_hidden_layers 2"),
+    (lambda c: c.update(target_hidden_size=64), "target_hidden_size 64"),
+    (lambda c: c.update(fc_norm=True), "exclude each other"),
+    (lambda c: c.update(speculators_model_type="dflash"), "speculators_model_type 'dflash'"),
+])
+def test_unsupported_options_are_refused_by_name(tmp_path, edit, message):
+    with pytest.raises(ForeignDraftError, match=message):
+        load(edited_copy(tmp_path, edit_config=edit))
+
+
+def test_missing_d2t_with_a_reduced_vocab_is_refused(tmp_path):
+    with pytest.raises(ForeignDraftError, match="no d2t"):
+        load(edited_copy(tmp_path, edit_tensors=lambda t: t.pop("d2t")))
+
+
+def test_nested_lm_head_is_refused(tmp_path):
+    def nest(t):
+        t["model.lm_head.weight"] = t.pop("lm_head.weight")
+
+    with pytest.raises(ForeignDraftError, match="model.lm_head.weight"):
+        load(edited_copy(tmp_path, edit_tensors=nest))

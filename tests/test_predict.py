@@ -1,0 +1,107 @@
+"""Speed-up prediction: golden values of the acceptance models, the cost model, the advice."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from specheads.eval.predict import (
+    PredictError, StepCosts, advice, best_tree, expected_tokens_chain, expected_tokens_tree,
+    measure_costs, monotone, predict, rank_acceptance, simulated_tau,
+)
+from specheads.metrics import predicted_speedup
+
+
+def test_chain_matches_the_seed_formula_for_constant_acceptance():
+    a, c = 0.7, 0.1
+    costs = StepCosts(target_s={1: 1.0}, draft_per_level_s=c)  # flat target cost, c per draft token
+    pred = predict([a], costs, ks=range(1, 7), budgets=())
+    for row in pred.chains:
+        k = row["k"]
+        assert row["expected_tokens"] == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+        assert row["speedup"] == pytest.approx(predicted_speedup(a, k, c))
+
+
+def test_chain_uses_position_dependent_acceptance():
+    cond = [0.8, 0.5, 0.25]
+    assert expected_tokens_chain(cond, 1) == pytest.approx(1.8)
+    assert expected_tokens_chain(cond, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    # past the measured positions the last conditional value repeats
+    assert expected_tokens_chain(cond, 4) == pytest.approx(1 + 0.8 + 0.4 + 0.1 + 0.025)
+    with pytest.raises(PredictError, match="no per-position acceptance"):
+        expected_tokens_chain([], 2)
+
+
+def test_tree_expectation_sums_path_probabilities():
+    q = rank_acceptance([0.6, 0.5], depth=2, width=3, sibling_decay=0.5)
+    assert q[0] == pytest.approx([0.6, 0.2, 0.1])  # the rejected mass split geometrically
+    choices = [(0,), (1,), (0, 0)]
+    assert expected_tokens_tree(choices, q) == pytest.approx(1 + 0.6 + 0.2 + 0.6 * 0.5)
+    # a chain written as a tree gives the chain's number
+    assert expected_tokens_tree([(0,), (0, 0)], q) == pytest.approx(expected_tokens_chain([0.6, 0.5], 2))
+
+
+def _brute_force_best(q, budget):
+    """Every rooted sub-tree of the width-2, depth-3 full tree with budget-1 nodes."""
+    nodes = [p for d in range(1, 4) for p in itertools.product(range(2), repeat=d)]
+    best = 0.0
+    for subset in itertools.combinations(nodes, budget - 1):
+        chosen = set(subset)
+        closed = all(p[:-1] in chosen or len(p) == 1 for p in chosen)
+        if closed:
+            best = max(best, expected_tokens_tree(chosen, q))
+    return best
+
+
+@pytest.mark.parametrize("budget", [2, 4, 6])
+def test_greedy_tree_is_optimal(budget):
+    q = rank_acceptance([0.7, 0.4, 0.6], depth=3, width=2, sibling_decay=0.6)
+    paths, value = best_tree(q, budget)
+    assert len(paths) == budget - 1
+    assert value == pytest.approx(expected_tokens_tree(paths, q))
+    assert value == pytest.approx(_brute_force_best(q, budget))
+
+
+def test_cost_model_interpolates_and_prefers_the_cheap_length():
+    costs = StepCosts(target_s={1: 1.0, 5: 2.0, 9: 6.0}, draft_fixed_s=0.1, draft_per_level_s=0.05)
+    assert costs.target(3) == pytest.approx(1.5)
+    assert costs.target(13) == pytest.approx(10.0)  # linear past the last measured count
+    assert costs.step(4, 3) == pytest.approx(1.75 + 0.1 + 0.15)
+    pred = predict([0.9], costs, ks=range(1, 9), budgets=(8,))
+    # verification gets expensive past 5 tokens: the best chain stops before it
+    assert pred.best_chain()["k"] == 4
+    adv = advice(pred)
+    assert adv["vllm"]["num_speculative_tokens"] == 4
+    assert adv["sglang"] == {**adv["sglang"], "speculative_num_steps": 4, "speculative_eagle_topk": 1,
+                             "speculative_num_draft_tokens": 5}
+
+
+def test_monotone_fit_removes_timing_noise():
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert monotone([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_simulated_tau_grows_with_k_and_budget():
+    sim = simulated_tau([0.7, 0.6, 0.5], ks=range(1, 5), budgets=(4, 16))
+    chain = [sim["chain"][str(k)] for k in range(1, 5)]
+    assert chain == sorted(chain) and chain[0] == pytest.approx(1.7)
+    assert sim["tree"]["4"] >= chain[2] - 1e-9  # the best 4-token tree is at least the chain of 3
+    assert sim["tree"]["16"] > sim["tree"]["4"]
+
+
+def test_measure_costs_on_a_real_target():
+    from random_models import make_head, make_target
+
+    target = make_target()
+    head = make_head(target)
+    costs = measure_costs(target, head, [[1, 2, 3, 4, 5, 6]], k_max=3, max_new_tokens=8,
+                          max_nodes=8, reps=2)
+    counts = sorted(costs.target_s)
+    assert counts[0] == 1 and counts[-1] == 8
+    times = [costs.target_s[n] for n in counts]
+    assert all(t > 0 for t in times) and times == sorted(times)
+    assert costs.draft_per_level_s >= 0 and costs.plain() > 0
+    pred = predict([0.5, 0.4], costs, ks=(1, 2, 3), budgets=(4,))
+    assert all(math.isfinite(r["speedup"]) and r["speedup"] > 0 for r in pred.chains)
