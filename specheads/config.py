@@ -34,7 +34,7 @@ class DataConfig:
     format: str = "auto"
     max_length: int = 512
     skip_malformed: bool = False
-    end_of_turn: str | None = None
+    end_of_turn: str | list[str] | None = None  # text(s) ending an assistant turn; default: eos_token
     features: str | None = None  # a `specheads capture` folder: train from it instead of target forwards
     vocab_stats: str | None = None  # a `specheads vocab-stats` file: the draft vocabulary's frequencies
 

@@ -19,7 +19,7 @@ SHAREGPT_ROLES = {
     "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant",
     "system": "system",
 }
-OPENAI_ROLES = ("system", "user", "assistant")
+OPENAI_ROLES = ("system", "user", "assistant", "tool")
 _FORMAT_KEYS = (("conversations", "sharegpt"), ("messages", "openai"), ("instruction", "alpaca"), ("text", "text"))
 _SKIP_HINT = "fix the row or set data.skip_malformed: true"
 _MAX_REASONS = 5
@@ -31,10 +31,15 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Message:
-    """One chat turn; `role` is normalised to system / user / assistant."""
+    """One chat turn; `role` is system / user / assistant / tool. The optional fields are OpenAI's
+    tool-calling fields and a separate `thinking` text, passed to the chat template as they are."""
 
     role: str
     content: str
+    tool_calls: tuple[dict, ...] | None = None  # assistant: [{type, id?, function: {name, arguments}}]
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None  # tool: the function's name
+    thinking: str | None = None  # assistant: reasoning kept apart from content (e.g. harmony's analysis)
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Conversation:
     id: str
     messages: list[Message] = field(default_factory=list)
     text: str | None = None
+    tools: list[dict] | None = None  # OpenAI tool definitions the chat template renders
 
 
 @dataclass
@@ -236,18 +242,59 @@ def _content_text(content: Any, path: str) -> str:
     return "\n".join(texts)
 
 
+def _tool_calls(turn: dict, path: str) -> tuple[dict, ...] | None:
+    """An assistant turn's `tool_calls`: absent/null/empty, or objects with `function.name` and `arguments`."""
+    calls = turn.get("tool_calls")
+    if not calls:
+        return None
+    if turn["role"] != "assistant":
+        raise _RowError(path, f"only assistant messages carry tool calls, not '{turn['role']}'")
+    if not isinstance(calls, list):
+        raise _RowError(path, f"expected a list, got {type(calls).__name__}")
+    for j, call in enumerate(calls):
+        fn = _require(_turn(call, f"{path}[{j}]"), "function", dict, f"{path}[{j}].function")
+        _require(fn, "name", str, f"{path}[{j}].function.name")
+        if not isinstance(fn.get("arguments"), (str, dict)):
+            raise _RowError(f"{path}[{j}].function.arguments", "expected a JSON string or an object")
+    return tuple(calls)
+
+
+def _optional_field(turn: dict, key: str, path: str) -> str | None:
+    """An optional string field of a message: absent or null gives None."""
+    value = turn.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _RowError(path, f"expected str, got {type(value).__name__}")
+    return value
+
+
+def _openai_message(turn: dict, i: int) -> Message:
+    """One OpenAI message; an assistant turn that only calls tools may have null content."""
+    role = _require(turn, "role", str, f"messages[{i}].role")
+    if role not in OPENAI_ROLES:
+        raise _RowError(f"messages[{i}].role", f"unknown role '{role}'; expected one of {', '.join(OPENAI_ROLES)}")
+    calls = _tool_calls(turn, f"messages[{i}].tool_calls")
+    if turn.get("content") is None and not calls:
+        raise _RowError(f"messages[{i}].content", "missing")
+    content = "" if turn.get("content") is None else _content_text(turn["content"], f"messages[{i}].content")
+    return Message(role, content, calls,
+                   _optional_field(turn, "tool_call_id", f"messages[{i}].tool_call_id"),
+                   _optional_field(turn, "name", f"messages[{i}].name"),
+                   _optional_field(turn, "thinking", f"messages[{i}].thinking"))
+
+
 def _parse_openai(row: dict) -> list[Message]:
-    """`messages: [{role, content}]`, roles system/user/assistant."""
-    messages = []
-    for i, item in enumerate(_require(row, "messages", list)):
-        turn = _turn(item, f"messages[{i}]")
-        role = _require(turn, "role", str, f"messages[{i}].role")
-        if role not in OPENAI_ROLES:
-            raise _RowError(f"messages[{i}].role", f"unknown role '{role}'; expected one of {', '.join(OPENAI_ROLES)}")
-        if turn.get("content") is None:
-            raise _RowError(f"messages[{i}].content", "missing")
-        messages.append(Message(role, _content_text(turn["content"], f"messages[{i}].content")))
-    return messages
+    """`messages: [{role, content}]`, roles system/user/assistant/tool, with OpenAI tool-call fields."""
+    return [_openai_message(_turn(item, f"messages[{i}]"), i) for i, item in enumerate(_require(row, "messages", list))]
+
+
+def _row_tools(row: dict) -> list[dict] | None:
+    """The row's optional `tools` list (OpenAI function definitions)."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _RowError("tools", "expected a list of tool definitions (objects)")
+    return tools or None
 
 
 def _optional_str(row: dict, key: str) -> str:
@@ -313,7 +360,7 @@ def _parse_row(row: _Row, fmt: str, stem: str) -> Conversation:
         return Conversation(conv_id, [], _parse_text(row.value))
     messages = _PARSERS[fmt](row.value)
     _check_chat(messages, fmt)
-    return Conversation(conv_id, messages)
+    return Conversation(conv_id, messages, tools=_row_tools(row.value) if fmt == "openai" else None)
 
 
 # ---------------------------------------------------------------- public API

@@ -6,6 +6,7 @@ tokens with the fast tokenizer's offsets, and then verified by decoding the mark
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -47,9 +48,30 @@ def _short(text: str) -> str:
     return repr(text) if len(text) <= _SHOW else repr(text[:_SHOW]) + f"... ({len(text)} chars)"
 
 
-def _as_dicts(conv: Conversation) -> list[dict[str, str]]:
-    """Messages in the `{"role", "content"}` form chat templates expect."""
-    return [{"role": m.role, "content": m.content} for m in conv.messages]
+def _as_dicts(conv: Conversation) -> list[dict[str, Any]]:
+    """Messages in the OpenAI form chat templates expect (tool-call fields only where set)."""
+    out = []
+    for m in conv.messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        extra = {"tool_calls": [dict(c) for c in m.tool_calls] if m.tool_calls else None,
+                 "tool_call_id": m.tool_call_id, "name": m.name, "thinking": m.thinking}
+        out.append({**d, **{k: v for k, v in extra.items() if v is not None}})
+    return out
+
+
+def _parsed_arguments(messages: list[dict]) -> list[dict]:
+    """`messages` with JSON-string tool-call arguments parsed to objects, the form most templates expect."""
+    def parse(call: dict) -> dict:
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+            return call
+        try:
+            args = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+    return [{**m, "tool_calls": [parse(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
 
 
 def _check_tokenizer(tokenizer: Any) -> None:
@@ -62,10 +84,12 @@ def _check_tokenizer(tokenizer: Any) -> None:
                             "or use raw-text data")
 
 
-def _render(tokenizer: Any, messages: list[dict], conv_id: str, generation_prompt: bool = False) -> str:
+def _render(tokenizer: Any, messages: list[dict], conv_id: str, generation_prompt: bool = False,
+            tools: list[dict] | None = None, **kwargs: Any) -> str:
     """The chat template applied to `messages` as text; template failures name the sample."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt, **kwargs)
     except Exception as e:  # jinja raises many types; the sample id is what the user needs
         raise TemplateError(f"sample {conv_id}: the chat template failed on {len(messages)} message(s): "
                             f"{type(e).__name__}: {e}") from e
@@ -83,18 +107,18 @@ def _require_prefix(prefix: str, full: str, conv_id: str, turn: int) -> None:
             "(assistant_mask_from_generation_markers) or normalise the data first")
 
 
-def _prompt_end(tokenizer: Any, messages: list[dict], i: int, full: str, conv_id: str) -> int:
+def _prompt_end(tokenizer: Any, messages: list[dict], i: int, full: str, conv_id: str,
+                tools: list[dict] | None) -> int:
     """Where turn `i`'s generated text can start: the end of the longest generation prompt for
     messages[:i] that the full render starts with. Variants cover templates whose prompt carries
     boilerplate (an empty think block when thinking is off), so that boilerplate is never supervised.
     """
     if i == 0:
         return 0
-    renders = [_render(tokenizer, messages[:i], conv_id, generation_prompt=True)]
+    renders = [_render(tokenizer, messages[:i], conv_id, True, tools)]
     try:
-        renders.append(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True,
-                                                     enable_thinking=False))
-    except Exception:  # a template without that switch: the plain prompt is the only variant
+        renders.append(_render(tokenizer, messages[:i], conv_id, True, tools, enable_thinking=False))
+    except TemplateError:  # a template without that switch: the plain prompt is the only variant
         pass
     fits = [len(r) for r in renders if full.startswith(r)]
     if not fits:
@@ -114,36 +138,66 @@ def _content_variants(content: str) -> list[str]:
     return [v for i, v in enumerate(variants) if v and v not in variants[:i]]
 
 
+def _find_eot(full: str, eots: list[str], lo: int, hi: int, last: bool = False) -> tuple[int, str]:
+    """The first (or last) end-of-turn text of any of `eots` in `full[lo:hi]`: (position, text), -1 if none."""
+    hits = [(full.rfind(e, lo, hi) if last else full.find(e, lo, hi), e) for e in eots]
+    hits = [(at, e) for at, e in hits if at >= 0]
+    if not hits:
+        return -1, eots[0]
+    return max(hits) if last else min(hits)
+
+
+def _turn_span(full: str, message: dict, lo: int, hi: int, bounded: bool, eots: list[str], conv_id: str,
+               i: int, turn: int) -> tuple[int, int]:
+    """One assistant turn's supervised `[start, end)` in `full`, searched within the turn's `[lo, hi)`.
+
+    Starts at its separate thinking text if the render has it, else at its content; ends after the
+    end-of-turn that follows the content (the last one before `hi` when `hi` is the turn's true end,
+    so a turn written as several harmony messages, e.g. analysis then a tool call, is supervised whole).
+    """
+    start, pos = -1, lo
+    thinking = message.get("thinking") or ""
+    if thinking.strip() and (at := full.find(thinking, lo, hi)) >= 0:
+        start, pos = at, at + len(thinking)
+    content = message.get("content") or ""
+    limit = hi if start >= 0 else _find_eot(full, eots, pos, hi)[0]
+    found = [(full.find(v, pos, limit if limit >= 0 else hi), v) for v in _content_variants(content)]
+    at, text = next(((a, v) for a, v in found if a >= 0), (-1, content))
+    if content.strip() and at < 0:
+        raise TemplateError(f"sample {conv_id}: assistant message {i} does not appear verbatim in the "
+                            f"template's render {_short(full[lo:hi])} — the template rewrites or drops assistant "
+                            "content; normalise the data first")
+    if at >= 0 and content:
+        start, pos = (at if start < 0 else start), at + len(text)
+    start = lo if start < 0 else start
+    eot, mark = _find_eot(full, eots, pos, hi, last=bounded)
+    if eot < 0:
+        _missing_eot(full, start, text, eots[0], conv_id, turn)
+    return start, eot + len(mark)
+
+
 def assistant_char_spans(
-    tokenizer: Any, messages: list[dict], full: str, end_of_turn: str, conv_id: str
+    tokenizer: Any, messages: list[dict], full: str, end_of_turn: str | list[str], conv_id: str,
+    tools: list[dict] | None = None,
 ) -> list[tuple[int, int]]:
     """Character spans `[start, end)` of each assistant turn in `full`: its text through its end-of-turn.
 
     A turn starts after the generation prompt of the preceding messages; the supervised text starts
-    where the message's content (as is, or the answer after a think block) appears and
-    runs through the first end-of-turn text, so tool calls the template writes after the content
-    are supervised and template boilerplate before it is not. An empty turn supervises only its
-    end-of-turn (and any tool call). The decode check in `tokenize_conversation` verifies each span.
+    where the message's thinking or content (as is, or the answer after a think block) appears and
+    runs through its end-of-turn text (any of `end_of_turn` when a list), so tool calls the template
+    writes after the content are supervised and template boilerplate before it is not. An empty turn
+    supervises only its end-of-turn (and any tool call). `tokenize_conversation` verifies each span.
     """
+    eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        lo = _prompt_end(tokenizer, messages, i, full, conv_id)
-        through = _render(tokenizer, messages[: i + 1], conv_id)
-        hi = len(through) if full.startswith(through) else len(full)  # templates that re-render: no bound
-        content = message.get("content") or ""
-        eot = full.find(end_of_turn, lo, hi)
-        found = [(full.find(v, lo, eot if eot >= 0 else hi), v) for v in _content_variants(content)]
-        start, text = next(((a, v) for a, v in found if a >= 0), (-1, content))
-        if content.strip() and start < 0:
-            raise TemplateError(f"sample {conv_id}: assistant message {i} does not appear verbatim in the "
-                                f"template's render {_short(full[lo:hi])} — the template rewrites assistant "
-                                "content; normalise the data first")
-        start = lo if start < 0 else start
-        if eot < 0:
-            _missing_eot(full, start, text, end_of_turn, conv_id, len(spans))
-        spans.append((start, eot + len(end_of_turn)))
+        lo = _prompt_end(tokenizer, messages, i, full, conv_id, tools)
+        through = _render(tokenizer, messages[: i + 1], conv_id, tools=tools)
+        bounded = full.startswith(through)  # templates that re-render earlier turns give no bound
+        hi = len(through) if bounded else len(full)
+        spans.append(_turn_span(full, message, lo, hi, bounded, eots, conv_id, i, len(spans)))
     return spans
 
 
@@ -180,20 +234,44 @@ def _verify_turns(tokenizer: Any, ids: list[int], turns: list[list[int]], expect
                 "template and tokenizer cannot be masked per token")
 
 
-def _chat_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | None) -> TokenizedSample:
+def _chat_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | list[str] | None) -> TokenizedSample:
     """Render, tokenise, mark and verify a chat sample (not truncated)."""
-    return mask_messages(tokenizer, _as_dicts(conv), conv.id, end_of_turn)
+    return mask_messages(tokenizer, _as_dicts(conv), conv.id, end_of_turn, conv.tools)
+
+
+def _choose_form(tokenizer: Any, messages: list[dict], conv_id: str, tools: list[dict] | None) -> tuple[list[dict], str]:
+    """Messages with tool-call arguments as objects (how serving engines pass them to templates) and
+    their render; as given (JSON strings) if only that form renders (templates that concatenate them)."""
+    parsed = _parsed_arguments(messages)
+    try:
+        return parsed, _render(tokenizer, parsed, conv_id, tools=tools)
+    except TemplateError:
+        if parsed == messages:
+            raise
+        return messages, _render(tokenizer, messages, conv_id, tools=tools)
+
+
+def _end_of_turn(tokenizer: Any, end_of_turn: str | list[str] | None) -> list[str]:
+    """The end-of-turn texts: `end_of_turn` (one or several) or the tokenizer's eos_token."""
+    eots = [tokenizer.eos_token] if end_of_turn is None else (
+        [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn))
+    if not eots or not all(isinstance(e, str) and e for e in eots):
+        raise TemplateError("no end-of-turn text: the tokenizer has no eos_token, or end_of_turn is empty — set "
+                            "end_of_turn (data.end_of_turn) to the template's end-of-turn text(s)")
+    return eots
 
 
 def mask_messages(tokenizer: Any, messages: list[dict], conv_id: str = "messages",
-                  end_of_turn: str | None = None) -> TokenizedSample:
-    """Chat-template `messages` (dicts; tool calls and tool turns allowed) -> ids + verified assistant mask."""
+                  end_of_turn: str | list[str] | None = None, tools: list[dict] | None = None) -> TokenizedSample:
+    """Chat-template `messages` (dicts; tool calls and tool turns allowed) -> ids + verified assistant mask.
+
+    `end_of_turn` may list several texts (e.g. harmony's `<|end|>`, `<|return|>`, `<|call|>`): a
+    turn ends at whichever the template writes. `tools` are the tool definitions the template renders.
+    """
     _check_tokenizer(tokenizer)
-    eot = tokenizer.eos_token if end_of_turn is None else end_of_turn
-    if not eot:
-        raise TemplateError("the tokenizer has no eos_token: set end_of_turn to the template's end-of-turn text")
-    full = _render(tokenizer, messages, conv_id)
-    spans = assistant_char_spans(tokenizer, messages, full, eot, conv_id)
+    eot = _end_of_turn(tokenizer, end_of_turn)
+    messages, full = _choose_form(tokenizer, messages, conv_id, tools)
+    spans = assistant_char_spans(tokenizer, messages, full, eot, conv_id, tools)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, turns = list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)
     expected = [(full[s:e], full[e:e + 40]) for s, e in spans]
@@ -213,17 +291,17 @@ def _text_sample(tokenizer: Any, conv: Conversation) -> TokenizedSample:
 
 
 def tokenize_conversation(
-    tokenizer: Any, conv: Conversation, max_length: int, end_of_turn: str | None = None
+    tokenizer: Any, conv: Conversation, max_length: int, end_of_turn: str | list[str] | None = None
 ) -> TokenizedSample:
     """`conv` as input_ids and an assistant-only loss mask (verified), truncated to `max_length` tokens.
 
-    `end_of_turn` is the text the template writes after each assistant message (default: the
-    tokenizer's eos_token); it is supervised so the drafter learns to stop.
+    `end_of_turn` is the text (or texts) the template writes after each assistant message (default:
+    the tokenizer's eos_token); it is supervised so the drafter learns to stop.
     """
     return _truncate(_full_sample(tokenizer, conv, end_of_turn), max_length)
 
 
-def _full_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | None) -> TokenizedSample:
+def _full_sample(tokenizer: Any, conv: Conversation, end_of_turn: str | list[str] | None) -> TokenizedSample:
     """The untruncated sample: raw text or a verified chat sample."""
     return _text_sample(tokenizer, conv) if conv.text is not None else _chat_sample(tokenizer, conv, end_of_turn)
 
@@ -248,7 +326,7 @@ def assistant_mask_from_generation_markers(tokenizer: Any, conv: Conversation) -
     _check_tokenizer(tokenizer)
     if not has_generation_markers(tokenizer):
         raise TemplateError("the chat template has no {% generation %} markers; use tokenize_conversation")
-    out = tokenizer.apply_chat_template(_as_dicts(conv), tokenize=True, return_dict=True,
+    out = tokenizer.apply_chat_template(_as_dicts(conv), tools=conv.tools, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
     return TokenizedSample(conv.id, list(out["input_ids"]), list(out["assistant_masks"]))
 
@@ -257,7 +335,7 @@ def tokenize_all(
     tokenizer: Any,
     convs: Iterable[Conversation],
     max_length: int,
-    end_of_turn: str | None = None,
+    end_of_turn: str | list[str] | None = None,
     stats: TokenizeStats | None = None,
 ) -> list[TokenizedSample]:
     """Tokenise every conversation, dropping those left with no supervised token after truncation.
