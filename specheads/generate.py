@@ -14,6 +14,8 @@ The tree and sampling settings live in `verify/settings.py`, shared with `speche
 for chains, the EAGLE-2/3 point-mass rule for trees; both lossless, seeded by `--seed`). A sampled
 output is distributed like the target's own samples but is not token-equal to a plain sample, so
 the equality check applies to greedy decoding only; `specheads eval` and the benchmark stay greedy.
+`--acceptance typical` (with `--temperature > 0`) verifies with Medusa's typical acceptance
+instead: faster, but LOSSY, and the summary says so.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from specheads.verify.settings import (
-    GenerateError, Sampling, TreeSpec, add_tree_arguments, check_tree_fits, make_proposer,
-    sampled_decode, spec_from_args, speculative_decode, with_default_k,
+    GenerateError, Sampling, TreeSpec, add_sampling_arguments, add_tree_arguments,
+    check_acceptance, check_tree_fits, make_proposer, sampled_decode, sampling_from_args,
+    spec_from_args, speculative_decode, with_default_k,
 )
 
 # --- loading -------------------------------------------------------------------------------------
@@ -159,7 +161,10 @@ def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
     fast, slow = rate(spec_result.stats, stream_s), rate(plain_result.stats)
     plain = "plain greedy" if sampling.greedy else "plain sampling"
     check = (f"identical to plain greedy: {equal}" if equal is not None else
-             f"sampled ({sampling.label()}), lossless: distributed like the target's samples")
+             f"sampled ({sampling.label()}), lossless: distributed like the target's samples"
+             if sampling.lossless else
+             f"sampled ({sampling.label()}), LOSSY: typical acceptance, not distributed like "
+             "the target's samples")
     return [
         f"draft: {spec.label()}  tau={s['tau']:.3f}  acceptance per position: {acc}",
         f"speculative {fast:.1f} tok/s ({spec_result.stats.tokens} tokens, "
@@ -189,6 +194,7 @@ def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling
         from specheads.verify.sampling import check_warp
 
         check_warp(sampling.temperature, sampling.top_p, 0)
+    check_acceptance(sampling)
 
 
 def stream_decode(spec, target, head, ids, max_new_tokens, eos, sampling, out):
@@ -233,7 +239,8 @@ def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
     for line in report_lines(spec, result, plain, equal, stream_s, sampling):
         print(line, file=err)
     return {"tree": spec.describe(), "tokens": result.tokens, "plain_tokens": plain.tokens,
-            "greedy_equal": equal, "sampling": asdict(sampling), "summary": result.stats.summary(),
+            "greedy_equal": equal, "sampling": sampling.describe(), "lossless": sampling.lossless,
+            "acceptance": sampling.acceptance, "summary": result.stats.summary(),
             "tokens_per_s": rate(result.stats, stream_s), "plain_tokens_per_s": rate(plain.stats)}
 
 
@@ -249,17 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render the prompt with the chat template (default) or feed it raw")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (default): greedy, checked identical to plain greedy; > 0: lossless "
-                        "speculative sampling")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_sampling_arguments(p)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on a GPU, float32 on a CPU")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     r = run_generate(a.target, a.draft, a.prompt, spec_from_args(a), a.max_new_tokens, a.chat,
-                     a.device, a.dtype, sampling=Sampling(a.temperature, a.top_p, a.seed))
+                     a.device, a.dtype, sampling=sampling_from_args(a))
     print(f"done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 1 if r["greedy_equal"] is False else 0

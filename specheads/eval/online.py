@@ -17,13 +17,14 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
 from specheads.verify.settings import (
-    Sampling, TreeSpec, add_tree_arguments, check_tree_fits, make_proposer, sampled_decode,
-    spec_from_args, speculative_decode,
+    Sampling, TreeSpec, add_sampling_arguments, add_tree_arguments, check_acceptance,
+    check_tree_fits, make_proposer, sampled_decode, sampling_from_args, spec_from_args,
+    speculative_decode,
 )
 from specheads.metrics import predicted_speedup
 from specheads.verify.decode import DecodeStats, generate
@@ -273,6 +274,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    check_acceptance(sampling or Sampling())
     rows = read_prompts(prompts_file, limit)
     target = Target.load(target_path)
     head, meta, checked = load_draft(draft_dir, target)
@@ -291,7 +293,10 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     metrics = {
         "k": k,
         "tree": tree.describe(),
-        "sampling": asdict(sampling) if sampled else None,
+        "sampling": sampling.describe() if sampled else None,
+        # typical acceptance (draft and n-gram runs alike) does not keep the target's distribution
+        "acceptance": sampling.acceptance if sampled else "exact",
+        "lossless": not sampled or sampling.lossless,
         "max_new_tokens": max_new_tokens,
         "num_prompts": len(rows),
         "num_turns": len(outputs),
@@ -355,10 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_tree_arguments(p)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="> 0: lossless speculative sampling instead of greedy decoding")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(p)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     a = p.parse_args(argv)
     if a.offline:
@@ -370,13 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     tree = spec_from_args(a)
     m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit,
                  tree=None if tree.kind == "chain" else tree,
-                 sampling=Sampling(a.temperature, a.top_p, a.seed), predict=not a.no_predict,
+                 sampling=sampling_from_args(a), predict=not a.no_predict,
                  verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach)
     d, n = m["speculative"], m["ngram"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
           f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
-          f"greedy_equal={m['greedy_equal']} -> {Path(a.out) / 'metrics.json'}")
+          f"greedy_equal={m['greedy_equal']}{'' if m['lossless'] else ' LOSSY (typical acceptance)'}"
+          f" -> {Path(a.out) / 'metrics.json'}")
     if m.get("advice"):
         from specheads.eval.predict import sglang_flags
 

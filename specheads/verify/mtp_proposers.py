@@ -1,11 +1,15 @@
-"""Chain proposers for MTP heads and small draft models (protocol: verify/proposers.py).
+"""Proposers for MTP heads and small draft models: chains and static trees.
+
+Protocols: verify/proposers.py (chains), verify/tree_decode.py (trees).
 
 MTP: step j keeps its own KV cache of "real" rows, those whose inputs are all verified
 (row i at step j reads E(x_{i+j+1}) and step j-1's row i, so step j holds rows 0..N-1-j when
 x_N is the last verified token). A proposal runs, at each step j, the rows that involve draft
 tokens and then drops them, so every draft equals the teacher-forced training computation.
+A static tree runs the same rows per tree node, with a tree mask (`MtpTreeProposer`).
 
-Draft model: an ordinary causal LM with its own KV cache over the verified tokens.
+Draft model: an ordinary causal LM with its own KV cache over the verified tokens; a static tree
+is drafted level by level with a tree mask over that cache (`DraftModelTreeProposer`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from transformers import DynamicCache
 
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.decode import causal_mask, positions, trim_cache
+from specheads.verify.trees import Tree, tree_from_choices
 
 
 def check_vocab_fits(kind: str, vocab_size: int, hidden_size: int | None, target) -> None:
@@ -113,6 +118,76 @@ class MtpProposer:
         self.tokens += [int(t) for t in following.reshape(-1).tolist()]
 
 
+class MtpTreeProposer:
+    """Static trees from an MTP head: node (r_1, .., r_d) holds the r_d-th most likely token of
+    step d-1 after its path (rank 0 everywhere = the chain's drafts).
+
+    Step j (j >= 1) runs one row per node u of depth e <= j on a path to a depth-j node with
+    children: it reads E(t_u) and step j-1's row of u's parent (the root's is step j-1's last
+    real row), sits at position N-1+e and attends to step j's real rows, its ancestors' rows and
+    itself. The children of a depth-j node come from the target head on its step-j row.
+    """
+
+    def __init__(self, head, target, tree: Tree | list):
+        self.chain = MtpProposer(head, target)
+        self.layers = self.chain.layers
+        self.tree = tree if isinstance(tree, Tree) else tree_from_choices(tree)
+        self.max_nodes = self.tree.size
+        self.node_logits: dict[int, torch.Tensor] = {}  # last proposal: node -> child logits [V]
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        self.chain.start(prompt_ids, first_token, out)
+
+    def accept(self, inputs, following, out, start) -> None:
+        self.chain.accept(inputs, following, out, start)
+
+    def _step_rows(self, j: int, nodes: list[int], tokens: list[int],
+                   prev: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Step j rows [1, 1, H] of `nodes` (topological) from step j-1's rows of their parents."""
+        from specheads.verify.tree_decode import tree_attention_mask
+
+        c, tree = self.chain, self.tree
+        hidden = torch.cat([prev[int(tree.parents[u])] for u in nodes], dim=1)  # [1, n, H]
+        real, idx = c.outs[j].shape[1], torch.tensor(nodes)
+        pos = (tree.depths[idx].to(hidden.device) + len(c.tokens) - 2)[None]  # [1, n]: N-1+e
+        mask = tree_attention_mask(tree.mask[idx][:, idx], real, c.dtype, hidden.device)
+        embeds = c.head.embed_rows(c._embed([tokens[u] for u in nodes]).to(c.dtype), pos)
+        out = c.head.step(j, hidden, embeds, pos, mask, c.caches[j])  # [1, n, H]
+        trim_cache(c.caches[j], real)
+        return {u: out[:, i: i + 1] for i, u in enumerate(nodes)}
+
+    def _fill_children(self, rows: dict[int, torch.Tensor], tokens: list[int], depth: int) -> None:
+        """Give the children of every depth-`depth` node their ranked tokens."""
+        tree, ranks = self.tree, self.tree.ranks.tolist()
+        for v in [v for v in rows if int(tree.depths[v]) == depth]:
+            kids = tree.children(v)
+            if kids:
+                self.node_logits[v] = self.chain._logits(rows[v])[0, -1]  # [V]
+                top = self.node_logits[v].topk(max(ranks[w] for w in kids) + 1)
+                for w in kids:
+                    tokens[w] = int(top.indices[ranks[w]])
+
+    @torch.no_grad()
+    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
+        """The tree and the tokens of nodes 1..N-1 [N-1]."""
+        c, tree = self.chain, self.tree
+        c._advance(tree.max_depth)
+        N, depths = len(c.tokens) - 1, tree.depths.tolist()
+        tokens, self.node_logits = [c.tokens[-1]] + [0] * (tree.size - 1), {}
+        rows = {0: c.outs[0][:, N - 1: N]}  # step 0: the root's row
+        self._fill_children(rows, tokens, 0)
+        for j in range(1, tree.max_depth):
+            inner = [v for v in range(tree.size) if depths[v] == j and tree.children(v)]
+            lo = max(1, j + 1 - N)  # shallower rows would sit before position 0
+            need = sorted({u for v in inner for u in tree.path_to(v) if depths[u] >= lo})
+            prev = dict(rows)
+            if N - j >= 0:
+                prev[0] = c.outs[j - 1][:, N - j: N - j + 1]  # step j-1's last real row
+            rows = self._step_rows(j, need, tokens, prev)
+            self._fill_children(rows, tokens, j)
+        return tree, torch.tensor(tokens[1:], dtype=torch.long)
+
+
 class DraftModelProposer:
     """Greedy chain drafts from an independent causal LM sharing the target's tokenizer."""
 
@@ -166,10 +241,83 @@ def _cache(cache) -> dict:
     return cache_kwargs(cache)
 
 
-def make_proposer(spec, head, target, sampled: bool = False):
-    """Greedy chains only: trees and speculative sampling are not implemented for these kinds."""
-    if spec.kind != "chain" or sampled:
-        from specheads.verify.settings import GenerateError
+class DraftModelTreeProposer:
+    """Static trees from a draft model: node (r_1, .., r_d) holds the r_d-th most likely token of
+    the draft model after the prefix and the tokens of its ancestors.
 
-        raise GenerateError(f"a '{head.kind}' head runs greedy chains only (--tree chain, temperature 0)")
-    return MtpProposer(head, target) if head.kind == "mtp" else DraftModelProposer(head, target)
+    One draft forward per tree level: the nodes of depth d-1 that have children go in together,
+    each attending to the verified cache, its ancestors' rows and itself (a 4-D tree mask, node
+    positions = root position + depth); the rows are dropped from the cache afterwards.
+    """
+
+    def __init__(self, head, target, tree: Tree | list):
+        from specheads.verify.tree_decode import check_tree_attention
+
+        check_tree_attention(head.model.config, "the draft model")
+        self.chain = DraftModelProposer(head, target)
+        self.layers = self.chain.layers
+        self.tree = tree if isinstance(tree, Tree) else tree_from_choices(tree)
+        self.max_nodes = self.tree.size
+
+    def start(self, prompt_ids, first_token, out=None) -> None:
+        self.chain.start(prompt_ids, first_token, out)
+
+    def accept(self, inputs, following, out=None, start: int = 0) -> None:
+        self.chain.accept(inputs, following, out, start)
+
+    def _feed_level(self, nodes: list[int], tokens: list[int], slot: dict[int, int],
+                    verified: int) -> torch.Tensor:
+        """Run `nodes` (their tokens) as one batch of tree rows -> next-token logits [n, V]."""
+        chain, tree = self.chain, self.tree
+        past, n = chain.cache.get_seq_length(), len(nodes)
+        dtype, device = next(chain.model.parameters()).dtype, chain.device
+        allow = torch.zeros(n, past + n, dtype=torch.bool, device=device)  # [n, past + n]
+        allow[:, :verified] = True
+        for i, v in enumerate(nodes):
+            allow[i, [slot[a] for a in tree.path_to(v)[1:-1]]] = True  # ancestors below the root
+            allow[i, past + i] = True
+            slot[v] = past + i
+        mask = torch.zeros(n, past + n, dtype=dtype, device=device)
+        mask.masked_fill_(~allow, torch.finfo(dtype).min)
+        pos = (tree.depths[nodes].to(device) + verified - 1)[None]  # [1, n]
+        x = torch.tensor([[tokens[v] for v in nodes]], device=device)
+        out = chain.model(input_ids=x, attention_mask=mask[None, None], position_ids=pos,
+                          use_cache=True, **_cache(chain.cache))
+        return out.logits[0]  # [n, V]
+
+    @torch.no_grad()
+    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
+        """The tree and the tokens of nodes 1..N-1 [N-1]."""
+        chain, tree = self.chain, self.tree
+        verified = len(chain.tokens)  # the root (last verified token) is cached last
+        root_logits = chain._feed(chain.tokens[chain.cache.get_seq_length():])  # [V]
+        depths, ranks = tree.depths.tolist(), tree.ranks.tolist()
+        tokens, slot = [chain.tokens[-1]] + [0] * (tree.size - 1), {0: verified - 1}
+        logits = {0: root_logits}
+        for depth in range(1, tree.max_depth + 1):
+            level = [v for v in range(tree.size) if depths[v] == depth]
+            for parent in sorted({int(tree.parents[v]) for v in level}):
+                kids = [v for v in level if int(tree.parents[v]) == parent]
+                top = logits[parent].topk(max(ranks[v] for v in kids) + 1).indices.tolist()
+                for v in kids:
+                    tokens[v] = top[ranks[v]]
+            inner = [v for v in level if tree.children(v)]
+            if inner:
+                logits.update(zip(inner, self._feed_level(inner, tokens, slot, verified)))
+        trim_cache(chain.cache, verified)
+        return tree, torch.tensor(tokens[1:], dtype=torch.long)
+
+
+def make_proposer(spec, head, target, sampled: bool = False):
+    """Chains and static trees for both kinds. Drafts are deterministic (top-k), so
+    sampled decoding verifies them as point masses, which stays lossless."""
+    from specheads.verify.settings import GenerateError
+
+    if spec.kind == "chain":
+        return MtpProposer(head, target) if head.kind == "mtp" else DraftModelProposer(head, target)
+    if spec.kind == "static":
+        tree_cls = MtpTreeProposer if head.kind == "mtp" else DraftModelTreeProposer
+        return tree_cls(head, target, list(spec.choices))
+    what = "an MTP head" if head.kind == "mtp" else "a draft model"
+    raise GenerateError(f"{what} cannot grow '{spec.kind}' trees here: use --tree chain or a "
+                        "static tree file (--tree FILE.json)")

@@ -9,6 +9,8 @@ the choice of tokens differs. Every token is drawn from the target's warped dist
   §9.2). A proposer with `propose_sampled(k, warper, gen) -> (tokens [n], q [n, V])` samples its
   drafts from its own warped q (`SampledEagle3Proposer`); any other chain proposer (n-gram, a
   greedy EAGLE-3 proposer) proposes deterministically and is treated as a point mass q.
+  `rule="typical"` verifies deterministic top-1 drafts with Medusa typical acceptance instead
+  (LOSSY, flagged like the tree rule below).
 * tree (`sample_tree_generate`): the EAGLE-2/3 point-mass rule over the deterministic top-k
   trees of the existing tree proposers (§9.3), or Medusa typical acceptance (§9.4), which is
   LOSSY and flagged `lossy=True` on the result.
@@ -63,6 +65,7 @@ from specheads.verify.trees import chain_tree
 
 Warper = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probs [..., V]
 TREE_RULES = ("pointmass", "typical")
+CHAIN_RULES = ("leviathan", "typical")
 
 
 @dataclass
@@ -104,10 +107,11 @@ class SampledEagle3Proposer(Eagle3Proposer):
         return torch.stack(tokens), torch.stack(qs)
 
 
-def draft_chain(proposer, k: int, warper: Warper, gen: torch.Generator,
-                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafts [n <= k] and their q [n, V]: sampled if the proposer can, else a point mass."""
-    if hasattr(proposer, "propose_sampled"):
+def draft_chain(proposer, k: int, warper: Warper, gen: torch.Generator, vocab_size: int,
+                deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts [n <= k] and their q [n, V]: sampled if the proposer can (and not
+    `deterministic`, as typical acceptance wants top-1 drafts), else a point mass."""
+    if hasattr(proposer, "propose_sampled") and not deterministic:
         tokens, q = proposer.propose_sampled(k, warper, gen)
     else:
         tokens = proposer.propose(k).reshape(-1)[:k]
@@ -177,18 +181,25 @@ def _setup(target, temperature: float, top_p: float, top_k: int, seed: int, eos_
 @torch.no_grad()
 def sample_generate(target, proposer, prompt_ids, max_new_tokens: int, k: int,
                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                    eos_token_ids: Iterable[int] = ()) -> SampleResult:
-    """Speculative sampling with a chain of <= k drafts per target forward (lossless).
+                    eos_token_ids: Iterable[int] = (), rule: str = "leviathan",
+                    epsilon: float = 0.09, delta: float = 0.3) -> SampleResult:
+    """Speculative sampling with a chain of <= k drafts per target forward.
 
-    `proposer` None (or k == 0) gives plain ancestral sampling from the warped target. The same
-    seed reproduces the same tokens; temperature 0 equals greedy decoding token for token.
+    rule "leviathan" (default): lossless speculative sampling. rule "typical": Medusa typical
+    acceptance of the proposer's deterministic drafts with thresholds min(epsilon, delta *
+    exp(-H)), LOSSY (result.lossy is True). `proposer` None (or k == 0) gives plain ancestral
+    sampling from the warped target. The same seed reproduces the same tokens; temperature 0
+    equals greedy decoding token for token.
     """
     if k < 0:
         raise DecodeError(f"k (draft length) must be >= 0, got {k}")
+    if rule not in CHAIN_RULES:
+        raise DecodeError(f"unknown chain acceptance rule '{rule}': use one of {CHAIN_RULES}")
     warper, gen, eos = _setup(target, temperature, top_p, top_k, seed, eos_token_ids)
     stats = DecodeStats(accepted_per_pos=[0] * k)
     run, budget, layers = _begin(target, proposer, prompt_ids, max_new_tokens, warper, gen, eos,
-                                 "leviathan", False, seed, stats)
+                                 rule, rule == "typical", seed, stats)
+    decide = partial(decide_chain, rule, epsilon=epsilon, delta=delta)
     result, device, V = run.result, target.device, target.vocab_size
     use_drafts = proposer is not None and k > 0
     while not run.done and len(result.tokens) < budget:
@@ -196,15 +207,15 @@ def sample_generate(target, proposer, prompt_ids, max_new_tokens: int, k: int,
         draft, q = torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V)
         if k_step > 0:
             with run.prop_clock:
-                draft, q = draft_chain(proposer, k_step, warper, gen, V)
+                draft, q = draft_chain(proposer, k_step, warper, gen, V, rule == "typical")
             draft = draft.to(device)
         n_prop, past = draft.shape[0], len(run.seq) - 1
         step_ids = torch.cat([torch.tensor([run.seq[-1]], device=device), draft])[None]  # [1, 1+n]
         with run.tgt_clock:
             out = target_step(target, step_ids, past, run.cache, layers)
             p = warper(out.logits[0])  # [1 + n, V]
-            m, nxt = accept_chain(draft.to(gen.device), q.reshape(n_prop, V).to(gen.device),
-                                  p.to(gen.device), gen)
+            m, nxt = decide(step_ids[0].to(gen.device), q.reshape(n_prop, V).to(gen.device),
+                            p.to(gen.device), gen)
             trim_cache(run.cache, past + 1 + m)
         emitted, run.done = cut_at_eos(draft[:m].tolist() + [nxt], eos)
         stats.decode_forwards += 1
@@ -225,15 +236,33 @@ def sample_generate(target, proposer, prompt_ids, max_new_tokens: int, k: int,
     return _finish(run)
 
 
+def decide_chain(rule: str, step_ids: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                 gen: torch.Generator, epsilon: float = 0.09,
+                 delta: float = 0.3) -> tuple[int, int]:
+    """One verified chain -> (accepted drafts, next token) under `rule`.
+
+    step_ids [1 + n]: the root then n drafts; q [n, V] their draft distributions; p [1 + n, V]
+    the target's warped distributions after each prefix. "typical" sees the chain as a tree.
+    """
+    draft = step_ids[1:]
+    if rule == "leviathan":
+        return accept_chain(draft, q, p, gen)
+    decision = typical_accept(chain_tree(draft.numel()), step_ids, p, gen,
+                              posterior_threshold=epsilon, posterior_alpha=delta)
+    return len(decision.path) - 1, decision.next_token
+
+
 # --- tree ----------------------------------------------------------------------------------------
 
 
 def decide_tree(rule: str, tree, tokens: torch.Tensor, p: torch.Tensor,
-                gen: torch.Generator) -> tuple[list[int], int]:
+                gen: torch.Generator, epsilon: float = 0.09,
+                delta: float = 0.3) -> tuple[list[int], int]:
     """Acceptance on one verified tree -> (accepted path, next token) under `rule`."""
     if rule == "pointmass":
         return accept_tree_pointmass(tree, tokens, p, gen)
-    decision = typical_accept(tree, tokens, p, gen)
+    decision = typical_accept(tree, tokens, p, gen, posterior_threshold=epsilon,
+                              posterior_alpha=delta)
     return decision.path, decision.next_token
 
 
@@ -241,13 +270,14 @@ def decide_tree(rule: str, tree, tokens: torch.Tensor, p: torch.Tensor,
 def sample_tree_generate(target, proposer, prompt_ids, max_new_tokens: int,
                          temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                          seed: int = 0, eos_token_ids: Iterable[int] = (),
-                         rule: str = "pointmass") -> SampleResult:
+                         rule: str = "pointmass", epsilon: float = 0.09,
+                         delta: float = 0.3) -> SampleResult:
     """Tree speculative sampling: one target forward per draft tree.
 
     rule "pointmass" (default): EAGLE-2/3 acceptance for deterministic top-k trees, lossless.
-    rule "typical": Medusa typical acceptance, LOSSY (result.lossy is True).
-    `proposer` None gives plain ancestral sampling through the tree path. Temperature 0 equals
-    greedy decoding token for token under either rule.
+    rule "typical": Medusa typical acceptance with thresholds min(epsilon, delta * exp(-H)),
+    LOSSY (result.lossy is True). `proposer` None gives plain ancestral sampling through the
+    tree path. Temperature 0 equals greedy decoding token for token under either rule.
     """
     if rule not in TREE_RULES:
         raise DecodeError(f"unknown tree acceptance rule '{rule}': use one of {TREE_RULES}")
@@ -269,7 +299,8 @@ def sample_tree_generate(target, proposer, prompt_ids, max_new_tokens: int,
         with run.tgt_clock:
             out = tree_forward(target, tokens, tree, past, run.cache, layers)
             p = warper(out.logits[0])  # [N, V]
-            path, nxt = decide_tree(rule, tree, tokens.to(gen.device), p.to(gen.device), gen)
+            path, nxt = decide_tree(rule, tree, tokens.to(gen.device), p.to(gen.device), gen,
+                                    epsilon, delta)
             compact_cache(run.cache, past, path)
         path_t = torch.tensor(path, device=device)
         emitted, run.done = cut_at_eos(tokens[path_t[1:]].tolist() + [nxt], eos)

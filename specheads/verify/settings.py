@@ -177,29 +177,98 @@ def speculative_decode(spec: TreeSpec, target, proposer, ids, max_new_tokens: in
 
 @dataclass(frozen=True)
 class Sampling:
-    """Temperature > 0 samples (top-p nucleus, seeded); temperature 0 is greedy decoding."""
+    """Temperature > 0 samples (top-p nucleus, seeded); temperature 0 is greedy decoding.
+
+    `acceptance` "exact" keeps the target's distribution (lossless); "typical" is Medusa's
+    typical acceptance with thresholds min(epsilon, delta * exp(-H(p))), which is LOSSY.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    acceptance: str = "exact"  # "exact" | "typical"
+    epsilon: float = 0.09  # typical: hard probability threshold
+    delta: float = 0.3  # typical: entropy-scaled threshold factor
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "exact"
+
+    def describe(self) -> dict:
+        """Plain JSON for metrics.json; the typical thresholds only when they apply."""
+        d = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        if not self.lossless:
+            d.update(acceptance=self.acceptance, epsilon=self.epsilon, delta=self.delta)
+        return d
+
     def label(self) -> str:
-        return f"temperature {self.temperature:g}, top-p {self.top_p:g}, seed {self.seed}"
+        base = f"temperature {self.temperature:g}, top-p {self.top_p:g}, seed {self.seed}"
+        if self.lossless:
+            return base
+        return f"{base}, typical acceptance eps={self.epsilon:g} delta={self.delta:g} (LOSSY)"
+
+
+def check_acceptance(sampling: Sampling) -> None:
+    """Refuse typical acceptance where it means nothing (greedy) or its thresholds are invalid."""
+    if sampling.acceptance not in ("exact", "typical"):
+        raise GenerateError(f"--acceptance must be 'exact' or 'typical', got '{sampling.acceptance}'")
+    if sampling.lossless:
+        return
+    if sampling.greedy:
+        raise GenerateError("--acceptance typical needs --temperature > 0: at temperature 0 it "
+                            "reduces to exact greedy verification (drop --acceptance)")
+    if not 0 < sampling.epsilon <= 1 or sampling.delta <= 0:
+        raise GenerateError(f"typical acceptance needs 0 < --typical-epsilon <= 1 and "
+                            f"--typical-delta > 0; got {sampling.epsilon}, {sampling.delta}")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """--temperature / --top-p / --seed / --acceptance / --typical-*, shared by generate and eval."""
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, checked identical to plain greedy; > 0: speculative "
+                        "sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
+                   help="exact (default): lossless verification; typical: Medusa typical "
+                        "acceptance, LOSSY (needs --temperature > 0)")
+    p.add_argument("--typical-epsilon", type=float, default=None,
+                   help="typical acceptance: hard threshold epsilon (default 0.09)")
+    p.add_argument("--typical-delta", type=float, default=None,
+                   help="typical acceptance: entropy threshold factor delta (default 0.3)")
+
+
+def sampling_from_args(a: argparse.Namespace) -> Sampling:
+    """The parsed sampling flags -> a checked Sampling (thresholds only with typical)."""
+    given = [f for f, v in (("--typical-epsilon", a.typical_epsilon),
+                            ("--typical-delta", a.typical_delta)) if v is not None]
+    if given and a.acceptance != "typical":
+        raise GenerateError(f"{' and '.join(given)} only apply with --acceptance typical")
+    eps = 0.09 if a.typical_epsilon is None else a.typical_epsilon
+    delta = 0.3 if a.typical_delta is None else a.typical_delta
+    sampling = Sampling(a.temperature, a.top_p, a.seed, a.acceptance, eps, delta)
+    check_acceptance(sampling)
+    return sampling
 
 
 def sampled_decode(spec: TreeSpec | None, target, proposer, ids, max_new_tokens: int, eos,
                    sampling: Sampling):
-    """Speculative sampling with the loop the spec needs; `spec` None samples plainly."""
+    """Speculative sampling with the loop the spec needs and the sampling's acceptance rule
+    (exact: Leviathan / point-mass, lossless; typical: LOSSY); `spec` None samples plainly."""
     from specheads.verify.sample_decode import sample_generate, sample_tree_generate
 
     warp = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
             "seed": sampling.seed, "eos_token_ids": eos}
     if spec is None:
         return sample_generate(target, None, ids, max_new_tokens, 0, **warp)
+    typical = {"epsilon": sampling.epsilon, "delta": sampling.delta}
+    chain_rule, tree_rule = ("leviathan", "pointmass") if sampling.lossless else ("typical",) * 2
     if spec.kind == "chain":
-        return sample_generate(target, proposer, ids, max_new_tokens, spec.k, **warp)
-    return sample_tree_generate(target, proposer, ids, max_new_tokens, **warp)
+        return sample_generate(target, proposer, ids, max_new_tokens, spec.k, **warp,
+                               rule=chain_rule, **typical)
+    return sample_tree_generate(target, proposer, ids, max_new_tokens, **warp, rule=tree_rule,
+                                **typical)
