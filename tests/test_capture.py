@@ -1,12 +1,15 @@
-"""Offline feature cache: same losses as online, honest disk estimate, SIGKILL resume, refusals."""
+"""Offline feature cache: same losses as online, honest disk estimate, SIGKILL resume (1 and 2 processes),
+refusals."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from specheads.data.features import (
     decode,
     encode,
     read_manifest,
+    sample_key,
 )
 from specheads.data.tokenize import collate
 from specheads.target import Target
@@ -184,3 +188,71 @@ def test_sigkill_then_resume_finishes_the_same_capture(setup, captures, tiny_tar
         assert json.loads((out / g["sidecar"]).read_text())["samples"] == json.loads(
             (reference / w["sidecar"]).read_text())["samples"]
     assert not list(out.glob(".*"))  # no half-written file left behind
+
+
+def test_a_duplicated_shard_is_refused_when_merging(setup, captures, tmp_path):
+    recipe, _, _ = setup
+    out = tmp_path / "dup"
+    shutil.copytree(captures["float32"], out)
+    (out / MANIFEST).unlink()
+    for ext in ("safetensors", "json"):  # a stray copy of shard 0, e.g. from another attempt
+        shutil.copy(out / f"rank000-shard000000.{ext}", out / f"rank000-shard999999.{ext}")
+    with pytest.raises(FeatureCacheError, match=r"0 missing, \d+ extra or duplicated"):
+        capture(recipe, out, storage="float32", shard_mb=SHARD_MB, report=lambda *a, **k: None)
+    assert not (out / MANIFEST).exists()
+
+
+LAUNCH = {  # real 2-process gloo groups on a CPU, the two ways users launch them
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29527"],
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "29528"],
+}
+
+
+def _launch(launcher: str, args: list[str], out: Path) -> subprocess.Popen:
+    cmd = [*LAUNCH[launcher], "-m", "specheads.data.features", str(RECIPE), *args, "--out", str(out),
+           "--dtype", "float32", "--shard-mb", str(SHARD_MB), "--batch-size", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+
+def _sigkill_with_workers(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and its workers (which it starts in their own sessions)."""
+    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    proc.send_signal(signal.SIGKILL)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_two_process_capture_killed_resumed_covers_every_sample_once(setup, captures, tiny_target_dir, tmp_path):
+    recipe, target, samples = setup
+    args = [f"target.path={tiny_target_dir}", f"data.train=[{recipe.data.train[0]}]", "data.max_length=96",
+            "head.draft_vocab_size=256", "head.ttt_steps=2"]
+    out = tmp_path / "two"
+    proc = _launch("torchrun", args, out)
+    for line in proc.stdout:
+        if " written (" in line:  # killed, launcher and both ranks, right after the first shard
+            _sigkill_with_workers(proc)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and not (out / MANIFEST).exists()
+    before = {p.name: p.read_text() for p in out.glob("rank*-shard*.json")}
+    assert json.loads((out / "capture.json").read_text())["world"] == 2
+    resumed = _launch("accelerate", args, out)  # resumed with the other launcher
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, log[-3000:]
+    assert "resuming: " in log and "capture complete" in log
+    m = read_manifest(out)
+    files = [s["file"] for s in m["shards"]]
+    assert m["world"] == 2 and len(before) < len(files)
+    assert {f[:7] for f in files} == {"rank000", "rank001"}  # both ranks really wrote shards
+    entries = [e for s in m["shards"] for e in json.loads((out / s["sidecar"]).read_text())["samples"]]
+    assert Counter((e["id"], e["key"]) for e in entries) == Counter((s.id, sample_key(s.input_ids)) for s in samples)
+    assert all((out / name).read_text() == text for name, text in before.items())  # finished shards were kept
+    assert not list(out.glob(".*"))
+    one = _train_losses(recipe, target, samples, lambda h: OfflineFeatures(captures["float32"], target, h))
+    two = _train_losses(recipe, target, samples, lambda h: OfflineFeatures(out, target, h, verify=True))
+    assert two == pytest.approx(one, rel=1e-5)
+    with pytest.raises(FeatureCacheError, match=r"started with 2 process\(es\), this run has 1: launch it with 2"):
+        capture(recipe, out, storage="float32", shard_mb=SHARD_MB, report=lambda *a, **k: None)

@@ -1,15 +1,16 @@
-"""Frozen-target features for training: online (a target forward per batch) or offline (a capture).
+"""Feature capture: run the frozen target once over the recipe's data and store what the head needs.
 
     specheads capture RECIPE --out DIR [--dtype bfloat16|float32|int8] [key=value ...]
-    torchrun --nproc_per_node N -m specheads.data.features RECIPE --out DIR ...   (per-rank shards)
+    torchrun --nproc_per_node N -m specheads.data.features RECIPE --out DIR ...
+    accelerate launch --multi_gpu --num_processes N -m specheads.data.features RECIPE --out DIR ...
 
-A capture runs the frozen target once over the recipe's tokenised data and stores exactly what the
-head's `collect(target, batch)` returns, per real token (no padding), as safetensors shards. Each
-shard gets a sidecar index (sample id, content key, offset, length, sha256) written after it, so a
-shard is complete iff its sidecar exists: a killed capture resumes at the first missing shard.
-`manifest.json` (target fingerprint, head kind, layer ids, storage dtype, counts, shard checksums)
-is written last. Training reads either source through `feature_source`; samples are found by a
-hash of their token ids, so batches need no extra fields and stale data cannot be read silently.
+It stores exactly what the head's `collect(target, batch)` returns, per real token (no padding), as
+safetensors shards. With N processes, rank r takes samples r::N and writes its own shards; rank 0
+merges the sidecars into `manifest.json` after every rank finished, checking that each sample is
+stored exactly once. A shard is complete iff its sidecar exists, so a killed capture (any rank)
+resumes at each rank's first missing shard when launched again with the same settings and N.
+On a machine without CUDA the processes use gloo (`--cpu --num_processes N` would run one).
+The format and the reader training uses (`feature_source`) live in specheads/data/feature_cache.py.
 """
 
 from __future__ import annotations
@@ -21,57 +22,37 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from specheads.atomic import write_json
+from specheads.data.feature_cache import (
+    FORMAT,
+    INT8_NOTE,
+    MANIFEST,
+    PLAN,
+    STORAGE,
+    VERSION,
+    FeatureCacheError,
+    OfflineFeatures,
+    OnlineFeatures,
+    bytes_per_token,
+    decode,
+    encode,
+    feature_source,
+    read_manifest,
+    sample_key,
+    sha256_file,
+)
 
-FORMAT = "specheads-features"
-VERSION = 1
-MANIFEST = "manifest.json"
-PLAN = "capture.json"
-STORAGE = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
-INT8_NOTE = "per-row absmax int8: x ~= q * scale, scale = max|x| / 127 per token row (float32, key NAME.scale)"
+__all__ = ["capture", "main", "check_disk", "estimate_bytes", "plan_shards", "FeatureCacheError", "MANIFEST",
+           "OfflineFeatures", "OnlineFeatures", "decode", "encode", "feature_source", "read_manifest", "sample_key"]
 _HEADER_BYTES = 160  # safetensors header per tensor, estimated
 _SIDECAR_ENTRY = 40  # json bytes per sample besides its id and key
-
-
-class FeatureCacheError(ValueError):
-    """A feature cache that cannot be written or read as asked; the message says what to do."""
-
-
-def sample_key(input_ids) -> str:
-    """Content key of a tokenised sample: sha256 of its token ids (int64, little-endian)."""
-    ids = torch.as_tensor(list(input_ids) if not torch.is_tensor(input_ids) else input_ids, dtype=torch.int64)
-    return hashlib.sha256(ids.cpu().contiguous().numpy().astype("<i8").tobytes()).hexdigest()[:32]
-
-
-# ---------------------------------------------------------------- storage encoding
-
-
-def encode(name: str, rows: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
-    """rows [N, D] float -> the tensors stored for it (int8 adds a per-row float32 scale [N])."""
-    if storage != "int8":
-        return {name: rows.to(STORAGE[storage]).contiguous()}
-    x = rows.float()
-    scale = x.abs().amax(dim=-1).clamp_min(1e-12) / 127.0  # [N]
-    q = torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, D]
-    return {name: q.contiguous(), f"{name}.scale": scale.contiguous()}
-
-
-def decode(name: str, tensors: dict[str, torch.Tensor], storage: str, dtype: torch.dtype) -> torch.Tensor:
-    """Stored tensors -> rows [N, D] in `dtype` (int8 rows are multiplied back by their scale)."""
-    if storage != "int8":
-        return tensors[name].to(dtype)
-    return (tensors[name].float() * tensors[f"{name}.scale"][:, None]).to(dtype)
-
-
-def bytes_per_token(widths: dict[str, int], storage: str) -> int:
-    """Stored bytes per token for features of the given flattened widths."""
-    item = torch.empty(0, dtype=STORAGE[storage]).element_size()
-    return sum(w * item + (4 if storage == "int8" else 0) for w in widths.values())
 
 
 # ---------------------------------------------------------------- the capture plan
@@ -168,18 +149,10 @@ def write_shard(folder: Path, shard: Shard, samples, collect, storage: str, batc
     tmp = folder / f".{shard.stem}.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "storage": storage})
     os.replace(tmp, path)
-    side = {"file": path.name, "sha256": _sha256(path), "bytes": path.stat().st_size, "tokens": offset,
+    side = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size, "tokens": offset,
             "samples": entries}
     write_json(folder / f"{shard.stem}.json", side)
     return side
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_plan(folder: Path, plan: dict, is_main: bool) -> None:
@@ -188,6 +161,10 @@ def _check_plan(folder: Path, plan: dict, is_main: bool) -> None:
     if path.is_file():
         old = json.loads(path.read_text())
         diff = [k for k in plan if old.get(k) != plan[k]]
+        if diff == ["world"]:
+            raise FeatureCacheError(
+                f"{folder} holds a capture started with {old['world']} process(es), this run has {plan['world']}: "
+                f"launch it with {old['world']} process(es) to resume it, or delete the folder")
         if diff:
             raise FeatureCacheError(
                 f"{folder} holds a capture with other settings ({', '.join(diff)} differ): "
@@ -211,7 +188,8 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
 
     if storage not in STORAGE:
         raise FeatureCacheError(f"--dtype {storage}: expected one of {', '.join(STORAGE)}")
-    state = PartialState(cpu=not torch.cuda.is_available())
+    # ranks wait for each other at the end, which after a resume can be hours apart: a long timeout
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=48))
     folder = Path(out)
     target = Target.load(recipe.target.path, dtype=recipe.target.dtype, device=str(state.device),
                          attn_implementation=recipe.target.attn_implementation)
@@ -227,9 +205,10 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
     widths = {k: _flat(t) for k, t in tails.items()}
     shard_tokens = max(1, int(shard_mb * 2**20) // bytes_per_token(widths, storage))
     world, rank = state.num_processes, state.process_index
+    keys = [sample_key(s.input_ids) for s in samples]
     plan = {"head_kind": head.kind, "layers": head.required_layers(), "features": tails, "storage": storage,
             "target": target.fingerprint(), "num_samples": len(samples), "world": world,
-            "shard_tokens": shard_tokens, "data_sha256": _data_hash(samples)}
+            "shard_tokens": shard_tokens, "data_sha256": _data_hash(samples, keys)}
     folder.mkdir(parents=True, exist_ok=True)
     _check_plan(folder, plan, state.is_main_process)
     estimate = estimate_bytes(samples, widths, storage, shard_tokens, world)
@@ -243,7 +222,8 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
                   samples, collect, storage, batch_size, pad_id, state.device, report)
     state.wait_for_everyone()
     if state.is_main_process:
-        manifest = _write_manifest(folder, plan, estimate, provenance(target=target.fingerprint()))
+        expected = Counter(zip((s.id for s in samples), keys))
+        manifest = _write_manifest(folder, plan, expected, estimate, provenance(target=target.fingerprint()))
         report(f"[specheads] capture complete: {manifest['num_tokens']} tokens in {len(manifest['shards'])} "
                f"shard(s), {manifest['bytes'] / 2**20:.1f} MiB (estimate {estimate / 2**20:.1f} MiB)")
     state.wait_for_everyone()
@@ -256,11 +236,11 @@ def _one(sample, pad_id: int) -> dict:
     return collate([sample], pad_id)
 
 
-def _data_hash(samples) -> str:
+def _data_hash(samples, keys: list[str]) -> str:
     """One hash over every sample's id and content key (order included)."""
     h = hashlib.sha256()
-    for s in samples:
-        h.update(f"{s.id}\0{sample_key(s.input_ids)}\n".encode())
+    for s, key in zip(samples, keys):
+        h.update(f"{s.id}\0{key}\n".encode())
     return h.hexdigest()
 
 
@@ -284,14 +264,22 @@ def _capture_rank(folder, shards, samples, collect, storage, batch_size, pad_id,
                f"{time.time() - t0:.1f}s)", flush=True)
 
 
-def _write_manifest(folder: Path, plan: dict, estimate: int, prov: dict) -> dict:
+def _check_coverage(folder: Path, sides: list[dict], expected: Counter) -> None:
+    """Every sample (id, content key) of the data is in exactly one shard, and nothing else is."""
+    got = Counter((e["id"], e["key"]) for s in sides for e in s["samples"])
+    if got != expected:
+        missing, extra = expected - got, got - expected
+        raise FeatureCacheError(
+            f"{folder}: the shards hold {sum(got.values())} samples for {sum(expected.values())} in the data "
+            f"({sum(missing.values())} missing, {sum(extra.values())} extra or duplicated, e.g. "
+            f"{next(iter(missing or extra))[0]!r}): run the capture again with the same settings to finish it, "
+            "or delete the folder")
+
+
+def _write_manifest(folder: Path, plan: dict, expected: Counter, estimate: int, prov: dict) -> dict:
     """Merge every sidecar into manifest.json (written last: its presence means complete)."""
     sides = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*-shard*.json"))]
-    expected = plan["num_samples"]
-    got = sum(len(s["samples"]) for s in sides)
-    if got != expected:
-        raise FeatureCacheError(f"{folder}: shards hold {got} samples but the data has {expected}; "
-                                "run the capture again to finish it")
+    _check_coverage(folder, sides, expected)
     manifest = {"format": FORMAT, "version": VERSION, **plan,
                 "quantization": INT8_NOTE if plan["storage"] == "int8" else None,
                 "num_tokens": sum(s["tokens"] for s in sides), "estimated_bytes": estimate,
@@ -302,97 +290,6 @@ def _write_manifest(folder: Path, plan: dict, estimate: int, prov: dict) -> dict
         (folder / s["sidecar"]).stat().st_size for s in manifest["shards"]) + (folder / PLAN).stat().st_size
     write_json(folder / MANIFEST, manifest)
     return manifest
-
-
-# ---------------------------------------------------------------- reading
-
-
-def read_manifest(folder: str | Path) -> dict:
-    """The manifest of a complete capture, or an error saying how to finish it."""
-    folder = Path(folder)
-    path = folder / MANIFEST
-    if not path.is_file():
-        what = "an unfinished capture (run `specheads capture` again to resume it)" if (folder / PLAN).is_file() \
-            else "not a feature capture"
-        raise FeatureCacheError(f"data.features {folder}: no {MANIFEST}; it is {what}")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise FeatureCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest")
-    return manifest
-
-
-class OnlineFeatures:
-    """Features computed per batch by the frozen target (the head's own `collect`)."""
-
-    def __init__(self, target, head):
-        self.target, self.head = target, head
-
-    def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
-        return self.head.collect(self.target, batch)
-
-
-class OfflineFeatures:
-    """Features read from a capture: the same dict `collect` gives, for any batch of cached samples."""
-
-    def __init__(self, folder: str | Path, target, head, verify: bool = False):
-        from specheads.target import check_fingerprint
-
-        self.folder = Path(folder)
-        self.manifest = read_manifest(self.folder)
-        m = self.manifest
-        if m["head_kind"] != head.kind or m["layers"] != head.required_layers():
-            raise FeatureCacheError(
-                f"data.features {self.folder}: captured for a {m['head_kind']} head with layers {m['layers']}, "
-                f"but this head is {head.kind} with layers {head.required_layers()}: capture again for this head")
-        check_fingerprint(m["target"], target, f"the feature capture {self.folder}")
-        self.target, self.storage, self.tails = target, m["storage"], m["features"]
-        self.index: dict[str, tuple[str, int, int]] = {}
-        for shard in m["shards"]:
-            if verify and _sha256(self.folder / shard["file"]) != shard["sha256"]:
-                raise FeatureCacheError(f"{self.folder / shard['file']}: checksum mismatch; capture again")
-            side = json.loads((self.folder / shard["sidecar"]).read_text())
-            for e in side["samples"]:
-                self.index[e["key"]] = (shard["file"], e["offset"], e["length"])
-        self._open: dict[str, object] = {}
-
-    def _handle(self, file: str):
-        from safetensors import safe_open
-
-        if file not in self._open:
-            if len(self._open) >= 8:
-                self._open.pop(next(iter(self._open)))
-            self._open[file] = safe_open(str(self.folder / file), framework="pt")
-        return self._open[file]
-
-    def rows(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One unpadded sample's token ids [n] -> each feature [n, *tail] in the target's dtype."""
-        key = sample_key(input_ids)
-        if key not in self.index:
-            raise FeatureCacheError(
-                f"data.features {self.folder}: a batch holds a sample that is not in the capture ({input_ids.numel()} "
-                "tokens); the data, chat template or max_length changed since the capture: capture again")
-        file, offset, length = self.index[key]
-        f = self._handle(file)
-        names = [k for k in f.keys() if not k.endswith(".scale")]
-        stored = {k: f.get_slice(k)[offset:offset + length] for k in f.keys()}
-        return {k: decode(k, stored, self.storage, self.target.dtype).reshape(length, *self.tails[k]) for k in names}
-
-    def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
-        """batch input_ids / attention_mask [B, T] (right-padded) -> features [B, T, ...]; padding is zero."""
-        ids, lengths = batch["input_ids"], batch["attention_mask"].sum(dim=1).tolist()
-        B, T = ids.shape
-        out: dict[str, torch.Tensor] = {}
-        for b, n in enumerate(lengths):
-            for k, v in self.rows(ids[b, :n]).items():
-                if k not in out:
-                    out[k] = torch.zeros(B, T, *v.shape[1:], dtype=v.dtype)
-                out[k][b, :n] = v
-        return {k: v.to(ids.device) for k, v in out.items()}
-
-
-def feature_source(features_dir: str | None, target, head):
-    """What training calls per batch for the head's features: offline when a capture is given."""
-    return OfflineFeatures(features_dir, target, head) if features_dir else OnlineFeatures(target, head)
 
 
 # ---------------------------------------------------------------- command line
