@@ -36,7 +36,7 @@ def make_head(target: Target, attn: str = "sdpa", seed: int = 1) -> Eagle3Head:
 
 def save_family_target(folder: Path, family: str, vocab: int, tokenizer_dir: Path | None = None,
                        seed: int = 0) -> Path:
-    """A tiny random DeepSeek-V3 (MLA + MoE) or Qwen3-Next (hybrid attention + MoE) HF folder."""
+    """A tiny random DeepSeek-V3 (MLA + MoE), Qwen3-Next or Qwen3.5 (hybrid attention; dense or MoE) HF folder."""
     import shutil
 
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
@@ -50,6 +50,8 @@ def save_family_target(folder: Path, family: str, vocab: int, tokenizer_dir: Pat
                                q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                v_head_dim=8, n_shared_experts=1, num_nextn_predict_layers=0)
         model = DeepseekV3ForCausalLM(cfg)
+    elif family in ("qwen3_5", "qwen3_5_moe"):  # text-only Qwen3.5 (gated DeltaNet + gated attention)
+        model = _qwen3_5(family, common)
     else:
         cfg = Qwen3NextConfig(**common, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
                               shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
@@ -61,3 +63,17 @@ def save_family_target(folder: Path, family: str, vocab: int, tokenizer_dir: Pat
         if path.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy2(path, folder / path.name)
     return folder
+
+
+def _qwen3_5(family: str, common: dict):
+    """Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM from the text configs: 3 linear-attention + 1 full layer."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    linear = dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=8, linear_num_value_heads=4,
+                  linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    if family == "qwen3_5":
+        cfg = Qwen3_5TextConfig(**{k: v for k, v in common.items() if k != "moe_intermediate_size"}, **linear)
+    else:
+        cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in common.items() if k != "intermediate_size"}, **linear,
+                                   shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    return AutoModelForCausalLM.from_config(cfg)

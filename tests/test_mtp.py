@@ -1,5 +1,5 @@
 """MTP heads: teacher-forced training rows equal the verifier's drafts, lossless greedy decoding on
-Llama / DeepSeek-V3 / Qwen3-Next targets, export into the target checkpoint, load back, contracts."""
+Llama / DeepSeek-V3 targets, export into Qwen3-Next / Qwen3.5 / DeepSeek-V3 checkpoints, load back, contracts."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def test_proposer_drafts_equal_teacher_forced_rows():
     assert checked > len(range(2, T - 4))  # some later steps were compared too
 
 
-# Qwen3-Next is left out: its linear-attention cache layers cannot be rolled back, so the verifier's
-# target loop cannot run it (the MTP side is covered by the export test below).
+# Qwen3-Next and Qwen3.5 are left out: their linear-attention cache layers cannot be rolled back, so the
+# verifier's target loop cannot run them (the MTP side is covered by the export test below).
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_greedy_speculative_equals_plain(tmp_path, family):
     if family == "llama":
@@ -107,14 +107,19 @@ def _checkpoint(tmp_path, target, folder, head):
                            provenance=provenance(target=fp), trainer_state={})
 
 
-@pytest.mark.parametrize("family,layers", [("deepseek_v3", 2), ("qwen3_next", 1)])
+COUNT_KEY = {"deepseek_v3": "num_nextn_predict_layers", "qwen3_next": "num_nextn_predict_layers",
+             "qwen3_5": "mtp_num_hidden_layers", "qwen3_5_moe": "mtp_num_hidden_layers"}
+
+
+@pytest.mark.parametrize("family,layers", [("deepseek_v3", 2), ("qwen3_next", 1), ("qwen3_5", 1), ("qwen3_5_moe", 1)])
 def test_export_loads_back_and_stays_lossless(tmp_path, family, layers):
     target, folder = _family_target(tmp_path, family)
     head = _head(target, layers=layers, dtype=torch.float32)
     ckpt = _checkpoint(tmp_path, target, folder, head)
     out = export(ckpt, "vllm", tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["num_nextn_predict_layers"] == layers
+    assert cfg[COUNT_KEY[family]] == layers
+    assert set(cfg) & set(COUNT_KEY.values()) == {COUNT_KEY[family]}  # only the key this family's engines read
     names = json.loads((out / INDEX_FILE).read_text())["weight_map"]
     if family == "deepseek_v3":
         assert "model.layers.3.eh_proj.weight" in names and "model.layers.4.mlp.experts.3.down_proj.weight" in names
@@ -194,3 +199,50 @@ def test_contract_rules_break(good_export, breaks, match):
     breaks(good_export)
     with pytest.raises(ContractError, match=match):
         validate(good_export, "sglang")
+
+
+def test_qwen3_5_trains(tmp_path):
+    """A Qwen3.5 (gated attention, 1+w norms, partial M-RoPE) MTP block learns on its own target."""
+    target, _ = _family_target(tmp_path, "qwen3_5")
+    head = _head(target, layers=1, steps=2, dtype=torch.float32).train()
+    assert type(head.layers[0].block).__name__ == "Qwen3_5DecoderLayer" and hasattr(head.layers[0].block, "self_attn")
+    ids = torch.randint(0, 96, (2, 12))
+    ones = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
+    inputs = head.expand(target, head.collect(target, batch), batch)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        out = head(**inputs)
+        losses.append(out.loss.item())
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert losses[-1] < 0.6 * losses[0]
+
+
+@pytest.fixture()
+def qwen3_5_export(tmp_path):
+    target, folder = _family_target(tmp_path, "qwen3_5")
+    out = export(_checkpoint(tmp_path, target, folder, _head(target, layers=1, dtype=torch.float32)), "sglang",
+                 tmp_path / "export")
+    validate(out, "sglang")
+    validate(out, "vllm")
+    return out
+
+
+@pytest.mark.parametrize("breaks,match", [
+    (lambda o: _edit_config(o, mtp_num_hidden_layers=None), "mtp_num_hidden_layers"),
+    (lambda o: _edit_config(o, mtp_num_hidden_layers=None, num_nextn_predict_layers=1), "mtp_num_hidden_layers"),
+    (lambda o: _edit_config(o, mtp_num_hidden_layers=2), "asserts one NextN layer"),
+    (lambda o: _edit_mtp(o, lambda t: t.pop("mtp.fc.weight")), "mtp.fc.weight"),
+    (lambda o: _edit_mtp(o, lambda t: t.update({"mtp.pre_fc_norm_hidden.weight": torch.ones(31)})),
+     "pre_fc_norm_hidden"),
+    (lambda o: _edit_mtp(o, lambda t: t.pop("mtp.layers.0.self_attn.q_norm.weight")), "mtp.layers.0"),
+    (lambda o: _edit_mtp(o, lambda t: t.update({"mtp.layers.1.input_layernorm.weight": torch.ones(32)})),
+     "beyond|mtp.layers.1"),
+])
+def test_qwen3_5_contract_rules_break(qwen3_5_export, breaks, match):
+    breaks(qwen3_5_export)
+    with pytest.raises(ContractError, match=match):
+        validate(qwen3_5_export, "sglang")

@@ -248,8 +248,12 @@ MTP_FAMILIES = {  # model_type -> (layout, count key)
     "deepseek_v3": ("deepseek", "num_nextn_predict_layers"),
     "glm4_moe": ("deepseek", "num_nextn_predict_layers"),
     "qwen3_next": ("qwen3_next", "num_nextn_predict_layers"),
+    "qwen3_5_text": ("qwen3_next", "mtp_num_hidden_layers"),  # Qwen3.5: same `mtp.*` names, its own count key
+    "qwen3_5_moe_text": ("qwen3_next", "mtp_num_hidden_layers"),
 }
-MTP_NAMES = {  # layout -> head name (layers.{k}.X) -> checkpoint name; {p} = module prefix
+# layout -> head name (layers.{k}.X) -> checkpoint name; {p} = module prefix. Layout "qwen3_next" is the
+# `mtp.*` one, shared by Qwen3-Next and Qwen3.5 (vllm_contract.md §6.3, sglang_contract.md §4.2).
+MTP_NAMES = {
     "deepseek": {"enorm": "{p}enorm.weight", "hnorm": "{p}hnorm.weight", "eh_proj": "{p}eh_proj.weight",
                  "norm": "{p}shared_head.norm.weight"},
     "qwen3_next": {"enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",

@@ -3,7 +3,8 @@ read the target family's own MTP layers (vllm_contract.md §6, sglang_contract.m
 
 DeepSeek-V3 / GLM-4 MoE: `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head}`
 plus the decoder block under the target's own layer names, counted by `num_nextn_predict_layers`.
-Qwen3-Next: `mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}` and `mtp.layers.{k}.*`.
+Qwen3-Next and Qwen3.5: `mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}` and `mtp.layers.{k}.*`,
+counted by `num_nextn_predict_layers` (Qwen3-Next) or `mtp_num_hidden_layers` (Qwen3.5).
 The target's shards are linked (or copied) unchanged except those holding stale MTP tensors; the
 modules go to `model-mtp.safetensors` and the index is rewritten. The same folder serves vLLM
 (`method: mtp`) and SGLang (NEXTN); the formats differ in their checks and serve commands.
@@ -52,7 +53,8 @@ def family(config: MtpConfig | dict) -> tuple[str, str]:
 def check_exportable(config: MtpConfig, fmt: str, weights=None) -> None:
     layout, _ = family(config)
     if layout == "qwen3_next" and config.num_layers != 1:
-        raise ExportRefused(f"Qwen3-Next's MTP has one fc and one set of norms for all layers; this head has "
+        raise ExportRefused(f"the `mtp.*` layout (Qwen3-Next, Qwen3.5) has one fc and one set of norms for all "
+                            f"layers; this head has "
                             f"{config.num_layers} modules. Train it with head.num_layers: 1")
     if fmt == "sglang" and config.num_layers > MTP_SGLANG_MAX_LAYERS[layout]:
         raise ExportRefused(f"SGLang 0.5.23 asserts num_nextn_predict_layers == 1 for this family; this head has "

@@ -73,7 +73,8 @@ def family_classes(hf_config):
     module = sys.modules[lm_cls.__module__]
     layer_name = (getattr(lm_cls, "_no_split_modules", None) or [""])[0]
     prefix = layer_name.removesuffix("DecoderLayer")
-    classes = [getattr(module, n, None) for n in (layer_name, prefix + "RMSNorm", prefix + "RotaryEmbedding")]
+    rotary = getattr(module, prefix + "RotaryEmbedding", None) or getattr(module, prefix + "TextRotaryEmbedding", None)
+    classes = [getattr(module, layer_name, None), getattr(module, prefix + "RMSNorm", None), rotary]  # Qwen3.5: Text*
     if not layer_name.endswith("DecoderLayer") or None in classes:
         raise ValueError(f"target family '{hf_config.model_type}': cannot find its DecoderLayer / RMSNorm / "
                          "RotaryEmbedding classes in transformers, so no MTP block can be built for it")
