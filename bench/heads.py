@@ -35,9 +35,10 @@ from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, s
 
 DEMO_RECIPES = {"eagle3": "recipes/demo/eagle3.yaml"}  # other kinds: recipes/<kind>/demo.yaml
 TREE_EAGLE2 = (4, 4, 16)  # depth, top_k, total_tokens
-# a static tree of 15 drafts (Medusa-style rank paths), wide at the root
+# a static tree of 15 drafts (Medusa-style rank paths), wide at the root, depth 4 (= k, and what
+# 4 Medusa heads can fill)
 STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1),
-               (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0))
+               (0, 1, 0), (1, 0, 0), (1, 1), (0, 0, 0, 0), (0, 0, 0, 1))
 
 
 def _verifier_module():
