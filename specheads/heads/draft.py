@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.losses import HeadOutput, forward_kl, shift, stack_counts
+from specheads.heads.losses import HeadOutput, collect_final, forward_kl, shift, stack_counts
 
 
 @dataclass
@@ -112,11 +112,9 @@ class DraftHead(nn.Module):
         self.model.load_state_dict(same, strict=False)
 
     # --- training -------------------------------------------------------------------------
-    @torch.no_grad()
     def collect(self, target, batch: dict) -> dict[str, torch.Tensor]:
         """final [B, T, H]: the target's lm_head input (its logits are recomputed in `expand`)."""
-        out = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return {"final": out.final}
+        return collect_final(target, batch)
 
     @torch.no_grad()
     def expand(self, target, feats: dict, batch: dict) -> dict:

@@ -18,7 +18,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from specheads.heads.eagle3 import ttt_attention_mask
-from specheads.heads.losses import HeadOutput, forward_kl, shift, stack_counts
+from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
 from specheads.hf_compat import cache_kwargs
 
 
@@ -146,11 +146,9 @@ class EagleHead(nn.Module):
         return draft_ids  # the draft vocabulary is the target's
 
     # --- training ----------------------------------------------------------------------------
-    @torch.no_grad()
     def collect(self, target, batch: dict) -> dict[str, torch.Tensor]:
         """final [B, T, H]: the target's final-normed last hidden state (the features)."""
-        out = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return {"final": out.final}
+        return collect_final(target, batch)
 
     @torch.no_grad()
     def expand(self, target, feats: dict, batch: dict) -> dict:
@@ -175,8 +173,7 @@ class EagleHead(nn.Module):
         if self.training and self.config.noise > 0:
             hidden = hidden + (torch.rand_like(hidden) - 0.5) * 2 * self.config.noise
         cache, base_pos = DynamicCache(), torch.arange(T, device=final.device).expand(B, T)
-        reached = torch.ones(B, T, dtype=torch.bool, device=final.device)
-        losses, counts = [], {"rows": [], "reached": [], "cond_rows": []}
+        losses, counts = [], ChainCounts(loss_mask)
         for j in range(self.config.ttt_steps):
             mask4d = ttt_attention_mask(valid, j, self.fc.weight.dtype)  # [B, 1, T, (j+1)T]
             out = self.step(hidden, shift(embeds, j + 1), base_pos + j, mask4d, cache)
@@ -187,17 +184,9 @@ class EagleHead(nn.Module):
             with torch.no_grad():
                 p = torch.softmax(F.linear(f, lm_head.to(f.dtype)).float(), dim=-1)
             losses.append(regression(v, f) + self.config.cls_weight * forward_kl(logits, p))
-            correct = torch.zeros_like(reached)
-            correct[b, i] = logits.argmax(-1) == p.argmax(-1)
-            counts["cond_rows"].append((reached & rows).sum())
-            reached = reached & correct
-            counts["rows"].append(rows.sum())
-            counts["reached"].append((reached & rows).sum())
+            counts.step(rows, b, i, logits.argmax(-1) == p.argmax(-1))
             hidden = out
-        step_losses = torch.stack(losses)
-        weights = self.config.step_decay ** torch.arange(len(losses), device=step_losses.device)
-        return HeadOutput(loss=(weights * step_losses).sum(), step_losses=step_losses.detach(),
-                          counts=stack_counts(counts))
+        return decayed_output(losses, self.config.step_decay, counts)
 
 
 def regression(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:

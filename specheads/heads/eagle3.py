@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from specheads.heads.losses import HeadOutput, forward_kl, shift
+from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
 
@@ -249,8 +249,7 @@ class Eagle3Head(nn.Module):
         hidden = self.fuse(aux)
         cache = DynamicCache()
         base_pos = torch.arange(T, device=hidden.device).expand(B, T)
-        reached = torch.ones(B, T, dtype=torch.bool, device=hidden.device)
-        losses, counts = [], {"rows": [], "reached": [], "cond_rows": []}
+        losses, counts = [], ChainCounts(loss_mask)
         for j in range(self.config.ttt_steps):
             mask4d = ttt_attention_mask(valid, j, hidden.dtype)  # [B, 1, T, (j+1)T]
             out = self.step(hidden, shift(embeds, j + 1), base_pos + j, mask4d, cache)
@@ -260,20 +259,9 @@ class Eagle3Head(nn.Module):
             logits = self.logits(out[b, i])  # [N, Vd]
             src = target_logits[b, i + j + 1]  # [N, V]: target at the position predicting x_{i+j+2}
             losses.append(forward_kl(logits, torch.softmax(src[:, self.t2d].float(), dim=-1)))
-            correct = torch.zeros_like(reached)
-            correct[b, i] = self.to_target_ids(logits.argmax(-1)) == target_argmax[b, i + j + 1]
-            counts["cond_rows"].append((reached & rows).sum())
-            reached = reached & correct
-            counts["rows"].append(rows.sum())
-            counts["reached"].append((reached & rows).sum())
+            counts.step(rows, b, i, self.to_target_ids(logits.argmax(-1)) == target_argmax[b, i + j + 1])
             hidden = out
-        step_losses = torch.stack(losses)
-        weights = self.config.step_decay ** torch.arange(len(losses), device=step_losses.device)
-        return HeadOutput(
-            loss=(weights * step_losses).sum(),
-            step_losses=step_losses.detach(),
-            counts={k: torch.stack(v).float() for k, v in counts.items()},
-        )
+        return decayed_output(losses, self.config.step_decay, counts)
 
 
 def ttt_attention_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:

@@ -43,3 +43,39 @@ def forward_kl(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 def stack_counts(counts: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-step scalar counts -> float tensors [S] keyed like COUNT_KEYS."""
     return {k: torch.stack(counts[k]).float() for k in COUNT_KEYS}
+
+
+class ChainCounts:
+    """Running per-position counts of a chain of draft steps (the `HeadOutput.counts`)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.reached = torch.ones(like.shape[:2], dtype=torch.bool, device=like.device)  # [B, T]
+        self.counts: dict[str, list[torch.Tensor]] = {k: [] for k in COUNT_KEYS}
+
+    def step(self, rows: torch.Tensor, b: torch.Tensor, i: torch.Tensor, correct_rows: torch.Tensor) -> None:
+        """rows [B, T] scored at this step, (b, i) = rows.nonzero(); correct_rows [N]: draft == target."""
+        correct = torch.zeros_like(self.reached)
+        correct[b, i] = correct_rows
+        self.counts["cond_rows"].append((self.reached & rows).sum())
+        self.reached = self.reached & correct
+        self.counts["rows"].append(rows.sum())
+        self.counts["reached"].append((self.reached & rows).sum())
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        return stack_counts(self.counts)
+
+
+def decayed_output(losses: list[torch.Tensor], decay: float, counts: ChainCounts) -> HeadOutput:
+    """Per-step losses weighted decay ** j, summed; with the chain's counts."""
+    step_losses = torch.stack(losses)  # [S]
+    weights = decay ** torch.arange(len(losses), device=step_losses.device)
+    return HeadOutput(loss=(weights * step_losses).sum(), step_losses=step_losses.detach(),
+                      counts=counts.stacked())
+
+
+@torch.no_grad()
+def collect_final(target, batch: dict) -> dict[str, torch.Tensor]:
+    """final [B, T, H]: the target's final-normed last hidden state (its lm_head input), the
+    cacheable feature of every head that reads the target's last state."""
+    out = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"])
+    return {"final": out.final}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.losses import HeadOutput, shift, stack_counts
+from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, shift
 
 
 @dataclass
@@ -119,11 +119,9 @@ class MedusaHead(nn.Module):
         return torch.stack([self.head_logits(k, hidden) for k in range(self.config.num_heads)])
 
     # --- training ----------------------------------------------------------------------------
-    @torch.no_grad()
     def collect(self, target, batch: dict) -> dict[str, torch.Tensor]:
         """final [B, T, H]: the target's final-normed last hidden state (its lm_head input)."""
-        out = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return {"final": out.final}
+        return collect_final(target, batch)
 
     @torch.no_grad()
     def expand(self, target, feats: dict, batch: dict) -> dict:
@@ -144,23 +142,14 @@ class MedusaHead(nn.Module):
         argmax at position i+k+1 (what greedy verification would accept).
         """
         supervised = loss_mask.bool() & attention_mask.bool()
-        reached = torch.ones_like(supervised)
-        losses, counts = [], {"rows": [], "reached": [], "cond_rows": []}
+        losses, counts = [], ChainCounts(loss_mask)
         for k in range(self.config.num_heads):
             rows = shift(supervised, k + 2)
             b, i = rows.nonzero(as_tuple=True)
             logits = self.head_logits(k, final[b, i])  # [N, V]
             losses.append(cross_entropy(logits, input_ids[b, i + k + 2]))
-            correct = torch.zeros_like(reached)
-            correct[b, i] = logits.argmax(-1) == target_argmax[b, i + k + 1]
-            counts["cond_rows"].append((reached & rows).sum())
-            reached = reached & correct
-            counts["rows"].append(rows.sum())
-            counts["reached"].append((reached & rows).sum())
-        step_losses = torch.stack(losses)
-        weights = self.config.step_decay ** torch.arange(len(losses), device=step_losses.device)
-        return HeadOutput(loss=(weights * step_losses).sum(), step_losses=step_losses.detach(),
-                          counts=stack_counts(counts))
+            counts.step(rows, b, i, logits.argmax(-1) == target_argmax[b, i + k + 1])
+        return decayed_output(losses, self.config.step_decay, counts)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

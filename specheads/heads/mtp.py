@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.losses import HeadOutput, forward_kl, shift, stack_counts
+from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
 from specheads.hf_compat import cache_kwargs
 
 
@@ -188,11 +188,9 @@ class MtpHead(nn.Module):
         return embeds.masked_fill((position_ids == 0)[..., None], 0.0)
 
     # --- training -------------------------------------------------------------------------
-    @torch.no_grad()
     def collect(self, target, batch: dict) -> dict[str, torch.Tensor]:
         """final [B, T, H]: the target's final-normed last hidden state (the lm_head input)."""
-        out = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return {"final": out.final}
+        return collect_final(target, batch)
 
     @torch.no_grad()
     def expand(self, target, feats: dict, batch: dict) -> dict:
@@ -218,8 +216,7 @@ class MtpHead(nn.Module):
         mask = causal_padding_mask(valid, final.dtype)  # [B, 1, T, T]
         base = torch.arange(T, device=final.device).expand(B, T)
         hidden = final.to(self.layers[0].eh_proj.weight.dtype)
-        reached = torch.ones(B, T, dtype=torch.bool, device=final.device)
-        losses, counts = [], {"rows": [], "reached": [], "cond_rows": []}
+        losses, counts = [], ChainCounts(loss_mask)
         for j in range(self.config.ttt_steps):
             pos = base + j
             hidden = self.step(j, hidden, self.embed_rows(shift(embeds, j + 1), pos), pos, mask)
@@ -228,16 +225,8 @@ class MtpHead(nn.Module):
             logits = F.linear(hidden[b, i], lm_head_weight.to(hidden.dtype))  # [N, V]
             src = target_logits[b, i + j + 1]  # [N, V]: the target's distribution for x_{i+j+2}
             losses.append(forward_kl(logits, torch.softmax(src.float(), dim=-1)))
-            correct = torch.zeros_like(reached)
-            correct[b, i] = logits.argmax(-1) == target_argmax[b, i + j + 1]
-            counts["cond_rows"].append((reached & rows).sum())
-            reached = reached & correct
-            counts["rows"].append(rows.sum())
-            counts["reached"].append((reached & rows).sum())
-        step_losses = torch.stack(losses)
-        weights = self.config.step_decay ** torch.arange(len(losses), device=step_losses.device)
-        return HeadOutput(loss=(weights * step_losses).sum(), step_losses=step_losses.detach(),
-                          counts=stack_counts(counts))
+            counts.step(rows, b, i, logits.argmax(-1) == target_argmax[b, i + j + 1])
+        return decayed_output(losses, self.config.step_decay, counts)
 
 
 def causal_padding_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
