@@ -4,9 +4,6 @@ and against a lossy server (a proxy that changes some answers) that the greedy-m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,36 +12,11 @@ import pytest
 
 from specheads.eval.bench import main as bench_main
 from specheads.eval.bench import parse_prometheus, percentile, run_bench
+from servers import launch, wait_listening
 
 PROMPTS = ["def add(a, b):", "class Stack:", "def read_config(path):", "import os\n\ndef walk(root):",
            "def fib(n):", "def parse(line):"]
 MAX_TOKENS = 10
-
-
-def launch(args: list[str]) -> subprocess.Popen:
-    """`python -m specheads serve ... --port 0`, started (not yet listening)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "specheads", "serve", *args, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def wait_listening(proc: subprocess.Popen, timeout: float = 180.0) -> str:
-    """The base URL the server prints once it listens."""
-    found = {}
-
-    def read():
-        for line in proc.stdout:
-            if "listening on " in line:
-                found["url"] = line.split("listening on ")[1].strip()
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if "url" not in found:
-        proc.kill()
-        raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
-    return found["url"]
 
 
 @pytest.fixture(scope="module")

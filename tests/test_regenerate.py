@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from servers import start_server
+
 from specheads.data.conversations import Conversation, Message
-from specheads.data.regenerate import regenerate_local
+from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, regenerate_local, shape_answer
+from specheads.data.regenerate_run import read_rows, run_regenerate
+from specheads.data.resume import RowWriter, read_index
 from specheads.target import Target
 from specheads.verify.decode import greedy_decode
 
@@ -35,21 +48,7 @@ def test_regenerate_matches_plain_greedy(tiny_target_dir):
 
 # --- the command: files, backends, resume ------------------------------------------------------
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import pytest
-
-from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, Row, shape_answer
-from specheads.data.regenerate_run import read_rows, run_regenerate
-from specheads.data.resume import RowWriter, read_index
-
-SLICE = Path(__file__).parent / "fixtures" / "sharegpt_slice.json"  # 40 ShareGPT rows, 1-3 turns
+SLICE = Path(__file__).parent / "fixtures" / "sharegpt_slice.json"  # 40 ShareGPT-format rows, 1-3 turns
 
 
 def read_out(path: Path) -> list[dict]:
@@ -116,8 +115,6 @@ def _regenerate_cmd(out: Path, *backend: str) -> list[str]:
 
 def test_regenerate_through_server_survives_sigkill_and_matches_local(tiny_target_dir, random_export_dir,
                                                                       tmp_path, capsys):
-    from test_serve import start_server
-
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc, url = start_server(["--target", str(tiny_target_dir), "--draft", str(random_export_dir),
                               "--device", "cpu"])

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -16,31 +13,10 @@ from specheads.eval.online import encode_chat, eos_ids
 from specheads.serve.metrics import parse_metrics
 from specheads.target import Target
 from specheads.verify.decode import greedy_decode
+from servers import start_server
 
 PROMPTS = ["def add(a, b):\n    \"\"\"Sum.\"\"\"", "def read_config(path):", "class Stack:"]
 PREFIX = 'vllm:spec_decode_num_'
-
-
-def start_server(args: list[str], timeout: float = 120.0):
-    """`python -m specheads serve ... --port 0` -> (process, base URL) once it listens."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "specheads", "serve", *args, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    found = {}
-
-    def read():
-        for line in proc.stdout:
-            if "listening on " in line:
-                found["url"] = line.split("listening on ")[1].strip()
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if "url" not in found:
-        proc.kill()
-        raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
-    return proc, found["url"]
 
 
 def post(url: str, body: dict, raw: bool = False):
