@@ -70,6 +70,21 @@ class DecodeResult:
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted per decode forward
     step_proposed: list[int] = field(default_factory=list)  # tokens proposed per decode forward
 
+    def record_step(self, emitted: int, accepted: int, proposed: int, depth: int) -> None:
+        """One verification forward: `emitted` tokens out, `accepted` of `proposed` drafts taken;
+        `depth` (the chain length or tree depth) bounds the acceptance positions counted."""
+        s = self.stats
+        s.decode_forwards += 1
+        s.decode_tokens += emitted
+        if proposed:
+            s.drafts += 1
+            s.proposed_tokens += proposed
+            s.accepted_per_pos.extend([0] * max(0, depth - len(s.accepted_per_pos)))
+            for p in range(min(accepted, emitted)):
+                s.accepted_per_pos[p] += 1
+        self.step_tokens.append(emitted)
+        self.step_proposed.append(proposed)
+
 
 # --- pure helpers ------------------------------------------------------------------------------
 
@@ -258,15 +273,7 @@ def generate(target, proposer, prompt_ids, max_new_tokens: int, k: int,
         emitted, done = cut_at_eos(emitted, eos)
         trim_cache(cache, past + 1 + m)
 
-        stats.decode_forwards += 1
-        stats.decode_tokens += len(emitted)
-        if n_prop:
-            stats.drafts += 1
-            stats.proposed_tokens += n_prop
-            for p in range(min(m, len(emitted))):
-                stats.accepted_per_pos[p] += 1
-        result.step_tokens.append(len(emitted))
-        result.step_proposed.append(n_prop)
+        result.record_step(len(emitted), m, n_prop, n_prop)
         seq.extend(emitted)
         result.tokens.extend(emitted)
         if proposer is not None and k > 0 and not done and len(result.tokens) < budget:

@@ -56,7 +56,6 @@ from specheads.verify.sampling import (
 from specheads.verify.tree_decode import (
     check_tree_attention,
     compact_cache,
-    count_step,
     fit_tree,
     gather_rows,
     tree_forward,
@@ -218,15 +217,7 @@ def sample_generate(target, proposer, prompt_ids, max_new_tokens: int, k: int,
                             p.to(gen.device), gen)
             trim_cache(run.cache, past + 1 + m)
         emitted, run.done = cut_at_eos(draft[:m].tolist() + [nxt], eos)
-        stats.decode_forwards += 1
-        stats.decode_tokens += len(emitted)
-        if n_prop:
-            stats.drafts += 1
-            stats.proposed_tokens += n_prop
-            for pos in range(min(m, len(emitted))):
-                stats.accepted_per_pos[pos] += 1
-        result.step_tokens.append(len(emitted))
-        result.step_proposed.append(n_prop)
+        result.record_step(len(emitted), m, n_prop, n_prop)
         run.seq.extend(emitted)
         result.tokens.extend(emitted)
         if use_drafts and not run.done and len(result.tokens) < budget:
@@ -304,9 +295,7 @@ def sample_tree_generate(target, proposer, prompt_ids, max_new_tokens: int,
             compact_cache(run.cache, past, path)
         path_t = torch.tensor(path, device=device)
         emitted, run.done = cut_at_eos(tokens[path_t[1:]].tolist() + [nxt], eos)
-        count_step(stats, tree, len(path) - 1, len(emitted))
-        result.step_tokens.append(len(emitted))
-        result.step_proposed.append(tree.size - 1)
+        result.record_step(len(emitted), len(path) - 1, tree.size - 1, tree.max_depth)
         run.seq.extend(emitted)
         result.tokens.extend(emitted)
         if proposer is not None and not run.done and len(result.tokens) < budget:

@@ -137,20 +137,6 @@ def gather_rows(out: TargetOutput, rows: torch.Tensor) -> TargetOutput:
                         final=None if out.final is None else out.final.index_select(1, rows))
 
 
-def count_step(stats: DecodeStats, tree: Tree, accepted: int, emitted: int) -> None:
-    """Add one verification step (tree of `tree.size` nodes, `accepted` drafts) to the counts."""
-    stats.decode_forwards += 1
-    stats.decode_tokens += emitted
-    if tree.size > 1:
-        stats.drafts += 1
-        stats.proposed_tokens += tree.size - 1
-        depth = tree.max_depth
-        if len(stats.accepted_per_pos) < depth:
-            stats.accepted_per_pos.extend([0] * (depth - len(stats.accepted_per_pos)))
-        for p in range(min(accepted, emitted)):
-            stats.accepted_per_pos[p] += 1
-
-
 def fit_tree(tree: Tree, tokens: torch.Tensor, remaining: int, past: int,
              ctx: int | None) -> tuple[Tree, torch.Tensor]:
     """Cut a proposed tree (tokens [N], root first) to the output budget and the context room."""
@@ -215,9 +201,7 @@ def tree_generate(target, proposer: TreeProposer | None, prompt_ids, max_new_tok
         path_t = torch.tensor(path, device=target.device)
         emitted = tokens[path_t[1:]].tolist() + [int(argmax[path[-1]])]
         emitted, done = cut_at_eos(emitted, eos)
-        count_step(stats, tree, len(path) - 1, len(emitted))
-        result.step_tokens.append(len(emitted))
-        result.step_proposed.append(tree.size - 1)
+        result.record_step(len(emitted), len(path) - 1, tree.size - 1, tree.max_depth)
         seq.extend(emitted)
         result.tokens.extend(emitted)
         if proposer is not None and not done and len(result.tokens) < budget:
