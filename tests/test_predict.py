@@ -105,3 +105,15 @@ def test_measure_costs_on_a_real_target():
     assert costs.draft_per_level_s >= 0 and costs.plain() > 0
     pred = predict([0.5, 0.4], costs, ks=(1, 2, 3), budgets=(4,))
     assert all(math.isfinite(r["speedup"]) and r["speedup"] > 0 for r in pred.chains)
+
+
+def test_prediction_skips_prompts_without_room_for_the_timed_forwards():
+    from random_models import make_head, make_target
+
+    from specheads.eval.predict import TARGET_COUNTS, prediction_metrics
+
+    target = make_target()
+    head = make_head(target)
+    ctx = target.config.max_position_embeddings
+    too_long = [1] * (ctx - max(TARGET_COUNTS))  # one token short of the room the timings need
+    assert prediction_metrics(target, head, [too_long], [0.5, 0.4], k_max=2) == {}

@@ -326,13 +326,11 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if predict and tree.kind == "chain" and not sampled:
         from specheads.eval.predict import prediction_metrics
 
-        ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
         prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in rows]
-        prompts = [p for p in prompts if len(p) + 64 < ctx]  # room for the timed decodes
-        if prompts:
-            metrics.update(prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"]))
-        else:
-            log.warning("no prompt leaves room for the timing decodes: no speed-up prediction")
+        prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"])
+        if not prediction:
+            log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
+        metrics.update(prediction)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     from specheads.eval.report import attach_to_export, read_json, write_report

@@ -332,7 +332,12 @@ def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal:
 
 
 def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float], k_max: int = 8) -> dict:
-    """metrics.json's `prediction` and `advice`: step costs measured on up to 4 prompts."""
+    """metrics.json's `prediction` and `advice`: step costs measured on up to 4 prompts that leave
+    room in the context for the timed forwards (max(TARGET_COUNTS) tokens); {} when none does."""
+    ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+    prompts = [p for p in prompts if len(p) + max(TARGET_COUNTS) < ctx]
+    if not prompts:
+        return {}
     costs = measure_costs(target, head, prompts[:4], k_max=k_max)
     pred = predict(cond, costs, ks=range(1, k_max + 1))
     return {"prediction": pred.to_dict(), "advice": advice(pred)}
