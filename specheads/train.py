@@ -356,6 +356,7 @@ def train(recipe: Recipe) -> Path:
     start, saved_world = 0, 1
     if resume_from is not None:
         ckpt = Checkpoint(resume_from)
+        ckpt.verify_for_resume(accelerator.process_index)  # recorded checksums: no corruption carried on
         check_fingerprint(ckpt.provenance.get("target", {}), target, f"the run in {out_dir}")
         load_strict(head, ckpt.weights, str(resume_from))
         start, saved_world = ckpt.trainer_state["step"], ckpt.provenance.get("num_processes", 1)

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from specheads.atomic import write_json, write_text
+from specheads.atomic import write_bytes, write_json, write_text
 
 THROUGHPUT_KEYS = ("output_tokens_per_s", "output_throughput", "tokens_per_s")
 SERIES_KEYS = ("label", "name", "method")
@@ -51,11 +49,7 @@ def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(buf.getvalue())
-    os.replace(tmp, path)
+    write_bytes(path, buf.getvalue())
     return path
 
 
