@@ -237,6 +237,22 @@ def read_json(path: str | Path | None) -> dict | None:
         raise ReportError(f"'{path}' is not valid JSON ({err.msg}, line {err.lineno})") from None
 
 
+def is_report_folder(folder: Path) -> bool:
+    """A folder an earlier `specheads eval` wrote (its metrics.json carries our provenance)."""
+    try:
+        return "provenance" in json.loads((folder / "metrics.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_report_folder(out_dir: str | Path) -> None:
+    """Refuse (before any work) an --out holding files an eval did not write: they could be replaced."""
+    from specheads.atomic import check_output
+
+    check_output(Path(out_dir), is_report_folder, "an eval output folder",
+                 "choose another --out (a new or empty folder, or an earlier eval's)")
+
+
 def write_report(out_dir: str | Path, metrics: dict, outputs: list[dict] | None = None,
                  verifier_json: dict | None = None, bench: dict | None = None) -> dict:
     """Plots + report.md + metrics.json (with the plot names) under out_dir; returns metrics."""
