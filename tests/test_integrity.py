@@ -98,10 +98,12 @@ def test_resume_checks_every_file_it_reads(tmp_path):
     state["sha256"]["rank000.pt"] = sha256_file(ckpt / "rank000.pt")
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     Checkpoint(ckpt).verify_for_resume(0)
+    from specheads.export.checkpoint import resume_hint
+
     with open(ckpt / "rank000.pt", "r+b") as fh:  # truncated copy
         fh.truncate(10)
     with pytest.raises(CheckpointError, match=r"rank000\.pt: checksum mismatch.*latest"):
-        Checkpoint(ckpt).verify_for_resume(0)
+        Checkpoint(ckpt, remedy=resume_hint(ckpt)).verify_for_resume(0)
     Checkpoint(ckpt).verify_for_resume(1)  # another rank does not read that shard
 
 

@@ -137,11 +137,19 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return read_safetensors(path, CORRUPT_HINT, CheckpointError)
 
 
+def resume_hint(ckpt: Path) -> str:
+    """What to do when the checkpoint a run would resume from is corrupt."""
+    return (f"resuming would carry the damage forward: move {ckpt.name} out of {ckpt.parent} and write the "
+            f"name of the previous checkpoint into {ckpt.parent / 'latest'}, or train into a new output_dir")
+
+
 class Checkpoint:
     """A loaded native checkpoint: the head rebuilt with its weights, plus its metadata."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, remedy: str = CORRUPT_HINT):
+        """`remedy`: what a refused (corrupt) checkpoint's message tells the user to do."""
         self.path, self._noticed, self._verified = resolve_checkpoint(path), False, set()
+        self.remedy = remedy
         for name in REQUIRED:
             if not (self.path / name).is_file():
                 raise CheckpointError(f"{self.path / name}: missing; the checkpoint is incomplete")
@@ -156,7 +164,7 @@ class Checkpoint:
         """{file: sha256} written with the checkpoint (None: an older version wrote it)."""
         return self.trainer_state.get(SHA_KEY)
 
-    def verify(self, names: list[str] | None = None, remedy: str = CORRUPT_HINT) -> None:
+    def verify(self, names: list[str] | None = None) -> None:
         """Check the recorded checksums of `names` (default: every file, what resume reads); a
         checkpoint without them (older version) gets a one-line notice, once."""
         recorded = self.recorded()
@@ -166,21 +174,18 @@ class Checkpoint:
         if recorded is not None:
             recorded = {n: d for n, d in recorded.items() if (names is None or n in names) and n not in self._verified}
             self._verified |= set(recorded)
-        verify_files(self.path, recorded, remedy, CheckpointError, where=f"checkpoint {self.path}")
+        verify_files(self.path, recorded, self.remedy, CheckpointError, where=f"checkpoint {self.path}")
 
     def verify_for_resume(self, rank: int) -> None:
         """Check what resuming process `rank` reads: weights, configs, scheduler, its own shard."""
-        own = [n for n in self.recorded() or {} if not n.startswith("rank") or n == f"rank{rank:03d}.pt"]
-        self.verify(own, f"resuming would carry the damage forward: move {self.path.name} out of "
-                    f"{self.path.parent} and write the name of the previous checkpoint into "
-                    f"{self.path.parent / 'latest'}, or train into a new output_dir")
+        self.verify([n for n in self.recorded() or {} if not n.startswith("rank") or n == f"rank{rank:03d}.pt"])
 
     @property
     def weights_sha256(self) -> str:
         """sha256 of head.safetensors (recorded, else computed: an older checkpoint)."""
         return (self.recorded() or {}).get(HEAD_FILE) or sha256_file(self.path / HEAD_FILE)
 
-    def check_finite(self, remedy: str = CORRUPT_HINT) -> None:
+    def check_finite(self, remedy: str) -> None:
         """Refuse a checkpoint whose weights hold NaN or inf."""
         check_finite(self.weights, str(self.path / HEAD_FILE), remedy, CheckpointError)
 
