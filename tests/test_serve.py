@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 
@@ -150,13 +149,9 @@ def test_models_health_and_errors(server):
 
 def test_no_draft_server_in_process_is_plain_greedy(target):
     from specheads.serve.engine import Engine
-    from specheads.serve.server import build_server
+    from specheads.serve.server import serve_in_thread
 
-    server = build_server(Engine(target, model_name="plain"))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = "http://%s:%d" % server.server_address[:2]
-    try:
+    with serve_in_thread(Engine(target, model_name="plain")) as url:
         before = parse_metrics(get(f"{url}/metrics"))
         ref = reference(target, PROMPTS[1], 20)
         body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 20,
@@ -164,8 +159,5 @@ def test_no_draft_server_in_process_is_plain_greedy(target):
         chunks = [json.loads(e) for e in sse_events(post(f"{url}/v1/chat/completions", body, raw=True))[:-1]]
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text_of(target, ref)
         after = parse_metrics(get(f"{url}/metrics"))
-        key = PREFIX + 'drafts_total{model_name="plain",engine="0"}'
+        key = PREFIX + 'drafts_total{engine="0",model_name="plain"}'
         assert after[key] == before[key] == 0
-    finally:
-        server.shutdown()
-        server.server_close()
