@@ -107,6 +107,21 @@ def test_completions_token_prompt_stop_string_and_seed(server, target):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_tiny_temperatures_sample_the_greedy_text(server, target):
+    """At 1e-300 .. 1e-3 the warped target is one-hot on its argmax: speculative sampling must
+    give the greedy text (it gave garbage once: the warp overflowed float32)."""
+    prompt = PROMPTS[0]
+    greedy = text_of(target, reference(target, prompt, 16))
+    for temperature in (1e-300, 1e-40, 1e-20, 1e-3):
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+                "temperature": temperature, "seed": 11}
+        out = post(f"{server}/v1/chat/completions", body)
+        assert out["choices"][0]["message"]["content"] == greedy, temperature
+        events = sse_events(post(f"{server}/v1/chat/completions", {**body, "stream": True}, raw=True))
+        streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert streamed == greedy, temperature
+
+
 def test_metrics_count_drafts_with_vllm_names(server):
     before = parse_metrics(get(f"{server}/metrics"))
     out = post(f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "def f(x):"}],

@@ -411,12 +411,12 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
     """Benchmark `url` (and `baseline_url`) at each concurrency; write bench.json / bench.md."""
     from tqdm import tqdm
 
-    from specheads.eval.online import read_prompts
-
     levels = check_options(url, baseline_url, concurrency, max_tokens, limit, match_sample, api,
                            temperature, timeout)
     if out_dir:  # refused before any request: a folder of other files is not ours to write into
         check_output(Path(out_dir), lambda f: (f / "bench.json").is_file(), "a bench output folder")
+    from specheads.eval.online import read_prompts  # torch: only once the options are fine
+
     url, baseline_url = url.rstrip("/"), baseline_url.rstrip("/") if baseline_url else None
     prompts = read_prompts(prompts_file, limit)  # a bad file fails before any server is asked
     model = model or served_model(url)

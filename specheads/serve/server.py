@@ -156,7 +156,7 @@ async def read_json(request: Request, timeout: float) -> dict:
     """The request body as a JSON object, within `timeout` seconds and MAX_BODY bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > MAX_BODY:
-        raise RequestError(f"the body has {declared} bytes; this server accepts at most {MAX_BODY}",
+        raise RequestError(f"Content-Length {declared}: this server accepts bodies of at most {MAX_BODY} bytes",
                            "Content-Length", 413)
 
     async def read() -> bytes:
