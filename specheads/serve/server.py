@@ -232,7 +232,13 @@ class Service:
             return JSONResponse(error_body(f"{type(err).__name__}: {err}", 500), 500)
         responder = Responder(chat, self.engine.model_name)
         if body.get("stream"):
-            return StreamingResponse(self.events(responder, ids, params, include_usage(body)),
+            # queued here, not in the generator: a client gone before the first byte never runs
+            # the generator, and its place in the queue must still be given back
+            texts: asyncio.Queue = asyncio.Queue()
+            future, cancel = self.scheduler.submit(
+                ids, params, lambda text: loop.call_soon_threadsafe(texts.put_nowait, text))
+            future.add_done_callback(lambda _f: texts.put_nowait(None))  # after every text delta
+            return StreamingResponse(self.events(responder, texts, future, cancel, include_usage(body)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         future, _ = self.scheduler.submit(ids, params)
         try:
@@ -242,13 +248,10 @@ class Service:
             return JSONResponse(error_body(f"{type(err).__name__}: {err}", 500), 500)
         return JSONResponse(responder.full(done))
 
-    async def events(self, responder: Responder, ids, params: Params, with_usage: bool):
-        """Server-sent events: role chunk, text deltas, finish chunk, [usage chunk], [DONE]."""
-        loop = asyncio.get_running_loop()
-        texts: asyncio.Queue = asyncio.Queue()
-        future, cancel = self.scheduler.submit(
-            ids, params, lambda text: loop.call_soon_threadsafe(texts.put_nowait, text))
-        future.add_done_callback(lambda _f: texts.put_nowait(None))  # after every text delta
+    async def events(self, responder: Responder, texts: asyncio.Queue, future: asyncio.Future,
+                     cancel: threading.Event, with_usage: bool):
+        """Server-sent events: role chunk, text deltas (from `texts`, None after the last),
+        finish chunk, [usage chunk], [DONE]."""
         try:
             if responder.chat:
                 yield sse(responder.chunk(role=True))
