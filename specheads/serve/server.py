@@ -53,7 +53,8 @@ class ServeOptions:
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ServeError(f"--max-queue must be an integer >= 0, got {self.max_queue!r}")
         if not 0 < self.read_timeout < math.inf:
-            raise ServeError(f"--read-timeout must be a positive number of seconds, got {self.read_timeout!r}")
+            raise ServeError(f"--read-timeout must be a positive number of seconds, "
+                             f"got {self.read_timeout!r}")
 
 
 class Overloaded(RequestError):
@@ -156,8 +157,8 @@ async def read_json(request: Request, timeout: float) -> dict:
     """The request body as a JSON object, within `timeout` seconds and MAX_BODY bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > MAX_BODY:
-        raise RequestError(f"Content-Length {declared}: this server accepts bodies of at most {MAX_BODY} bytes",
-                           "Content-Length", 413)
+        raise RequestError(f"Content-Length {declared}: this server accepts bodies of at most "
+                           f"{MAX_BODY} bytes", "Content-Length", 413)
 
     async def read() -> bytes:
         parts, size = [], 0
@@ -172,7 +173,8 @@ async def read_json(request: Request, timeout: float) -> dict:
         raw = await asyncio.wait_for(read(), timeout)
     except asyncio.TimeoutError:
         raise RequestError(f"the request body did not arrive within {timeout:g} s (read timeout): "
-                           "send the whole body, with a Content-Length that matches it", "body", 408) from None
+                           "send the whole body, with a Content-Length that matches it",
+                           "body", 408) from None
     except ClientDisconnect:
         raise RequestError("the client disconnected while sending the body", "body") from None
     if not raw.strip():
