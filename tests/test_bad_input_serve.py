@@ -137,6 +137,18 @@ def test_headers_that_never_complete_get_408(server):
     url, log = server
     code, _, body = exchange(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", timeout=READ_TIMEOUT + 20)
     assert code == 408 and "did not arrive" in json.loads(body)["error"]["message"]
+    # the same on a kept-alive connection, after a first request was answered
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=READ_TIMEOUT + 20) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while b'{"status":"ok"}' not in first:
+            first += sock.recv(65536)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        rest = b""
+        while chunk := sock.recv(65536):
+            rest += chunk
+    assert rest.startswith(b"HTTP/1.1 408") and b"did not arrive" in rest, rest
     assert "Traceback" not in log.read_text()
 
 

@@ -81,14 +81,29 @@ class JsonErrorsH11(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._headers_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+        self._headers_timer = None
+        self._arm_headers_timer()
+
+    def _arm_headers_timer(self) -> None:
+        """Time the next request's headers (uvicorn starts a new cycle once they are complete)."""
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+        self._headers_timer = self.loop.call_later(self.header_timeout, self._headers_late, self.cycle)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():  # keep-alive: the next request's headers are timed too
+            self._arm_headers_timer()
 
     def connection_lost(self, exc) -> None:
-        self._headers_timer.cancel()
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
         super().connection_lost(exc)
 
-    def _headers_late(self) -> None:
-        if self.cycle is None and not self.transport.is_closing():
+    def _headers_late(self, armed) -> None:
+        """No request began since the timer was armed, and none is being answered."""
+        idle = self.cycle is armed and (armed is None or armed.response_complete)
+        if idle and not self.transport.is_closing():
             _write_json(self.transport, 408, f"the request headers did not arrive within "
                         f"{self.header_timeout:g} s (read timeout)", None)
 
