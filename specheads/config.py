@@ -16,6 +16,30 @@ class ConfigError(ValueError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
 
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, hint: str = "") -> Any:
+    """A dataclass field whose value `from_dict` checks against ge / gt / le (None: no bound)."""
+    return field(default=default, metadata={"bounds": (ge, gt, le), "hint": hint})
+
+
+def check_bounds(obj: Any, where: str) -> None:
+    """Every `bounded` field of dataclass `obj` within its range, or a ConfigError naming it."""
+    for f in dataclasses.fields(obj):
+        if "bounds" not in f.metadata:
+            continue
+        value = getattr(obj, f.name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        ge, gt, le = f.metadata["bounds"]
+        rule = next((r for r, bad in ((f">= {ge}", ge is not None and not value >= ge),
+                                      (f"> {gt}", gt is not None and not value > gt),
+                                      (f"<= {le}", le is not None and not value <= le)) if bad), None)
+        if rule is None and value == value:  # NaN fails every comparison
+            continue
+        hint = f" ({f.metadata['hint']})" if f.metadata.get("hint") else ""
+        raise ConfigError(f"{where}.{f.name} = {value!r}: must be {rule or 'a number'}{hint}")
+
+
 @dataclass
 class TargetConfig:
     """The frozen target: a local Hugging Face folder, or `builtin:tiny` for the embedded one."""
@@ -32,7 +56,7 @@ class DataConfig:
 
     train: list[str] = field(default_factory=list)
     format: str = "auto"
-    max_length: int = 512
+    max_length: int = bounded(512, ge=2, hint="tokens per sample; at most the target's context")
     skip_malformed: bool = False
     end_of_turn: str | list[str] | None = None  # text(s) ending an assistant turn; default: eos_token
     features: str | None = None  # a `specheads capture` folder: train from it instead of target forwards
@@ -44,27 +68,27 @@ class TrainConfig:
     """Optimisation, logging and checkpointing of one training run."""
 
     output_dir: str = "runs/train"
-    max_steps: int = 200
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
+    max_steps: int = bounded(200, ge=1, hint="optimizer steps to train")
+    batch_size: int = bounded(8, ge=1, hint="samples per process per micro-step")
+    grad_accum: int = bounded(1, ge=1)
+    lr: float = bounded(3e-4, gt=0, le=1, hint="peak learning rate, e.g. 3e-4")
+    weight_decay: float = bounded(0.0, ge=0)
+    warmup_steps: int = bounded(20, ge=0)
     schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
-    decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying at the end
-    min_lr_ratio: float = 0.0  # cosine / wsd end at this share of the peak lr
-    max_grad_norm: float = 0.5
+    decay_fraction: float = bounded(0.2, ge=0, le=1)  # wsd: share of max_steps spent decaying at the end
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)  # cosine / wsd end at this share of the peak lr
+    max_grad_norm: float = bounded(0.5, ge=0, hint="0 disables clipping")
     mixed_precision: str | bool = "no"  # no | bf16 | fp16: the head's autocast; the target keeps target.dtype
     seed: int = 0
-    log_every: int = 10
-    save_every: int = 100
-    keep_last: int = 2
+    log_every: int = bounded(10, ge=1, hint="steps between log records")
+    save_every: int = bounded(100, ge=1, hint="steps between checkpoints")
+    keep_last: int = bounded(2, ge=1, hint="checkpoints kept; the latest is always one of them")
     keep_best: bool = True  # also keep the checkpoint with the best validation tau
     resume: bool = True
-    num_workers: int = 0
-    val_samples: int = 0  # held out from data.train (seeded) for offline tau; 0 = no validation
-    val_every: int = 0  # steps between validations (0 = only at checkpoints when val_samples > 0)
-    val_batch_size: int = 8
+    num_workers: int = bounded(0, ge=0)
+    val_samples: int = bounded(0, ge=0)  # held out from data.train (seeded) for offline tau; 0 = no validation
+    val_every: int = bounded(0, ge=0)  # steps between validations (0 = only at checkpoints when val_samples > 0)
+    val_batch_size: int = bounded(8, ge=1)
     report_to: list[str] = field(default_factory=list)  # accelerate trackers: wandb, tensorboard
     project: str = "specheads"  # tracker project name
     progress: bool = True  # progress bar with tokens/s and ETA on the main process
@@ -163,7 +187,9 @@ def from_dict(cls: type, data: Any, where: str = "recipe") -> Any:
             f"{where}: unknown key '{where}.{unknown[0]}'. Valid keys: {', '.join(names)}"
         )
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    check_bounds(obj, where)
+    return obj
 
 
 def to_dict(obj: Any) -> Any:
@@ -189,7 +215,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(text)
+        try:
+            node[parts[-1]] = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({err.problem})") from None
     return raw
 
 
@@ -201,7 +230,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {err.start}); a recipe is YAML text") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(raw, dict):
@@ -218,6 +249,4 @@ def recipe_from_dict(raw: dict) -> Recipe:
     head_raw = raw.pop("head", None) or {"kind": "eagle3"}
     recipe = from_dict(Recipe, raw, "recipe")
     recipe.head = from_dict(head_options_class(head_raw.get("kind")), head_raw, "head")
-    if recipe.train.grad_accum < 1 or recipe.train.batch_size < 1:
-        raise ConfigError("train.batch_size and train.grad_accum must be >= 1")
     return recipe

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specheads.config import bounded
 from specheads.heads.losses import HeadOutput, collect_final, forward_kl, shift, stack_counts
 
 
@@ -20,13 +21,13 @@ class DraftOptions:
     """Recipe `head:` section for a draft model; None sizes are the target's."""
 
     kind: str = "draft"
-    num_layers: int = 2
+    num_layers: int = bounded(2, ge=1)
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     init_from_target: bool = True  # copy embeddings, the first layers, norm and lm_head when widths match
-    ttt_steps: int = 4  # default draft length k (reported acceptance uses this many positions)
+    ttt_steps: int = bounded(4, ge=1)  # default draft length k (reported acceptance uses this many positions)
 
 
 @dataclass

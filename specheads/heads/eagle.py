@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from specheads.config import bounded
 from specheads.heads.eagle3 import ttt_attention_mask
 from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
 from specheads.hf_compat import cache_kwargs
@@ -27,11 +28,11 @@ class EagleOptions:
     """Recipe `head:` section for EAGLE-1; target-derived sizes are filled in by `build_config`."""
 
     kind: str = "eagle"
-    ttt_steps: int = 1  # unrolled draft steps in training (1 = EAGLE-1; more feed v back, HASS-like)
-    step_decay: float = 0.8
+    ttt_steps: int = bounded(1, ge=1)  # unrolled draft steps in training (1 = EAGLE-1; more feed v back, HASS-like)
+    step_decay: float = bounded(0.8, gt=0, le=1)
     fc_bias: bool = False  # true only for SGLang-only heads (vLLM has no fc bias)
-    cls_weight: float = 0.1  # weight of the soft cross-entropy next to the feature regression
-    noise: float = 0.0  # U(-noise, noise) added to the input features in training
+    cls_weight: float = bounded(0.1, ge=0)  # weight of the soft cross-entropy next to the feature regression
+    noise: float = bounded(0.0, ge=0)  # U(-noise, noise) added to the input features in training
     intermediate_size: int | None = None  # None -> the target's
 
 

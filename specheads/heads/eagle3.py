@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from specheads.config import bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
@@ -30,9 +31,9 @@ class Eagle3Options:
 
     kind: str = "eagle3"
     aux_layers: list[int] | None = None  # HF hidden_states indices (= vLLM ids); None -> (2, L//2, L-3)
-    ttt_steps: int = 3
-    step_decay: float = 0.8
-    draft_vocab_size: int | None = None  # None -> min(V, 32000)
+    ttt_steps: int = bounded(3, ge=1, hint="draft steps trained")
+    step_decay: float = bounded(0.8, gt=0, le=1)
+    draft_vocab_size: int | None = bounded(None, ge=1)  # None -> min(V, 32000)
     norm_before_residual: bool = False
     intermediate_size: int | None = None  # None -> the target's
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specheads.config import bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, shift
 
 
@@ -22,9 +23,9 @@ class MedusaOptions:
     """Recipe `head:` section for Medusa-1 (frozen target)."""
 
     kind: str = "medusa"
-    num_heads: int = 4  # K: draft tokens per step
-    num_layers: int = 1  # residual blocks per head
-    step_decay: float = 0.8  # loss weight of head k is step_decay ** k
+    num_heads: int = bounded(4, ge=1)  # K: draft tokens per step
+    num_layers: int = bounded(1, ge=1)  # residual blocks per head
+    step_decay: float = bounded(0.8, gt=0, le=1)  # loss weight of head k is step_decay ** k
     bias: bool = True  # the blocks' linear bias (medusa_fc_bias)
 
     def __post_init__(self):

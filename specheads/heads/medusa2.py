@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specheads.config import bounded
 from specheads.heads.losses import HeadOutput, forward_kl, shift
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 
@@ -32,11 +33,11 @@ class Medusa2Options:
     """Recipe `head:` section for Medusa-2 (heads + LoRA on the target, self-distillation)."""
 
     kind: str = "medusa2"
-    num_heads: int = 4  # K: draft tokens per step
-    num_layers: int = 1  # residual blocks per head
-    step_decay: float = 0.8  # loss weight of head k is step_decay ** k
+    num_heads: int = bounded(4, ge=1)  # K: draft tokens per step
+    num_layers: int = bounded(1, ge=1)  # residual blocks per head
+    step_decay: float = bounded(0.8, gt=0, le=1)  # loss weight of head k is step_decay ** k
     bias: bool = True
-    lora_r: int = 8
+    lora_r: int = bounded(8, ge=1)
     lora_alpha: float = 16.0  # peft scaling = lora_alpha / lora_r
     lora_targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))  # module name suffixes
     distill_weight: float = 1.0  # lambda on the self-distillation KL

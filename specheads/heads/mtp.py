@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specheads.config import bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
 from specheads.hf_compat import cache_kwargs
 
@@ -26,9 +27,9 @@ class MtpOptions:
     """Recipe `head:` section for MTP; sizes come from the target."""
 
     kind: str = "mtp"
-    num_layers: int = 1  # MTP modules (depth D); step j uses module j % D
-    ttt_steps: int = 1  # draft steps trained (and the default draft length)
-    step_decay: float = 0.8
+    num_layers: int = bounded(1, ge=1)  # MTP modules (depth D); step j uses module j % D
+    ttt_steps: int = bounded(1, ge=1)  # draft steps trained (and the default draft length)
+    step_decay: float = bounded(0.8, gt=0, le=1)
     init: str = "last_layer"  # last_layer | random | shipped (fine-tune the target's own MTP layers)
 
 
