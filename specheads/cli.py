@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from specheads.errors import DEBUG_ENV, debug_enabled, explain
 
 
 def _train(argv: list[str]) -> int:
@@ -121,18 +124,31 @@ VERBS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one verb; anything it raises becomes one line on stderr (`--debug`: the traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = False
+    while argv and argv[0] == "--debug":
+        debug, argv = True, argv[1:]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in VERBS:
         lines = "\n".join(f"  {name:<12} {help_}" for name, (_, help_) in VERBS.items())
-        print(f"usage: specheads <verb> [args]\n\nverbs:\n{lines}")
+        print(f"usage: specheads [--debug] <verb> [args]\n\nverbs:\n{lines}\n\n"
+              f"--debug (or {DEBUG_ENV}=1) shows the Python traceback of a failure")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     fn, _ = VERBS[argv[0]]
     try:
-        return fn(argv[1:])
-    except (ValueError, FileNotFoundError) as err:
-        # our error classes derive from ValueError and carry a message meant for the user
-        print(f"specheads {argv[0]}: error: {err}", file=sys.stderr)
-        return 1
+        rc = fn(argv[1:])
+        sys.stdout.flush()  # a closed pipe shows up here at the latest
+        return rc
+    except BrokenPipeError:
+        # the reader (`| head`) went away: stop quietly, and keep the interpreter's exit flush quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (Exception, KeyboardInterrupt) as err:
+        if debug_enabled(debug):
+            raise
+        message, rc = explain(err)
+        print(f"specheads {argv[0]}: error: {message}", file=sys.stderr)
+        return rc
 
 
 if __name__ == "__main__":

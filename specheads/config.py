@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -250,3 +251,67 @@ def recipe_from_dict(raw: dict) -> Recipe:
     recipe = from_dict(Recipe, raw, "recipe")
     recipe.head = from_dict(head_options_class(head_raw.get("kind")), head_raw, "head")
     return recipe
+
+
+# --- checks before the target is loaded ---------------------------------------------------------
+def host_or_device_memory() -> tuple[int, str]:
+    """(bytes, name) of the memory one training process can use: GPU 0's, else the host's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "cuda:0 memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM"
+
+
+def check_recipe_inputs(recipe: Recipe, outputs: tuple[str, ...] = (),
+                        batch: tuple[str, int] | None = None, memory: bool = True) -> None:
+    """Refuse what a recipe gets wrong before the slow part (loading the target): missing inputs,
+    a max_length beyond the target's context, a batch that cannot fit in memory. `outputs`: the
+    data keys the calling command writes (capture: features) rather than reads; `batch`: (option,
+    value) of the command's batch size (default: train.batch_size); `memory` False: no target
+    forward, no memory check."""
+    from specheads.target import DTYPES, peek_config
+
+    d = recipe.data
+    if not d.train:
+        raise ConfigError("data.train is empty: list at least one dataset file or folder")
+    for i, source in enumerate(d.train):
+        if not Path(source).exists():
+            raise ConfigError(f"data.train[{i}] '{source}' does not exist")
+    for key in ("features", "vocab_stats"):
+        value = getattr(d, key)
+        if value and key not in outputs and not Path(value).exists():
+            raise ConfigError(f"data.{key} '{value}' does not exist (make it with `specheads "
+                             f"{'capture' if key == 'features' else 'vocab-stats'}`)")
+    if recipe.target.dtype not in DTYPES:
+        raise ConfigError(f"target.dtype '{recipe.target.dtype}': expected one of {', '.join(DTYPES)}")
+    peeked = peek_config(recipe.target.path)
+    if peeked is None:
+        return
+    cfg, where = peeked
+    ctx = cfg.get("max_position_embeddings")
+    if isinstance(ctx, int) and d.max_length > ctx:
+        raise ConfigError(f"data.max_length = {d.max_length} exceeds the target's context of {ctx} "
+                         f"tokens (max_position_embeddings in {where}): set data.max_length <= {ctx}")
+    if memory:
+        check_batch_memory(recipe, cfg, *(batch or ("train.batch_size", recipe.train.batch_size)))
+
+
+def check_batch_memory(recipe: Recipe, cfg: dict, key: str, batch_size: int) -> None:
+    """A lower bound of one micro-batch's activations (the target's logits and hidden states of
+    every layer, B x max_length tokens) against the device's memory: refuse what cannot fit."""
+    from specheads.target import DTYPES
+
+    vocab, hidden, layers = (cfg.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
+    if not all(isinstance(v, int) for v in (vocab, hidden, layers)):
+        return
+    per_token = (vocab + hidden * (layers + 1)) * DTYPES[recipe.target.dtype].itemsize
+    need = batch_size * recipe.data.max_length * per_token
+    have, name = host_or_device_memory()
+    if need > have:
+        fit = max(1, have // (recipe.data.max_length * per_token))
+        raise ConfigError(
+            f"{key} = {batch_size}: one micro-batch of {batch_size} x data.max_length "
+            f"{recipe.data.max_length} tokens needs at least {need / 2**30:,.1f} GiB for the target's "
+            f"logits and hidden states alone, more than the {have / 2**30:,.1f} GiB of {name}; use "
+            f"{key} <= {fit}" + (" (raise train.grad_accum to keep the global batch)" if key == "train.batch_size" else ""))

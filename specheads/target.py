@@ -44,10 +44,46 @@ def resolve_target_path(path: str) -> Path:
     return folder
 
 
+def peek_config(path: str) -> tuple[dict, Path] | None:
+    """The target's config.json (and where it is) without loading weights; an embedded target
+    not built yet gives its preset's sizes; None for an unreadable file (loading reports it)."""
+    if path.startswith("builtin:"):
+        from specheads.builtin.tiny_target import BUILD_INFO, PRESETS, cache_path
+
+        name = path.split(":", 1)[1]
+        name = "default" if name in ("", "tiny") else name
+        folder, preset = cache_path(name), PRESETS.get(name)
+        if preset is None:
+            return None
+        if not (folder / BUILD_INFO).is_file():  # what the build will write
+            return {"max_position_embeddings": preset.max_position_embeddings, "vocab_size": preset.vocab_size,
+                    "hidden_size": preset.hidden_size, "num_hidden_layers": preset.num_layers}, Path(path)
+    else:
+        folder = resolve_target_path(path)
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    return {**cfg, **(cfg.get("text_config") or {})}, folder / "config.json"
+
+
 def resolve_device(device: str) -> torch.device:
+    """`auto` -> cuda when present, else cpu; a device this machine lacks is refused by name."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TargetError(f"device '{device}': not a device name; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU-only build)"
+        raise TargetError(f"device '{device}': no CUDA device is visible on this machine (torch "
+                          f"{torch.__version__} with {built}); use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise TargetError(f"device '{device}': only {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
 
 
 class Target:
@@ -67,6 +103,7 @@ class Target:
         folder = resolve_target_path(path)
         if dtype not in DTYPES:
             raise TargetError(f"target.dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+        where = resolve_device(device)  # before the slow load
         try:
             tok = AutoTokenizer.from_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(
@@ -74,7 +111,7 @@ class Target:
             )
         except (OSError, ValueError) as err:
             raise TargetError(f"target '{folder}': cannot load it as a causal LM: {err}") from None
-        return cls(model.to(resolve_device(device)), tok, folder)
+        return cls(model.to(where), tok, folder)
 
     # --- structure -------------------------------------------------------------------------
     @property

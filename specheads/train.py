@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.config import Recipe, TrainConfig, load_recipe, to_dict
+from specheads.config import Recipe, TrainConfig, check_recipe_inputs, load_recipe, to_dict
 from specheads.runlog import RunLog, new_window, window_record
 from specheads.schedule import BatchPlan, lr_factor, validation_split
 
@@ -343,6 +343,7 @@ def train(recipe: Recipe) -> Path:
     from specheads.target import check_fingerprint
 
     check_export_compat(recipe)
+    check_recipe_inputs(recipe)  # before the slow part
     t = recipe.train
     out_dir = Path(t.output_dir)
     accelerator = build_accelerator(t, out_dir)

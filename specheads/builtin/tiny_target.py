@@ -342,9 +342,14 @@ def cache_dir() -> Path:
     return Path(base) / "specheads"
 
 
+def cache_path(preset: str = "default") -> Path:
+    """Where the build of `preset` for this builder version lives (built or not)."""
+    return cache_dir() / f"tiny-target-{preset}-{BUILDER_VERSION}"
+
+
 def cached_tiny_target(preset: str = "default", progress: bool = True) -> Path:
     """The cached build of `preset` for this builder version, built on first use."""
-    dest = cache_dir() / f"tiny-target-{preset}-{BUILDER_VERSION}"
+    dest = cache_path(preset)
     if (dest / BUILD_INFO).is_file():
         return dest
     return _build_atomic(dest, preset, progress, overwrite=False)

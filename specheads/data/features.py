@@ -306,8 +306,8 @@ def _write_manifest(folder: Path, plan: dict, expected: Counter, estimate: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`specheads capture`: parse arguments, load the recipe, capture."""
-    from specheads.config import load_recipe
+    """`specheads capture`: parse arguments, load the recipe, check it, capture."""
+    from specheads.config import check_recipe_inputs, load_recipe
 
     p = argparse.ArgumentParser(prog="specheads capture", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -319,10 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-mb", type=float, default=1024.0, help="approximate shard size in MiB")
     p.add_argument("--batch-size", type=int, default=8, help="samples per target forward")
     a = p.parse_args(argv)
+    if not a.shard_mb > 0 or a.shard_mb == float("inf"):
+        raise FeatureCacheError(f"--shard-mb {a.shard_mb}: must be a positive size in MiB, e.g. 1024")
+    if a.batch_size < 1:
+        raise FeatureCacheError(f"--batch-size {a.batch_size}: must be >= 1")
     recipe = load_recipe(a.recipe, a.overrides)
     out = a.out or recipe.data.features
     if not out:
         raise FeatureCacheError("no output folder: pass --out DIR or set data.features in the recipe")
+    check_recipe_inputs(recipe, outputs=("features",), batch=("--batch-size", a.batch_size))
     capture(recipe, out, storage=a.dtype, shard_mb=a.shard_mb, batch_size=a.batch_size)
     return 0
 

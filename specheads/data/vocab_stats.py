@@ -131,8 +131,8 @@ def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`specheads vocab-stats`: parse arguments, load the recipe, count."""
-    from specheads.config import load_recipe
+    """`specheads vocab-stats`: parse arguments, load the recipe, check it, count."""
+    from specheads.config import check_recipe_inputs, load_recipe
 
     p = argparse.ArgumentParser(prog="specheads vocab-stats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="file to write (default: the recipe's data.vocab_stats)")
     p.add_argument("--workers", type=int, default=1, help="tokenising processes")
     a = p.parse_args(argv)
+    if a.workers < 1:
+        raise VocabStatsError(f"--workers {a.workers}: must be >= 1 (tokenising processes)")
     recipe = load_recipe(a.recipe, a.overrides)
     out = a.out or recipe.data.vocab_stats
     if not out:
         raise VocabStatsError("no output file: pass --out FILE or set data.vocab_stats in the recipe")
+    check_recipe_inputs(recipe, outputs=("vocab_stats",), memory=False)
     vocab_stats(recipe, out, workers=a.workers)
     return 0
 

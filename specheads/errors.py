@@ -1,0 +1,79 @@
+"""What a user sees when a command fails: one line naming the culprit, never a traceback.
+
+`explain` turns an exception into that line at the CLI boundary (`specheads.cli.main`); the
+causes raise our ValueError subclasses with precise messages, and `read_user_text` reads a file a
+user handed us (recipe, data, prompts, README) so a binary or non-UTF-8 file is named.
+`--debug` (before the verb) or SPECHEADS_DEBUG=1 lets the traceback through instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEBUG_ENV = "SPECHEADS_DEBUG"
+
+
+class UserInputError(ValueError):
+    """An input the user can fix (the message names the file, key or option and what to do)."""
+
+
+def debug_enabled(flag: bool = False) -> bool:
+    return flag or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def read_user_text(path: str | Path, what: str) -> str:
+    """A user's text file as UTF-8; missing, unreadable or binary files are named with `what`."""
+    path = Path(path)
+    if not path.exists():
+        raise UserInputError(f"{what} '{path}' does not exist")
+    if path.is_dir():
+        raise UserInputError(f"{what} '{path}' is a folder, expected a text file")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UserInputError(f"{what} '{path}': cannot read it ({err.strerror})") from None
+    if b"\x00" in data[:8192]:
+        raise UserInputError(f"{what} '{path}' is a binary file, expected UTF-8 text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserInputError(f"{what} '{path}' is not UTF-8 text (invalid byte at offset "
+                             f"{err.start}); convert it to UTF-8") from None
+
+
+def _network_error(err: BaseException) -> bool:
+    """A connection that could not be made (no network, DNS, refused, timed out)."""
+    names = {type(e).__name__ for e in _chain(err)}
+    return bool(names & {"ConnectionError", "ConnectError", "ConnectTimeout", "ReadTimeout",
+                         "Timeout", "NameResolutionError", "MaxRetryError", "OfflineModeIsEnabled",
+                         "ConnectionRefusedError", "gaierror", "LocalEntryNotFoundError"})
+
+
+def _chain(err: BaseException):
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def explain(err: BaseException) -> tuple[str, int]:
+    """(one-line message, exit code) for an exception that reached the CLI boundary."""
+    import torch
+
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+        return ("out of memory: lower the batch size (train.batch_size, --batch-size) or "
+                f"max_length, or use a device with more memory ({str(err).splitlines()[0][:200]})"), 1
+    if isinstance(err, (ValueError, FileNotFoundError, NotImplementedError)) and str(err):
+        return str(err), 1  # our error classes carry a message meant for the user
+    if _network_error(err):
+        return (f"cannot reach the server ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); "
+                "check the network, the endpoint and any proxy settings"), 1
+    if isinstance(err, OSError):
+        where = f"'{err.filename}': " if err.filename else ""
+        return f"{where}{err.strerror or err}", 1
+    return (f"unexpected {type(err).__name__}: {err}. This is a bug or an input we do not check "
+            f"yet: rerun with --debug (or {DEBUG_ENV}=1) for the traceback and report it"), 1
