@@ -230,10 +230,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {path}")
+        from specheads.errors import read_user_text
+
+        text = read_user_text(path, "recipe")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not a UTF-8 text file (byte {err.start}); a recipe is YAML text") from None
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(raw, dict):

@@ -42,12 +42,18 @@ def read_user_text(path: str | Path, what: str) -> str:
                              f"{err.start}); convert it to UTF-8") from None
 
 
-def _network_error(err: BaseException) -> bool:
+def is_network_error(err: BaseException) -> bool:
     """A connection that could not be made (no network, DNS, refused, timed out)."""
     names = {type(e).__name__ for e in _chain(err)}
     return bool(names & {"ConnectionError", "ConnectError", "ConnectTimeout", "ReadTimeout",
                          "Timeout", "NameResolutionError", "MaxRetryError", "OfflineModeIsEnabled",
                          "ConnectionRefusedError", "gaierror", "LocalEntryNotFoundError"})
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, shortened (library messages can run long)."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__
 
 
 def _chain(err: BaseException):
@@ -66,11 +72,11 @@ def explain(err: BaseException) -> tuple[str, int]:
         return "interrupted", 130
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
         return ("out of memory: lower the batch size (train.batch_size, --batch-size) or "
-                f"max_length, or use a device with more memory ({str(err).splitlines()[0][:200]})"), 1
+                f"max_length, or use a device with more memory ({first_line(err)})"), 1
     if isinstance(err, (ValueError, FileNotFoundError, NotImplementedError)) and str(err):
         return str(err), 1  # our error classes carry a message meant for the user
-    if _network_error(err):
-        return (f"cannot reach the server ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); "
+    if is_network_error(err):
+        return (f"cannot reach the server ({type(err).__name__}: {first_line(err)}); "
                 "check the network, the endpoint and any proxy settings"), 1
     if isinstance(err, OSError):
         where = f"'{err.filename}': " if err.filename else ""

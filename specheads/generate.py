@@ -184,8 +184,12 @@ def warm_up(target, proposer_factory, spec: TreeSpec, eos) -> None:
     speculative_decode(spec, target, proposer_factory(), [0, 1, 2, 3], 4, eos)
 
 
-def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling) -> None:
+def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling,
+                 device: str = "auto") -> None:
     """Refuse bad arguments before anything is loaded."""
+    from specheads.target import resolve_device
+
+    resolve_device(device)  # a device this machine lacks
     if max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt or not prompt.strip():
@@ -226,7 +230,7 @@ def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
     from specheads.verify.decode import greedy_decode
 
     out, err = out or sys.stdout, err or sys.stderr
-    check_inputs(draft_dir, prompt, max_new_tokens, sampling)
+    check_inputs(draft_dir, prompt, max_new_tokens, sampling, device)
     target = Target.load(target_path, dtype=dtype or default_dtype(device), device=device)
     head, meta = load_checked_draft(draft_dir, target)
     spec = with_default_k(spec, meta, head)

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from contextlib import contextmanager
 from pathlib import Path
 
+from specheads.errors import read_user_text
+
 METRICS = Path("eval") / "metrics.json"
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 META = "specheads.json"
 
 
@@ -30,12 +35,24 @@ def read_export(export_dir: str | Path) -> tuple[dict, dict, str]:
     if not metrics_path.is_file():
         raise PushError(f"'{folder}' has no {METRICS.as_posix()}: measure it first with `specheads eval "
                         f"--draft {folder} ... --attach` (a card without measured acceptance is not published)")
-    metrics = json.loads(metrics_path.read_text())
+    metrics = _read_json(metrics_path)
     if metrics.get("greedy_equal") is False:
         raise PushError(f"{metrics_path}: speculative output differed from plain greedy decoding "
                         f"(prompts {metrics.get('mismatched_ids')}); fix the export before publishing it")
-    readme = (folder / "README.md").read_text() if (folder / "README.md").is_file() else ""
-    return json.loads((folder / META).read_text()), metrics, readme
+    readme = read_user_text(folder / "README.md", "README") if (folder / "README.md").is_file() else ""
+    return _read_json(folder / META), metrics, readme
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object of the export, or a PushError naming the file."""
+    try:
+        obj = json.loads(read_user_text(path, "export file"))
+    except json.JSONDecodeError as err:
+        raise PushError(f"{path}: not valid JSON ({err.msg}, line {err.lineno}); rewrite it with "
+                        "`specheads export` / `specheads eval --attach`") from None
+    if not isinstance(obj, dict):
+        raise PushError(f"{path}: expected a JSON object")
+    return obj
 
 
 def front_matter(meta: dict) -> str:
@@ -98,11 +115,36 @@ def upload_plan(export_dir: str | Path) -> list[tuple[str, Path | None]]:
     return [("README.md", None), *plan]
 
 
+@contextmanager
+def hub_errors(repo_id: str, endpoint: str):
+    """The hub's failures as one PushError line: no network, no login, no access, refused."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from specheads.errors import first_line, is_network_error
+
+    try:
+        yield
+    except HfHubHTTPError as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise PushError(f"the hub at {endpoint} refused {repo_id} (HTTP {status}): set HF_TOKEN or run "
+                            "`hf auth login` with a token that can write to it") from None
+        raise PushError(f"the hub at {endpoint} refused the upload to {repo_id}: "
+                        f"{str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - only connection failures are turned into a message
+        if not is_network_error(err):
+            raise
+        raise PushError(f"cannot reach the hub at {endpoint} ({type(err).__name__}: {first_line(err)}); "
+                        "nothing was uploaded: check the network or HF_ENDPOINT (--dry-run shows the card)") from None
+
+
 def push(export_dir: str | Path, repo_id: str, private: bool = False, dry_run: bool = False,
          endpoint: str | None = None, out=print) -> str | None:
     """Create the repo (if needed) and commit the export with its card; returns the commit URL."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
+    if not REPO_ID.match(repo_id):
+        raise PushError(f"--repo '{repo_id}': expected a hub id such as org/name-eagle3")
     card = model_card(export_dir)
     plan = upload_plan(export_dir)
     out(f"{'would push' if dry_run else 'pushing'} {export_dir} -> {repo_id} ({'private' if private else 'public'})")
@@ -113,9 +155,10 @@ def push(export_dir: str | Path, repo_id: str, private: bool = False, dry_run: b
         out("--- model card ---\n" + card)
         return None
     api = HfApi(endpoint=endpoint)  # token: HF_TOKEN or the cached login, never echoed
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    ops = [CommitOperationAdd(path, card.encode() if local is None else str(local)) for path, local in plan]
-    info = api.create_commit(repo_id, operations=ops, commit_message="Upload draft head exported by specheads")
+    with hub_errors(repo_id, api.endpoint):
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        ops = [CommitOperationAdd(path, card.encode() if local is None else str(local)) for path, local in plan]
+        info = api.create_commit(repo_id, operations=ops, commit_message="Upload draft head exported by specheads")
     out(f"pushed: {info.commit_url}")
     return info.commit_url
 

@@ -400,7 +400,17 @@ def read_conversations(
     returned `ReadStats` when `skip_malformed` is true.
     """
     path = Path(source)
-    rows = list(_reader_for(path)(path))
+    reader = _reader_for(path)
+    try:
+        rows = list(reader(path))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {e.start}) — convert it to "
+                        "UTF-8 or check that data.train names the right file") from None
+    except (OSError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path}: cannot read it as {path.suffix or 'a dataset'} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not rows:
         raise DataError(f"{path}: the file holds no rows — check data.path")
     stats = ReadStats(format=_resolve_format(rows, fmt, path))

@@ -20,9 +20,11 @@ from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOption
 
 def _raw_rows(path: Path) -> list | None:
     """A .json list / .jsonl file's rows when they are OpenAI `messages` rows, else None."""
+    from specheads.errors import read_user_text
+
     if path.suffix.lower() not in (".json", ".jsonl") or not path.is_file():
         return None
-    text = path.read_text(encoding="utf-8")
+    text = read_user_text(path, "dataset")
     try:
         rows = json.loads(text) if path.suffix.lower() == ".json" else None
     except json.JSONDecodeError:
@@ -168,6 +170,24 @@ def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
     return report
 
 
+def check_options(a: argparse.Namespace) -> None:
+    """Refuse bad options and a missing source before a target is loaded or a server asked."""
+    bad = [(f"--{name.replace('_', '-')} {getattr(a, name)}", rule) for name, ok, rule in (
+        ("concurrency", a.concurrency >= 1, "must be >= 1"),
+        ("batch_size", a.batch_size >= 1, "must be >= 1"),
+        ("retries", a.retries >= 0, "must be >= 0"),
+        ("timeout", a.timeout > 0, "must be > 0 seconds"),
+        ("backoff", a.backoff >= 0, "must be >= 0 seconds"),
+        ("limit", a.limit is None or a.limit >= 1, "must be >= 1 (rows to regenerate)"),
+    ) if not ok]
+    if bad:
+        raise RegenerateError(f"{bad[0][0]}: {bad[0][1]}")
+    if not Path(a.source).exists():
+        raise RegenerateError(f"dataset '{a.source}' does not exist")
+    if Path(a.out).is_dir():
+        raise RegenerateError(f"--out '{a.out}' is a folder: pass a file path for the JSON lines")
+
+
 def make_backend(a: argparse.Namespace, opts: RegenOptions):
     """--target (local) or --endpoint (OpenAI-compatible), exactly one."""
     if bool(a.target) == bool(a.endpoint):
@@ -217,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep: tool results and tool-calling turns stay, text answers are "
                         "regenerated; skip: leave rows with tool messages out")
     a = p.parse_args(argv)
-    if a.concurrency < 1 or a.batch_size < 1 or a.retries < 0 or a.timeout <= 0:
-        raise RegenerateError("--concurrency and --batch-size must be >= 1, --retries >= 0, "
-                              "--timeout > 0")
+    check_options(a)
     opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
     report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
                             a.concurrency, chunk=a.batch_size * 4)

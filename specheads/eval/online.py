@@ -62,11 +62,13 @@ class Totals:
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
     """jsonl rows with `prompt` (one user message) or `turns` (MT-bench / Spec-Bench style)."""
+    from specheads.errors import read_user_text
+
     path = Path(path)
-    if not path.is_file():
-        raise PromptsError(f"prompts file '{path}' does not exist")
+    if limit is not None and limit < 1:
+        raise PromptsError(f"--limit {limit}: must be >= 1 (the number of prompts to evaluate)")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(read_user_text(path, "prompts file").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -275,11 +277,16 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if k is not None and k < 1:
+        raise ValueError(f"--k must be >= 1, got {k}")
     check_acceptance(sampling or Sampling())
     from specheads.eval.report import check_report_folder
 
     check_report_folder(out_dir)
     rows = read_prompts(prompts_file, limit)
+    if not Path(draft_dir).is_dir():
+        raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
+                                "written by `specheads export`")
     target = Target.load(target_path)
     head, meta, checked = load_draft(draft_dir, target)
     if k is None:
