@@ -168,13 +168,9 @@ def print_summary(summary: dict) -> None:
                       f"{t['heldout_text_loss']:.3f} (module text) / {t['heldout_assistant_loss']:.3f} (assistant tokens)")
     adv = m.get("advice")
     if adv:
-        from specheads.eval.predict import sglang_flags
+        from specheads.eval.predict import advice_summary
 
-        pred = {r["k"]: r["speedup"] for r in m["prediction"]["chains"]}
-        console.print(f"predicted speed-up at k={m['k']}: {pred.get(m['k'], float('nan')):.2f}x, measured "
-                      f"{spec.get('measured_speedup', float('nan')):.2f}x; predicted best k = "
-                      f"{m['prediction']['best_chain_k']}: vLLM num_speculative_tokens="
-                      f"{adv['vllm']['num_speculative_tokens']}, SGLang {sglang_flags(adv['sglang'])}")
+        console.print(f"recommended: {advice_summary(adv)}", soft_wrap=True, markup=False, highlight=False)
     console.print("timings (s): " + json.dumps(summary["timings"]))
     for fmt, folder in summary["exports"].items():
         for cmd in serve_commands(Path(folder)):

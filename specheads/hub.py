@@ -78,11 +78,11 @@ def metrics_section(metrics: dict) -> list[str]:
              "|---:|---|---:|---:|",
              f"| {metrics.get('tau', 0):.3f} | {acc} | {spec.get('measured_speedup', 0):.2f}x | "
              f"{(metrics.get('ngram') or {}).get('tau', float('nan')):.3f} |", ""]
-    pred = metrics.get("prediction")
-    if pred:
-        best = pred["best_chain_k"]
-        lines += [f"Predicted best chain length on that hardware: k = {best} "
-                  f"({max(r['speedup'] for r in pred['chains']):.2f}x).", ""]
+    adv = metrics.get("advice")
+    if adv:
+        from specheads.eval.predict import advice_summary
+
+        lines += [f"Recommended on that hardware: {advice_summary(adv)}.", ""]
     return lines
 
 

@@ -117,3 +117,75 @@ def test_prediction_skips_prompts_without_room_for_the_timed_forwards():
     ctx = target.config.max_position_embeddings
     too_long = [1] * (ctx - max(TARGET_COUNTS))  # one token short of the room the timings need
     assert prediction_metrics(target, head, [too_long], [0.5, 0.4], k_max=2) == {}
+
+
+def _prediction(speedups: dict[int, float]):
+    from specheads.eval.predict import Prediction
+
+    return Prediction(chains=[{"k": k, "nodes": k + 1, "expected_tokens": 1.0 + k / 2, "step_s": 1.0,
+                               "speedup": s} for k, s in speedups.items()])
+
+
+def test_recommended_k_is_stable_under_timing_noise():
+    """Near-equal lengths swap the arg-max between runs; the recommendation must not follow."""
+    import random
+
+    from specheads.eval.predict import NEAR_TIE
+
+    rng = random.Random(0)
+    base = {1: 1.10, 2: 1.30, 3: 1.31, 4: 1.30, 5: 1.25, 6: 1.1}
+    picks = set()
+    for _ in range(200):
+        noisy = {k: s * (1 + rng.uniform(-NEAR_TIE / 3, NEAR_TIE / 3)) for k, s in base.items()}
+        picks.add(_prediction(noisy).best_chain()["k"])
+    assert picks == {2}
+    # a clear winner still wins
+    assert _prediction({1: 1.1, 2: 1.2, 3: 1.5, 4: 1.3}).best_chain()["k"] == 3
+
+
+def test_no_speculation_recommended_when_nothing_beats_plain_decoding():
+    from specheads.eval.predict import advice, advice_summary
+    from specheads.eval.report import advice_lines, prediction_table
+
+    pred = _prediction({1: 0.79, 2: 0.95, 3: 1.02, 4: 0.9})
+    adv = advice(pred)
+    assert adv["speculate"] is False and adv["best_chain"]["k"] == 3
+    assert "vllm" not in adv and "sglang" not in adv
+    assert advice_summary(adv).startswith("no speculation")
+    text = "\n".join(advice_lines(adv))
+    assert "No speculation" in text and "num_speculative_tokens" not in text
+    d = pred.to_dict()
+    d["costs"] = {"plain_step_s": 1.0, "target_s": {"1": 1.0}}
+    assert not any("(recommended)" in line for line in prediction_table(d))
+    # one chain predicted clearly faster: recommended, and marked once in the table
+    good = _prediction({1: 0.9, 2: 1.2})
+    assert advice(good)["speculate"] is True and advice(good)["vllm"]["num_speculative_tokens"] == 2
+    gd = {**good.to_dict(), "costs": {"plain_step_s": 1.0, "target_s": {"1": 1.0}}}
+    assert sum("(recommended)" in line for line in prediction_table(gd)) == 1
+
+
+def test_model_card_never_recommends_a_slowdown(tmp_path):
+    import json
+
+    from specheads.eval.predict import advice
+    from specheads.hub import model_card
+
+    folder = tmp_path / "export"
+    (folder / "eval").mkdir(parents=True)
+    (folder / "specheads.json").write_text(json.dumps({"kind": "eagle3", "format": "vllm"}))
+    pred = _prediction({1: 0.79, 2: 0.7})
+    metrics = {"greedy_equal": True, "tau": 1.4, "num_prompts": 2, "prediction": pred.to_dict(),
+               "advice": advice(pred), "speculative": {"acceptance_per_position": [0.4]}}
+    (folder / "eval" / "metrics.json").write_text(json.dumps(metrics))
+    card = model_card(folder)
+    assert "no speculation" in card and "0.79x" in card and "num_speculative_tokens=" not in card
+
+
+def test_eval_headline_uses_the_one_prediction():
+    from specheads.eval.online import use_prediction
+
+    pred = _prediction({1: 1.2, 2: 1.4, 3: 1.35})
+    metrics = {"k": 3, "predicted_speedup": 9.9, "speculative": {"predicted_speedup": 9.9},
+               "prediction": pred.to_dict()}
+    use_prediction(metrics)
+    assert metrics["predicted_speedup"] == metrics["speculative"]["predicted_speedup"] == 1.35

@@ -339,10 +339,12 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         from specheads.eval.predict import prediction_metrics
 
         prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in rows]
-        prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"])
+        prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"],
+                                        k_max=max(8, k))
         if not prediction:
             log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
         metrics.update(prediction)
+        use_prediction(metrics)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     from specheads.eval.report import attach_to_export, read_json, write_report
@@ -351,6 +353,19 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if attach:
         attach_to_export(draft_dir, out)
     return metrics
+
+
+def use_prediction(metrics: dict) -> None:
+    """One predicted speed-up per setting: with a step-cost prediction, the evaluated k's number
+    is that prediction's (the i.i.d. seed formula stays only where nothing better exists)."""
+    pred = metrics.get("prediction")
+    row = next((r for r in pred["chains"] if r["k"] == metrics["k"]), None) if pred else None
+    spec = metrics["speculative"]
+    if row is None:
+        spec["predicted_speedup_model"] = "i.i.d. acceptance and cost ratio c (seed formula)"
+        return
+    metrics["predicted_speedup"] = spec["predicted_speedup"] = row["speedup"]
+    spec["predicted_speedup_model"] = "measured acceptance per position and step costs (prediction)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,10 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     if m.get("draft_warning"):
         print(m["draft_warning"], file=sys.stderr)
     if m.get("advice"):
-        from specheads.eval.predict import sglang_flags
+        from specheads.eval.predict import advice_summary
 
-        adv = m["advice"]
-        print(f"recommended: vLLM num_speculative_tokens={adv['vllm']['num_speculative_tokens']} "
-              f"(predicted {adv['vllm']['predicted_speedup']:.2f}x); SGLang {sglang_flags(adv['sglang'])} "
-              f"-> {Path(a.out) / 'report.md'}")
+        print(f"recommended: {advice_summary(m['advice'])} -> {Path(a.out) / 'report.md'}")
     return 1 if m["greedy_equal"] is False else 0

@@ -24,6 +24,11 @@ from dataclasses import asdict, dataclass, field
 CHAIN_KS = tuple(range(1, 9))
 TREE_BUDGETS = (8, 16, 32, 48, 64)  # verified tokens per step, root included (SGLang draft tokens)
 SIBLING_DECAY = 0.5
+# timing noise moves the arg-max between two evals of the same export: chains within NEAR_TIE of
+# the top predicted speed-up count as tied and the shortest of them is recommended
+NEAR_TIE = 0.03
+# below 1 + MIN_GAIN (inside the timing noise, or slower) plain decoding is recommended
+MIN_GAIN = 0.05
 
 
 class PredictError(ValueError):
@@ -155,13 +160,24 @@ class Prediction:
     sibling_decay: float = SIBLING_DECAY
 
     def best_chain(self) -> dict:
-        return max(self.chains, key=lambda r: r["speedup"])
+        """The recommended chain: the shortest k predicted within NEAR_TIE of the top speed-up
+        (stable across evals where near-equal lengths swap places by timing noise)."""
+        top = max(r["speedup"] for r in self.chains)
+        return min((r for r in self.chains if r["speedup"] >= top * (1 - NEAR_TIE)), key=lambda r: r["k"])
+
+    def speculate(self) -> bool:
+        """Whether the recommended chain is predicted to beat plain decoding by MIN_GAIN."""
+        return self.best_chain()["speedup"] >= 1 + MIN_GAIN
+
+    def chain(self, k: int) -> dict | None:
+        return next((r for r in self.chains if r["k"] == k), None)
 
     def best_tree(self) -> dict | None:
         return max(self.trees, key=lambda r: r["speedup"]) if self.trees else None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "best_chain_k": self.best_chain()["k"],
+        return {**asdict(self), "best_chain_k": self.best_chain()["k"], "speculate": self.speculate(),
+                "near_tie": NEAR_TIE, "min_gain": MIN_GAIN,
                 "best_tree_budget": (self.best_tree() or {}).get("budget")}
 
 
@@ -190,13 +206,21 @@ def predict(cond: list[float], costs: StepCosts, ks=CHAIN_KS, budgets=TREE_BUDGE
 
 
 def advice(pred: Prediction) -> dict:
-    """Recommended vLLM / SGLang settings (the best chain), plus SGLang's best tree to try.
+    """Recommended vLLM / SGLang settings (the best chain), plus SGLang's best tree to try; or,
+    when no chain is predicted to beat plain decoding by MIN_GAIN, no speculation (`speculate`).
 
     Tree predictions rest on an assumed sibling acceptance and the chain's drafter cost per
     level, so a tree is offered to measure (bench/verifier.py), not recommended.
     """
     chain = pred.best_chain()
+    if not pred.speculate():
+        return {"speculate": False,
+                "best_chain": {"k": chain["k"], "predicted_speedup": chain["speedup"]},
+                "reason": (f"no draft length is predicted to beat plain decoding by {MIN_GAIN:.0%} "
+                           f"(best: k={chain['k']} at {chain['speedup']:.2f}x): serve the target "
+                           "without speculation on this hardware")}
     out = {
+        "speculate": True,
         "vllm": {"num_speculative_tokens": chain["k"], "predicted_speedup": chain["speedup"],
                  "expected_tokens": chain["expected_tokens"]},
         "sglang": {"speculative_num_steps": chain["k"], "speculative_eagle_topk": 1,
@@ -204,12 +228,21 @@ def advice(pred: Prediction) -> dict:
                    "predicted_speedup": chain["speedup"], "shape": "chain"},
     }
     tree = pred.best_tree()
-    if tree is not None and tree["speedup"] > chain["speedup"]:
+    if tree is not None and tree["speedup"] > max(chain["speedup"], 1 + MIN_GAIN):
         out["sglang_tree_to_try"] = {
             "speculative_num_steps": tree["depth"], "speculative_eagle_topk": tree["top_k"],
             "speculative_num_draft_tokens": tree["budget"], "predicted_speedup": tree["speedup"],
             "shape": "tree"}
     return out
+
+
+def advice_summary(adv: dict) -> str:
+    """One line of what `advice` recommends (the terminal, the demo and the model card use it)."""
+    if not adv.get("speculate", True):
+        return f"no speculation: {adv['reason']}"
+    v = adv["vllm"]
+    return (f"vLLM num_speculative_tokens={v['num_speculative_tokens']} (predicted "
+            f"{v['predicted_speedup']:.2f}x); SGLang {sglang_flags(adv['sglang'])}")
 
 
 def sglang_flags(s: dict) -> str:

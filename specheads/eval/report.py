@@ -119,7 +119,8 @@ def plot_speedup(path: Path, prediction: dict, measured: dict[int, float] | None
         mk = sorted(measured)
         ax.plot(mk, [measured[k] for k in mk], "s--", color="tab:red", label="measured, chain of k")
     best = prediction["best_chain_k"]
-    ax.axvline(best, color="tab:blue", ls=":", lw=1, label=f"predicted best k = {best}")
+    label = f"recommended k = {best}" if prediction.get("speculate", True) else f"best k = {best} (no speed-up: not recommended)"
+    ax.axvline(best, color="tab:blue", ls=":", lw=1, label=label)
     ax.axhline(1.0, color="grey", ls="--", lw=1)
     ax.set(xlabel="draft length k (tokens verified per step = k + 1)", ylabel="speed-up over plain decoding",
            xticks=ks, title=title)
@@ -169,9 +170,11 @@ def prediction_table(prediction: dict, measured: dict[int, float] | None = None)
     lines = [head + (" measured speed-up |" if measured else ""),
              "|---:|---:|---:|---:|" + ("---:|" if measured else "")]
     plain = prediction["costs"]["plain_step_s"] or prediction["costs"]["target_s"]["1"]
+    best = prediction["best_chain_k"] if prediction.get("speculate", True) else None
     for r in prediction["chains"]:
         m = f" {measured[r['k']]:.2f}x |" if measured and r["k"] in measured else (" |" if measured else "")
-        lines.append(f"| {r['k']} | {r['expected_tokens']:.2f} | {r['step_s'] / plain:.2f} | {r['speedup']:.2f}x |{m}")
+        mark = " (recommended)" if r["k"] == best else ""
+        lines.append(f"| {r['k']}{mark} | {r['expected_tokens']:.2f} | {r['step_s'] / plain:.2f} | {r['speedup']:.2f}x |{m}")
     return lines
 
 
@@ -208,11 +211,13 @@ def advice_lines(adv: dict) -> list[str]:
     """The recommended-settings section (also written into an export's README)."""
     from specheads.eval.predict import sglang_flags
 
-    v, s = adv["vllm"], adv["sglang"]
     lines = [RECOMMENDED, "",
              "Predicted from acceptance and step costs measured with specheads' own verifier (batch 1); "
-             "re-check on your hardware and batch sizes.", "",
-             f"- vLLM: `\"num_speculative_tokens\": {v['num_speculative_tokens']}` in `--speculative-config` "
+             "re-check on your hardware and batch sizes.", ""]
+    if not adv.get("speculate", True):
+        return lines + [f"- No speculation: {adv['reason']}.", ""]
+    v, s = adv["vllm"], adv["sglang"]
+    lines += [f"- vLLM: `\"num_speculative_tokens\": {v['num_speculative_tokens']}` in `--speculative-config` "
              f"(predicted {v['predicted_speedup']:.2f}x, {v['expected_tokens']:.2f} tokens per step)",
              f"- SGLang: `{sglang_flags(s)}` (predicted {s['predicted_speedup']:.2f}x)"]
     tree = adv.get("sglang_tree_to_try")
