@@ -232,7 +232,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
             raise ConfigError(f"recipe file not found: {path}")
         from specheads.errors import read_user_text
 
-        text = read_user_text(path, "recipe")
+        text = read_user_text(path, "recipe", ConfigError)
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -50,11 +51,18 @@ def regenerated_data(run: Path, target_dir: Path, count: int, max_new_tokens: in
     # prompts as long as the held-out ones at most, spread over all train modules
     convs = [c for c in convs if len(c.messages[0].content) <= MAX_PROMPT_CHARS]
     convs = convs[:: max(1, len(convs) // count)][:count]
+    print(f"[specheads] demo: the target answers {len(convs)} train prompts itself (the slowest step; "
+          "reused by later runs)", file=sys.stderr, flush=True)
     convs, stats = regenerate_local(target, convs, max_new_tokens=max_new_tokens, batch_size=32)
     rows = [{"id": c.id, "messages": [{"role": m.role, "content": m.content} for m in c.messages]} for c in convs]
     write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_json(info_path, {"wanted": wanted, "turns": stats.turns, "truncated": stats.truncated})
     return out
+
+
+def stage(what: str) -> None:
+    """One line on stderr as a demo stage starts (each stage shows its own progress)."""
+    print(f"[specheads] demo: {what}", file=sys.stderr, flush=True)
 
 
 def demo_recipe(recipe_path: Path, run: Path, train_file: Path, extra: list[str]):
@@ -95,13 +103,16 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
         train_file = regenerated_data(run, target, regenerate)
     timings["data_s"] = time.time() - t0 - timings["target_s"]
     t1 = time.time()
+    stage("training the EAGLE-3 drafter")
     ckpt = train(demo_recipe(recipe_path, run, train_file, list(overrides)))
     timings["train_s"] = time.time() - t1
     t1 = time.time()
+    stage("exporting for vLLM and SGLang")
     # overwrite: the demo measures and attaches its eval again right below
     exports = {fmt: export(ckpt, fmt, run / "export" / fmt, overwrite=True) for fmt in ("vllm", "sglang")}
     timings["export_s"] = time.time() - t1
     t1 = time.time()
+    stage("evaluating the vLLM export on held-out prompts")
     metrics = evaluate(str(target), str(exports["vllm"]), str(data / "heldout_prompts.jsonl"),
                        str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit, attach=True)
     timings["eval_s"] = time.time() - t1

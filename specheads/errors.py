@@ -22,24 +22,25 @@ def debug_enabled(flag: bool = False) -> bool:
     return flag or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def read_user_text(path: str | Path, what: str) -> str:
-    """A user's text file as UTF-8; missing, unreadable or binary files are named with `what`."""
+def read_user_text(path: str | Path, what: str, error: type[ValueError] = UserInputError) -> str:
+    """A user's text file as UTF-8; missing, unreadable or binary files raise `error` naming the
+    file as `what` (the caller's own error class, so its callers can catch it)."""
     path = Path(path)
     if not path.exists():
-        raise UserInputError(f"{what} '{path}' does not exist")
+        raise error(f"{what} '{path}' does not exist")
     if path.is_dir():
-        raise UserInputError(f"{what} '{path}' is a folder, expected a text file")
+        raise error(f"{what} '{path}' is a folder, expected a text file")
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise UserInputError(f"{what} '{path}': cannot read it ({err.strerror})") from None
+        raise error(f"{what} '{path}': cannot read it ({err.strerror})") from None
     if b"\x00" in data[:8192]:
-        raise UserInputError(f"{what} '{path}' is a binary file, expected UTF-8 text")
+        raise error(f"{what} '{path}' is a binary file, expected UTF-8 text")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UserInputError(f"{what} '{path}' is not UTF-8 text (invalid byte at offset "
-                             f"{err.start}); convert it to UTF-8") from None
+        raise error(f"{what} '{path}' is not UTF-8 text (invalid byte at offset {err.start}); "
+                    "convert it to UTF-8") from None
 
 
 def is_network_error(err: BaseException) -> bool:

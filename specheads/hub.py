@@ -39,14 +39,14 @@ def read_export(export_dir: str | Path) -> tuple[dict, dict, str]:
     if metrics.get("greedy_equal") is False:
         raise PushError(f"{metrics_path}: speculative output differed from plain greedy decoding "
                         f"(prompts {metrics.get('mismatched_ids')}); fix the export before publishing it")
-    readme = read_user_text(folder / "README.md", "README") if (folder / "README.md").is_file() else ""
+    readme = read_user_text(folder / "README.md", "README", PushError) if (folder / "README.md").is_file() else ""
     return _read_json(folder / META), metrics, readme
 
 
 def _read_json(path: Path) -> dict:
     """A JSON object of the export, or a PushError naming the file."""
     try:
-        obj = json.loads(read_user_text(path, "export file"))
+        obj = json.loads(read_user_text(path, "export file", PushError))
     except json.JSONDecodeError as err:
         raise PushError(f"{path}: not valid JSON ({err.msg}, line {err.lineno}); rewrite it with "
                         "`specheads export` / `specheads eval --attach`") from None

@@ -125,8 +125,9 @@ def _rows(feats: dict[str, torch.Tensor], attention_mask: torch.Tensor) -> list[
 
 
 def write_shard(folder: Path, shard: Shard, samples, collect, storage: str, batch_size: int, pad_id: int,
-                device) -> dict:
-    """Collect one shard's features, write `<stem>.safetensors` then its sidecar (both atomically)."""
+                device, progress=None) -> dict:
+    """Collect one shard's features, write `<stem>.safetensors` then its sidecar (both atomically);
+    `progress` (specheads.progress.Progress) counts the samples collected."""
     from specheads.data.tokenize import collate
 
     parts: dict[str, list[torch.Tensor]] = {}
@@ -139,6 +140,8 @@ def write_shard(folder: Path, shard: Shard, samples, collect, storage: str, batc
                 parts.setdefault(k, []).append(v)
             entries.append({"id": s.id, "key": sample_key(s.input_ids), "offset": offset, "length": len(s.input_ids)})
             offset += len(s.input_ids)
+        if progress is not None:
+            progress.update(len(chunk))
     tensors = {}
     for k, v in parts.items():
         tensors.update(encode(k, torch.cat(v), storage))
@@ -172,7 +175,7 @@ def _check_plan(folder: Path, plan: dict, is_main: bool) -> None:
 
 
 def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float = 1024.0,
-            batch_size: int = 8, report=print) -> Path:
+            batch_size: int = 8, report=print, quiet: bool = False) -> Path:
     """Run the frozen target over the recipe's data once and store the head's features in `out`."""
     from accelerate import PartialState
 
@@ -217,7 +220,8 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
         check_disk(estimate - _written(folder), folder)
     state.wait_for_everyone()
     _capture_rank(folder, plan_shards([len(s.input_ids) for s in samples], rank, world, shard_tokens),
-                  samples, collect, storage, batch_size, pad_id, state.device, report)
+                  samples, collect, storage, batch_size, pad_id, state.device, report,
+                  quiet=quiet or not state.is_main_process)
     state.wait_for_everyone()
     if state.is_main_process:
         expected = Counter(zip((s.id for s in samples), keys))
@@ -258,20 +262,24 @@ def remove_leftovers(folder: Path, rank: int) -> None:
                 old.unlink(missing_ok=True)
 
 
-def _capture_rank(folder, shards, samples, collect, storage, batch_size, pad_id, device, report) -> None:
-    """Write this rank's missing shards in order; finished ones (sidecar present) are skipped."""
+def _capture_rank(folder, shards, samples, collect, storage, batch_size, pad_id, device, report,
+                  quiet: bool = False) -> None:
+    """Write this rank's missing shards in order; finished ones (sidecar present) are skipped;
+    progress over their samples on stderr unless `quiet`."""
+    from specheads.progress import Progress
+
     if shards:
         remove_leftovers(folder, shards[0].rank)
     done = sum((folder / f"{s.stem}.json").is_file() for s in shards)
     if done:
         report(f"[specheads] resuming: {done} of {len(shards)} shard(s) of rank {shards[0].rank} already written")
     t0 = time.time()
-    for shard in shards:
-        if (folder / f"{shard.stem}.json").is_file():
-            continue
-        side = write_shard(folder, shard, samples, collect, storage, batch_size, pad_id, device)
-        report(f"[specheads] shard {shard.stem} written ({side['tokens']} tokens, "
-               f"{time.time() - t0:.1f}s)", flush=True)
+    todo = [shard for shard in shards if not (folder / f"{shard.stem}.json").is_file()]
+    with Progress(sum(len(shard.samples) for shard in todo), "capture", "samples", quiet=quiet) as bar:
+        for shard in todo:
+            side = write_shard(folder, shard, samples, collect, storage, batch_size, pad_id, device, bar)
+            report(f"[specheads] shard {shard.stem} written ({side['tokens']} tokens, "
+                   f"{time.time() - t0:.1f}s)", flush=True)
 
 
 def _check_coverage(folder: Path, sides: list[dict], expected: Counter) -> None:
@@ -318,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="storage dtype; int8 = per-row absmax with a float32 scale (lossy)")
     p.add_argument("--shard-mb", type=float, default=1024.0, help="approximate shard size in MiB")
     p.add_argument("--batch-size", type=int, default=8, help="samples per target forward")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     a = p.parse_args(argv)
     if not a.shard_mb > 0 or a.shard_mb == float("inf"):
         raise FeatureCacheError(f"--shard-mb {a.shard_mb}: must be a positive size in MiB, e.g. 1024")
@@ -328,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if not out:
         raise FeatureCacheError("no output folder: pass --out DIR or set data.features in the recipe")
     check_recipe_inputs(recipe, outputs=("features",), batch=("--batch-size", a.batch_size))
-    capture(recipe, out, storage=a.dtype, shard_mb=a.shard_mb, batch_size=a.batch_size)
+    capture(recipe, out, storage=a.dtype, shard_mb=a.shard_mb, batch_size=a.batch_size, quiet=a.quiet)
     return 0
 
 

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from specheads.data.conversations import Conversation, Message
+from specheads.progress import Progress
 
 THINK = re.compile(r"<think>.*?(</think>|$)\s*", re.DOTALL)
 
@@ -69,6 +70,11 @@ class Row:
 def regenerable(msg: dict, opts: RegenOptions) -> bool:
     """An assistant turn to rewrite (tool-calling turns are kept: their results follow)."""
     return msg.get("role") == "assistant" and not msg.get("tool_calls")
+
+
+def count_turns(rows: list[Row], opts: RegenOptions) -> int:
+    """Assistant turns the rows will have rewritten (the unit of regeneration progress)."""
+    return sum(regenerable(m, opts) for r in rows for m in r.messages)
 
 
 def shape_answer(text: str, reasoning: str | None, opts: RegenOptions) -> str:
@@ -138,8 +144,9 @@ class LocalBackend:
         return self.target.tokenizer.apply_chat_template(
             history(state), tools=state.row.tools or None, tokenize=False, add_generation_prompt=True)
 
-    def run(self, rows: list[Row]) -> list[dict]:
-        """Rows -> output rows (in order), every regenerable assistant turn rewritten."""
+    def run(self, rows: list[Row], progress=None) -> list[dict]:
+        """Rows -> output rows (in order), every regenerable assistant turn rewritten; `progress`
+        (specheads.progress.Progress) counts the turns answered."""
         states = [TurnState(r, self.opts) for r in rows]
         pending = [s for s in states if s.advance()]
         while pending:
@@ -150,6 +157,8 @@ class LocalBackend:
                 answers = _generate_batch(self.target, [prompts[id(s)] for s in chunk], self.opts)
                 for s, (text, cut) in zip(chunk, answers):
                     s.answer(text, None, "length" if cut else "stop")
+                if progress is not None:
+                    progress.update(len(chunk))
             pending = [s for s in pending if s.advance()]
         return [s.result() for s in states]
 
@@ -192,8 +201,9 @@ def regenerate_local(target, convs: list[Conversation], max_new_tokens: int = 12
     rows = [Row(c.id, [{"role": m.role, "content": m.content} for m in c.messages]) for c in convs]
     backend = LocalBackend(target, opts, batch_size)
     out = []
-    for b in range(0, len(rows), max(batch_size, 1) * 8):  # bounded work per generate round
-        out += backend.run(rows[b:b + max(batch_size, 1) * 8])
+    with Progress(count_turns(rows, opts), "regenerate", "turns", quiet=not progress) as bar:
+        for b in range(0, len(rows), max(batch_size, 1) * 8):  # bounded work per generate round
+            out += backend.run(rows[b:b + max(batch_size, 1) * 8], bar)
     stats = RegenerateStats(settings={"max_new_tokens": max_new_tokens, "temperature": temperature,
                                       "backend": "local", "target": target.fingerprint()})
     for c, r in zip(convs, out):

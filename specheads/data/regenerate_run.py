@@ -14,7 +14,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, Row
+from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, Row, count_turns
+from specheads.progress import Progress
+
 # --- input rows --------------------------------------------------------------------------------
 
 
@@ -24,7 +26,7 @@ def _raw_rows(path: Path) -> list | None:
 
     if path.suffix.lower() not in (".json", ".jsonl") or not path.is_file():
         return None
-    text = read_user_text(path, "dataset")
+    text = read_user_text(path, "dataset", RegenerateError)
     try:
         rows = json.loads(text) if path.suffix.lower() == ".json" else None
     except json.JSONDecodeError:
@@ -108,14 +110,14 @@ def check_meta(out: Path, meta: dict) -> None:
                                   f"{meta.get(key)}): pass a new --out or the same settings")
 
 
-def _run_local(backend, rows, writer, report, chunk: int) -> None:
+def _run_local(backend, rows, writer, report, chunk: int, progress) -> None:
     for b in range(0, len(rows), chunk):
-        for row in backend.run(rows[b:b + chunk]):
+        for row in backend.run(rows[b:b + chunk], progress):
             writer.write(row["id"], row)
             report.add(row)
 
 
-def _run_openai(backend, rows, writer, report, concurrency: int) -> None:
+def _run_openai(backend, rows, writer, report, concurrency: int, progress) -> None:
     """Bounded window of in-flight conversations; results written as they finish."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -130,6 +132,7 @@ def _run_openai(backend, rows, writer, report, concurrency: int) -> None:
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in finished:
                 row = running.pop(fut)
+                progress.update(count_turns([row], backend.opts))
                 try:
                     result = fut.result()
                 except Exception as err:  # noqa: BLE001 - counted, the row is retried next run
@@ -140,8 +143,10 @@ def _run_openai(backend, rows, writer, report, concurrency: int) -> None:
 
 
 def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
-                   limit: int | None = None, concurrency: int = 8, chunk: int = 64) -> Report:
-    """Regenerate `source` into `out` (JSON lines), resuming whatever an earlier run finished."""
+                   limit: int | None = None, concurrency: int = 8, chunk: int = 64,
+                   quiet: bool = False) -> Report:
+    """Regenerate `source` into `out` (JSON lines), resuming whatever an earlier run finished;
+    progress (turns) on stderr unless `quiet`."""
     from specheads.atomic import write_json
     from specheads.data.resume import RowWriter
 
@@ -160,10 +165,11 @@ def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
     try:
         todo = [r for r in rows if r.id not in writer.done]
         report.resumed = len(rows) - len(todo)
-        if isinstance(backend, LocalBackend):
-            _run_local(backend, todo, writer, report, chunk)
-        else:
-            _run_openai(backend, todo, writer, report, concurrency)
+        with Progress(count_turns(todo, opts), "regenerate", "turns", quiet=quiet) as progress:
+            if isinstance(backend, LocalBackend):
+                _run_local(backend, todo, writer, report, chunk, progress)
+            else:
+                _run_openai(backend, todo, writer, report, concurrency, progress)
     finally:
         writer.close()
     write_json(out.with_name(out.name + ".meta.json"), {**meta, "report": asdict(report)})
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--thinking", default="keep", choices=["keep", "drop"],
                    help="keep or drop <think> blocks / the server's reasoning in new answers")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     s.add_argument("--tools", default="keep", choices=["keep", "skip"],
                    help="keep: tool results and tool-calling turns stay, text answers are "
                         "regenerated; skip: leave rows with tool messages out")
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     check_options(a)
     opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
     report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
-                            a.concurrency, chunk=a.batch_size * 4)
+                            a.concurrency, chunk=a.batch_size * 4, quiet=a.quiet)
     print(json.dumps(asdict(report), indent=2))
     print(f"regenerate: {report.finished} finished now, {report.resumed} from earlier runs, "
           f"{report.failed} failed, {report.truncated} truncated -> {a.out}", file=sys.stderr)

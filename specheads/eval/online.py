@@ -68,7 +68,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
     if limit is not None and limit < 1:
         raise PromptsError(f"--limit {limit}: must be >= 1 (the number of prompts to evaluate)")
     rows = []
-    for n, line in enumerate(read_user_text(path, "prompts file").splitlines(), start=1):
+    for n, line in enumerate(read_user_text(path, "prompts file", PromptsError).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -207,45 +207,58 @@ def sampled_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree, s
 
 def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: int,
                   ngram_sizes=(3, 1), tree: TreeSpec | None = None,
-                  sampling: Sampling | None = None) -> tuple[Totals, list[dict]]:
-    """Decode every turn of every row; multi-turn rows continue with the model's own answers."""
+                  sampling: Sampling | None = None, quiet: bool = True) -> tuple[Totals, list[dict]]:
+    """Decode every turn of every row; multi-turn rows continue with the model's own answers
+    (progress over turns on stderr unless `quiet`)."""
+    from specheads.progress import Progress
+
     eos = eos_ids(target)
     totals, outputs = Totals(), []
-    for row in rows:
-        messages = []
-        for turn, text in enumerate(row.turns):
-            messages.append({"role": "user", "content": text})
-            ids = encode_chat(target.tokenizer, messages)
-            ctx = getattr(target.config, "max_position_embeddings", None)
-            if ctx is not None and len(ids) >= ctx:  # later turns only grow: skip the rest
-                log.warning("prompt %s turn %d has %d tokens, the context is %d: skipped",
-                            row.id, turn, len(ids), ctx)
-                totals.skipped.append({"id": row.id, "turn": turn, "prompt_tokens": len(ids),
-                                       "context": ctx})
-                break
-            plain, draft, ngram = run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos,
-                                           tree, sampling)
-            totals.plain = totals.plain.add(plain.stats)
-            totals.draft = totals.draft.add(draft.stats)
-            totals.ngram = totals.ngram.add(ngram.stats)
-            sampled = sampling is not None and not sampling.greedy
-            equal = None if sampled else draft.tokens == plain.tokens  # samples need not agree
-            if equal is False and row.id not in totals.mismatches:
-                totals.mismatches.append(row.id)
-            if not sampled and ngram.tokens != plain.tokens and row.id not in totals.ngram_mismatches:
-                totals.ngram_mismatches.append(row.id)
-            answer = target.tokenizer.decode(
-                [t for t in plain.tokens if t not in eos], skip_special_tokens=True)
-            messages.append({"role": "assistant", "content": answer})
-            outputs.append({
-                "id": row.id, "category": row.category, "turn": turn, "prompt": text,
-                "prompt_tokens": len(ids), "plain_ids": plain.tokens, "speculative_ids": draft.tokens,
-                "speculative_text": target.tokenizer.decode(draft.tokens, skip_special_tokens=True),
-                "greedy_equal": equal, "tau": draft.stats.summary()["tau"],
-                "ngram_tau": ngram.stats.summary()["tau"], "stop_reason": plain.stop_reason,
-                "decode_tokens": draft.stats.decode_tokens, "decode_forwards": draft.stats.decode_forwards,
-            })
+    with Progress(sum(len(r.turns) for r in rows), "eval", "turns", quiet=quiet) as bar:
+        for row in rows:
+            _evaluate_row(target, head, row, max_new_tokens, k, ngram_sizes, tree, sampling, eos,
+                          totals, outputs, bar)
     return totals, outputs
+
+
+def _evaluate_row(target, head, row: PromptRow, max_new_tokens, k, ngram_sizes, tree, sampling, eos,
+                  totals: Totals, outputs: list[dict], bar) -> None:
+    """Every turn of one row, plain / draft / n-gram, into `totals` and `outputs`."""
+    messages = []
+    for turn, text in enumerate(row.turns):
+        messages.append({"role": "user", "content": text})
+        ids = encode_chat(target.tokenizer, messages)
+        ctx = getattr(target.config, "max_position_embeddings", None)
+        if ctx is not None and len(ids) >= ctx:  # later turns only grow: skip the rest
+            log.warning("prompt %s turn %d has %d tokens, the context is %d: skipped",
+                        row.id, turn, len(ids), ctx)
+            totals.skipped.append({"id": row.id, "turn": turn, "prompt_tokens": len(ids),
+                                   "context": ctx})
+            bar.update(len(row.turns) - turn)
+            break
+        plain, draft, ngram = run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos,
+                                       tree, sampling)
+        totals.plain = totals.plain.add(plain.stats)
+        totals.draft = totals.draft.add(draft.stats)
+        totals.ngram = totals.ngram.add(ngram.stats)
+        sampled = sampling is not None and not sampling.greedy
+        equal = None if sampled else draft.tokens == plain.tokens  # samples need not agree
+        if equal is False and row.id not in totals.mismatches:
+            totals.mismatches.append(row.id)
+        if not sampled and ngram.tokens != plain.tokens and row.id not in totals.ngram_mismatches:
+            totals.ngram_mismatches.append(row.id)
+        answer = target.tokenizer.decode(
+            [t for t in plain.tokens if t not in eos], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        outputs.append({
+            "id": row.id, "category": row.category, "turn": turn, "prompt": text,
+            "prompt_tokens": len(ids), "plain_ids": plain.tokens, "speculative_ids": draft.tokens,
+            "speculative_text": target.tokenizer.decode(draft.tokens, skip_special_tokens=True),
+            "greedy_equal": equal, "tau": draft.stats.summary()["tau"],
+            "ngram_tau": ngram.stats.summary()["tau"], "stop_reason": plain.stop_reason,
+            "decode_tokens": draft.stats.decode_tokens, "decode_forwards": draft.stats.decode_forwards,
+        })
+        bar.update(1)
 
 
 def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
@@ -261,7 +274,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              max_new_tokens: int = 128, k: int | None = None, limit: int | None = None,
              tree: TreeSpec | None = None, sampling: Sampling | None = None,
              predict: bool = True, verifier_json: str | None = None, bench_json: str | None = None,
-             attach: bool = False) -> dict:
+             attach: bool = False, quiet: bool = False) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
     Greedy chains also get the predicted speed-up per k and serving advice (`predict`), and a
@@ -297,7 +310,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     check_tree_fits(tree, target)
     warm_up(target, head, k, tree)
     t0 = time.perf_counter()
-    totals, outputs = evaluate_rows(target, head, rows, max_new_tokens, k, tree=tree, sampling=sampling)
+    totals, outputs = evaluate_rows(target, head, rows, max_new_tokens, k, tree=tree, sampling=sampling,
+                                    quiet=quiet)
     sampled = sampling is not None and not sampling.greedy
     equal = None if sampled else not totals.mismatches
     spec = method_metrics(totals.draft, totals.plain, tree.levels())
@@ -339,6 +353,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         from specheads.eval.predict import prediction_metrics
 
         prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in rows]
+        if not quiet:
+            print("[specheads] eval: timing target and draft steps for the speed-up prediction",
+                  file=sys.stderr, flush=True)
         prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"],
                                         k_max=max(8, k))
         if not prediction:
@@ -387,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     add_tree_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     a = p.parse_args(argv)
     if a.offline:
         from specheads.eval.offline import main_offline
@@ -398,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit,
                  tree=None if tree.kind == "chain" else tree,
                  sampling=sampling_from_args(a), predict=not a.no_predict,
-                 verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach)
+                 verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet)
     d, n = m["speculative"], m["ngram"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
