@@ -30,6 +30,8 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--adapter", default=None, choices=["merge", "ship"],
                    help="medusa2 only: merge the LoRA into a full target folder (default) or ship a peft adapter")
     a = p.parse_args(argv)
+    if a.num_speculative_tokens is not None and a.num_speculative_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens {a.num_speculative_tokens}: must be >= 1")
     from specheads.export import read_export_meta
 
     out = export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens,

@@ -245,11 +245,13 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
 
 def recipe_from_dict(raw: dict) -> Recipe:
     """Validate a raw mapping into a Recipe; the head section goes to its kind's options class."""
-    from specheads.heads import head_options_class
-
     raw = dict(raw)
     head_raw = raw.pop("head", None) or {"kind": "eagle3"}
+    if not isinstance(head_raw, dict):
+        raise ConfigError(f"recipe.head: expected a mapping with 'kind', got {head_raw!r}")
     recipe = from_dict(Recipe, raw, "recipe")
+    from specheads.heads import head_options_class  # after: the heads import transformers (seconds)
+
     recipe.head = from_dict(head_options_class(head_raw.get("kind")), head_raw, "head")
     return recipe
 

@@ -297,6 +297,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
 
     check_report_folder(out_dir)
     rows = read_prompts(prompts_file, limit)
+    from specheads.eval.report import read_json
+
+    verifier, bench = read_json(verifier_json), read_json(bench_json)  # broken inputs fail before decoding
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
                                 "written by `specheads export`")
@@ -364,9 +367,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         use_prediction(metrics)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
-    from specheads.eval.report import attach_to_export, read_json, write_report
+    from specheads.eval.report import attach_to_export, write_report
 
-    write_report(out, metrics, outputs, read_json(verifier_json), read_json(bench_json))
+    write_report(out, metrics, outputs, verifier, bench)
     if attach:
         attach_to_export(draft_dir, out)
     return metrics

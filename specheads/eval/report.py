@@ -234,10 +234,10 @@ def read_json(path: str | Path | None) -> dict | None:
     """An optional JSON input (None stays None); a missing or broken file is a clear error."""
     if path is None:
         return None
+    from specheads.errors import read_user_text
+
     try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ReportError(f"'{path}' does not exist") from None
+        return json.loads(read_user_text(path, "JSON input", ReportError))
     except json.JSONDecodeError as err:
         raise ReportError(f"'{path}' is not valid JSON ({err.msg}, line {err.lineno})") from None
 
