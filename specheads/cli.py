@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = False
     while argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
+    if argv and argv[0] not in VERBS and argv[0] not in ("-h", "--help"):
+        print(f"specheads: unknown verb '{argv[0]}'", file=sys.stderr)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in VERBS:
         lines = "\n".join(f"  {name:<12} {help_}" for name, (_, help_) in VERBS.items())
         print(f"usage: specheads [--debug] <verb> [args]\n\nverbs:\n{lines}\n\n"

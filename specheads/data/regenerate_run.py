@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     check_options(a)
     opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
+    read_rows(a.source, a.format, a.limit)  # a bad dataset fails before a target is loaded
     report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
                             a.concurrency, chunk=a.batch_size * 4, quiet=a.quiet)
     print(json.dumps(asdict(report), indent=2))

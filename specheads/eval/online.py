@@ -299,7 +299,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     rows = read_prompts(prompts_file, limit)
     from specheads.eval.report import read_json
 
-    verifier, bench = read_json(verifier_json), read_json(bench_json)  # broken inputs fail before decoding
+    verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")  # broken inputs fail before decoding
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
                                 "written by `specheads export`")

@@ -230,14 +230,14 @@ def advice_lines(adv: dict) -> list[str]:
 # --- writing -----------------------------------------------------------------------------------
 
 
-def read_json(path: str | Path | None) -> dict | None:
+def read_json(path: str | Path | None, what: str = "JSON input") -> dict | None:
     """An optional JSON input (None stays None); a missing or broken file is a clear error."""
     if path is None:
         return None
     from specheads.errors import read_user_text
 
     try:
-        return json.loads(read_user_text(path, "JSON input", ReportError))
+        return json.loads(read_user_text(path, what, ReportError))
     except json.JSONDecodeError as err:
         raise ReportError(f"'{path}' is not valid JSON ({err.msg}, line {err.lineno})") from None
 

@@ -1,0 +1,41 @@
+"""`specheads generate` refuses bad options by name; a closed stdout pipe ends it quietly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from refusals import env, refused
+
+
+@pytest.mark.parametrize("extra,needles", [
+    pytest.param(["--device", "cuda"], ["device 'cuda'", "no CUDA device"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    (["--device", "cpux"], ["device 'cpux'"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
+    (["--prompt", "  "], ["the prompt is empty"]),
+    (["--draft", "no_export"], ["no_export"]),
+    (["--tree", "missing_tree.json"], ["--tree 'missing_tree.json'"]),
+    (["--k", "0"], ["--k must be >= 1"]),
+    (["--temperature", "-1"], ["temperature must be >= 0"]),
+])
+def test_bad_generate_option_is_named(tmp_path, tiny_target_dir, random_export_dir, extra, needles):
+    base = {"--target": str(tiny_target_dir), "--draft": str(random_export_dir), "--prompt": "def add(a, b):"}
+    opts = dict(zip(extra[::2], extra[1::2]))
+    args = [x for kv in {**base, **opts}.items() for x in kv]
+    refused(["generate", *args], needles, tmp_path, watch=(tiny_target_dir, random_export_dir))
+
+
+def test_closed_stdout_pipe_ends_quietly(tmp_path, tiny_target_dir, random_export_dir):
+    """`specheads generate ... | head`: the reader is gone before the first token; no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "specheads", "generate", "--target", str(tiny_target_dir),
+                             "--draft", str(random_export_dir), "--prompt", "def add(a, b):",
+                             "--max-new-tokens", "16"], cwd=tmp_path, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # like `head` exiting
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err[-2000:]
+    assert "Traceback" not in err and "BrokenPipe" not in err
