@@ -67,11 +67,13 @@ def _chain(err: BaseException):
 
 def explain(err: BaseException) -> tuple[str, int]:
     """(one-line message, exit code) for an exception that reached the CLI boundary."""
-    import torch
+    import sys
 
     if isinstance(err, KeyboardInterrupt):
         return "interrupted", 130
-    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+    torch = sys.modules.get("torch")  # not imported: not a torch error (and no seconds spent importing it)
+    oom = torch is not None and isinstance(err, torch.OutOfMemoryError)
+    if oom or (isinstance(err, RuntimeError) and "out of memory" in str(err).lower()):
         return ("out of memory: lower the batch size (train.batch_size, --batch-size) or "
                 f"max_length, or use a device with more memory ({first_line(err)})"), 1
     if isinstance(err, (ValueError, FileNotFoundError, NotImplementedError)) and str(err):

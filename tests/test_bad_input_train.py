@@ -21,15 +21,11 @@ def work(tmp_path, tiny_target_dir):
 
 @pytest.mark.parametrize("override,needles", [
     ("train.max_steps=0", ["train.max_steps = 0", ">= 1"]),
-    ("train.max_steps=-5", ["train.max_steps = -5"]),
     ("train.save_every=0", ["train.save_every = 0"]),
     ("train.log_every=0", ["train.log_every = 0"]),
     ("train.keep_last=0", ["train.keep_last = 0"]),
     ("train.lr=0", ["train.lr = 0.0", "> 0"]),
-    ("train.lr=-1e-4", ["train.lr = -0.0001"]),
     ("train.lr=.nan", ["train.lr = nan"]),
-    ("train.warmup_steps=-1", ["train.warmup_steps = -1"]),
-    ("train.grad_accum=0", ["train.grad_accum = 0"]),
     ("train.batch_size=0", ["train.batch_size = 0"]),
     ("train.batch_size=1000000000", ["train.batch_size = 1000000000", "GiB"]),
     ("data.max_length=100000", ["data.max_length = 100000", "max_position_embeddings"]),

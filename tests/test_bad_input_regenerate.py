@@ -1,0 +1,45 @@
+"""`specheads regenerate` refuses bad options, datasets and unreachable servers by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from refusals import BINARY, LATIN1, refused, write_data
+
+
+@pytest.fixture
+def work(tmp_path):
+    write_data(tmp_path)
+    (tmp_path / "binary.jsonl").write_bytes(BINARY)
+    (tmp_path / "latin1.jsonl").write_bytes(LATIN1)
+    (tmp_path / "folder").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["missing.jsonl", "--target", "T"], ["dataset 'missing.jsonl' does not exist"]),
+    (["binary.jsonl", "--target", "T"], ["binary.jsonl", "binary"]),
+    (["latin1.jsonl", "--target", "T"], ["latin1.jsonl", "not UTF-8"]),
+    (["data.jsonl", "--target", "T", "--limit", "0"], ["--limit 0"]),
+    (["data.jsonl", "--target", "T", "--concurrency", "0"], ["--concurrency 0"]),
+    (["data.jsonl", "--target", "T", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["data.jsonl"], ["exactly one of --target", "--endpoint"]),
+    (["data.jsonl", "--target", "T", "--out", "folder"], ["--out 'folder' is a folder"]),
+    (["data.jsonl", "--endpoint", "http://127.0.0.1:9/v1", "--retries", "0", "--timeout", "5"],
+     ["http://127.0.0.1:9/v1", "Connection refused"]),
+])
+def test_bad_regenerate_input_is_named(work, tiny_target_dir, args, needles):
+    args = [str(tiny_target_dir) if a == "T" else a for a in args]
+    if "--out" not in args:
+        args += ["--out", "out/regen.jsonl"]
+    refused(["regenerate", *args], needles, work, watch=(tiny_target_dir,), output=work / "out")
+    assert not (work / "out").exists()
+
+
+def test_missing_device_is_named_before_loading(work, tiny_target_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    refused(["regenerate", "data.jsonl", "--target", str(tiny_target_dir), "--device", "cuda",
+             "--out", "out/r.jsonl"], ["device 'cuda'"], work, watch=(tiny_target_dir,), output=work / "out")
