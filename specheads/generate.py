@@ -168,12 +168,19 @@ def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
     from specheads.metrics import broken_draft_warning
 
     warning = broken_draft_warning(s)
-    return [
+    lines = [
         f"draft: {spec.label()}  tau={s['tau']:.3f}  acceptance per position: {acc}",
         f"speculative {fast:.1f} tok/s ({spec_result.stats.tokens} tokens, "
         f"{s['target_forwards']} target forwards) | {plain} {slow:.1f} tok/s | "
         f"speed-up {fast / slow if slow else 0.0:.2f}x | {check}",
-    ] + ([warning] if warning else [])
+    ]
+    if warning:
+        return lines + [warning]
+    if slow and fast < slow:
+        lines.append(f"speculation did not pay here ({fast / slow:.2f}x): {s['tau']:.2f} tokens per target "
+                     "forward do not cover the draft's cost. It pays on prompts like the draft's training "
+                     "data; try a shorter --k, or `specheads eval` for a recommendation over many prompts")
+    return lines
 
 
 def warm_up(target, proposer_factory, spec: TreeSpec, eos) -> None:

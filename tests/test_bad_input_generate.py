@@ -39,3 +39,21 @@ def test_closed_stdout_pipe_ends_quietly(tmp_path, tiny_target_dir, random_expor
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 141, err[-2000:]
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_summary_says_when_speculation_does_not_pay():
+    from types import SimpleNamespace
+
+    from specheads.generate import report_lines
+    from specheads.verify.decode import DecodeStats
+    from specheads.verify.settings import TreeSpec
+
+    def result(wall_s):
+        stats = DecodeStats(prefill_forwards=1, decode_forwards=20, decode_tokens=25, tokens=26, drafts=20,
+                            proposed_tokens=60, accepted_per_pos=[5, 0, 0], wall_s=wall_s)
+        return SimpleNamespace(stats=stats, tokens=list(range(26)))
+
+    slow = report_lines(TreeSpec("chain", k=3), result(2.0), result(1.0), True)
+    assert "did not pay here (0.50x)" in " ".join(slow)
+    fast = report_lines(TreeSpec("chain", k=3), result(0.5), result(1.0), True)
+    assert len(fast) == 2 and "did not pay" not in " ".join(fast)
