@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from specheads.errors import DEBUG_ENV, debug_enabled, explain
+from specheads.errors import DEBUG_ENV, run_verb
 
 
 def _train(argv: list[str]) -> int:
@@ -139,20 +138,7 @@ def main(argv: list[str] | None = None) -> int:
               f"--debug (or {DEBUG_ENV}=1) shows the Python traceback of a failure")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     fn, _ = VERBS[argv[0]]
-    try:
-        rc = fn(argv[1:])
-        sys.stdout.flush()  # a closed pipe shows up here at the latest
-        return rc
-    except BrokenPipeError:
-        # the reader (`| head`) went away: stop quietly, and keep the interpreter's exit flush quiet
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-    except (Exception, KeyboardInterrupt) as err:
-        if debug_enabled(debug):
-            raise
-        message, rc = explain(err)
-        print(f"specheads {argv[0]}: error: {message}", file=sys.stderr)
-        return rc
+    return run_verb(argv[0], fn, argv[1:], debug)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ user handed us (recipe, data, prompts, README) so a binary or non-UTF-8 file is 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 DEBUG_ENV = "SPECHEADS_DEBUG"
@@ -67,8 +68,6 @@ def _chain(err: BaseException):
 
 def explain(err: BaseException) -> tuple[str, int]:
     """(one-line message, exit code) for an exception that reached the CLI boundary."""
-    import sys
-
     if isinstance(err, KeyboardInterrupt):
         return "interrupted", 130
     torch = sys.modules.get("torch")  # not imported: not a torch error (and no seconds spent importing it)
@@ -86,3 +85,22 @@ def explain(err: BaseException) -> tuple[str, int]:
         return f"{where}{err.strerror or err}", 1
     return (f"unexpected {type(err).__name__}: {err}. This is a bug or an input we do not check "
             f"yet: rerun with --debug (or {DEBUG_ENV}=1) for the traceback and report it"), 1
+
+
+def run_verb(verb: str, fn, argv: list[str], debug: bool = False) -> int:
+    """`fn(argv)` with the CLI's error boundary: one line naming the culprit instead of a traceback
+    (unless `debug` or SPECHEADS_DEBUG=1), a quiet exit when stdout's reader went away."""
+    try:
+        rc = fn(argv)
+        sys.stdout.flush()  # a closed pipe shows up here at the latest
+        return rc
+    except BrokenPipeError:
+        # the reader (`| head`) went away: stop quietly, and keep the interpreter's exit flush quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (Exception, KeyboardInterrupt) as err:
+        if debug_enabled(debug):
+            raise
+        message, rc = explain(err)
+        print(f"specheads {verb}: error: {message}", file=sys.stderr)
+        return rc

@@ -341,5 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # torchrun / accelerate launch: the same error boundary as the CLI
+    from specheads.errors import run_verb
+
+    sys.exit(run_verb("capture", main, sys.argv[1:]))
