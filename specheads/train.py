@@ -25,7 +25,8 @@ import torch
 
 from specheads.config import Recipe, TrainConfig, load_recipe, to_dict
 from specheads.runlog import RunLog, new_window, window_record
-from specheads.schedule import BatchPlan, lr_factor, validation_split
+from specheads.data.samples import prepare_samples, split_samples
+from specheads.schedule import BatchPlan, lr_factor
 
 
 class TrainError(ValueError):
@@ -47,30 +48,6 @@ def check_export_compat(recipe: Recipe) -> None:
                 f"head.{option}: true cannot be exported to {fmt} ({reason}). Set head.{option}: "
                 f"false, or drop '{fmt}' from export.formats."
             )
-
-
-def prepare_samples(recipe: Recipe, tokenizer, report=print):
-    """Read and tokenise the recipe's training data (assistant-only loss masks, verified)."""
-    from specheads.data.conversations import read_conversations
-    from specheads.data.tokenize import TokenizeStats, tokenize_all
-
-    if not recipe.data.train:
-        raise TrainError("data.train is empty: list at least one dataset file or folder")
-    convs = []
-    for source in recipe.data.train:
-        rows, stats = read_conversations(source, fmt=recipe.data.format,
-                                         skip_malformed=recipe.data.skip_malformed)
-        convs.extend(rows)
-        skipped = f", skipped {stats.skipped} malformed (e.g. {stats.reasons[0]})" if stats.skipped else ""
-        report(f"[specheads] {source}: {stats.kept} of {stats.read} rows ({stats.format}){skipped}")
-    tstats = TokenizeStats()
-    samples = tokenize_all(tokenizer, convs, recipe.data.max_length, end_of_turn=recipe.data.end_of_turn,
-                           stats=tstats)
-    report(f"[specheads] tokenised {tstats.kept} samples (max_length {recipe.data.max_length}): "
-           f"{tstats.truncated} truncated, {tstats.dropped} dropped with no supervised token left")
-    if not samples:
-        raise TrainError("no training sample has a supervised token after tokenisation")
-    return samples
 
 
 def build_head(recipe: Recipe, target, samples):
@@ -349,8 +326,7 @@ def train(recipe: Recipe) -> Path:
     set_seed(t.seed)
     target = load_target(accelerator, recipe)
     samples = prepare_samples(recipe, target.tokenizer, report=accelerator.print)
-    train_idx, val_idx = validation_split(len(samples), t.val_samples, t.seed)
-    val_samples, samples = [samples[i] for i in val_idx], [samples[i] for i in train_idx]
+    samples, val_samples = split_samples(recipe, samples)
     head = build_head(recipe, target, samples)
     resume_from = latest_checkpoint(out_dir) if t.resume else None
     start, saved_world = 0, 1

@@ -179,7 +179,7 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
     from specheads.heads import head_class
     from specheads.provenance import provenance
     from specheads.target import Target
-    from specheads.train import prepare_samples
+    from specheads.data.samples import prepare_samples
 
     if storage not in STORAGE:
         raise FeatureCacheError(f"--dtype {storage}: expected one of {', '.join(STORAGE)}")
