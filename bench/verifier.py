@@ -28,7 +28,8 @@ import torch
 
 from specheads.atomic import write_json, write_text
 from specheads.eval.online import encode_chat, eos_ids, read_prompts
-from specheads.generate import default_dtype, load_checked_draft
+from specheads.export import load_checked_draft
+from specheads.target import default_dtype
 from specheads.verify.settings import (
     TreeSpec, check_tree_fits, make_proposer, make_tree_spec, speculative_decode,
 )

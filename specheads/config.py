@@ -11,6 +11,9 @@ from typing import Any
 
 import yaml
 
+from specheads.heads import head_options_class
+from specheads.schedule import SCHEDULES
+
 
 class ConfigError(ValueError):
     """A recipe or override that does not fit the schema; the message names the key."""
@@ -71,8 +74,6 @@ class TrainConfig:
     shard_target: bool = False  # FSDP2-shard the frozen target's decoder layers over the processes
 
     def __post_init__(self):
-        from specheads.schedule import SCHEDULES
-
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule '{self.schedule}': expected one of {', '.join(SCHEDULES)}")
         if self.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
@@ -212,8 +213,6 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
 
 def recipe_from_dict(raw: dict) -> Recipe:
     """Validate a raw mapping into a Recipe; the head section goes to its kind's options class."""
-    from specheads.heads import head_options_class
-
     raw = dict(raw)
     head_raw = raw.pop("head", None) or {"kind": "eagle3"}
     recipe = from_dict(Recipe, raw, "recipe")

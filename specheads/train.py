@@ -23,10 +23,23 @@ from pathlib import Path
 
 import torch
 
+from specheads.atomic import write_text
 from specheads.config import Recipe, TrainConfig, load_recipe, to_dict
-from specheads.runlog import RunLog, new_window, window_record
+from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
+from specheads.data.tokenize import collate
+from specheads.data.vocab_stats import load_vocab_stats
+from specheads.eval.offline import offline_acceptance
+from specheads.export.checkpoint import (
+    Checkpoint, latest_checkpoint, load_strict, resume_hint, save_checkpoint,
+)
+from specheads.heads import head_class
+from specheads.heads.losses import COUNT_KEYS
+from specheads.heads.vocab import build_vocab_map, count_tokens
+from specheads.provenance import provenance
+from specheads.runlog import RunLog, new_window, window_record
 from specheads.schedule import BatchPlan, lr_factor
+from specheads.target import Target, check_fingerprint
 
 
 class TrainError(ValueError):
@@ -52,16 +65,11 @@ def check_export_compat(recipe: Recipe) -> None:
 
 def build_head(recipe: Recipe, target, samples):
     """Head sized from the target, with its draft vocabulary from supervised-token frequencies."""
-    from specheads.heads import head_class
-    from specheads.heads.vocab import build_vocab_map, count_tokens
-
     head = head_class(recipe.head.kind).for_target(recipe.head, target.config)
     if hasattr(head, "init_from_target"):  # e.g. Medusa output layers start as the target's head
         head.init_from_target(target)
     if hasattr(head, "set_vocab_map"):
         if recipe.data.vocab_stats:
-            from specheads.data.vocab_stats import load_vocab_stats
-
             counts = load_vocab_stats(recipe.data.vocab_stats, target)
         else:
             counts = count_tokens(samples, target.vocab_size)
@@ -71,8 +79,6 @@ def build_head(recipe: Recipe, target, samples):
 
 
 def make_batch(samples, idx, pad_id, device):
-    from specheads.data.tokenize import collate
-
     return {k: v.to(device) for k, v in collate([samples[i] for i in idx], pad_id).items()}
 
 
@@ -159,8 +165,6 @@ def shard_target(target, device) -> None:
 
 def load_target(accelerator, recipe: Recipe):
     """The frozen target, whole on every process (a ZeRO-3 launch would partition it on load)."""
-    from specheads.target import Target
-
     sharded = recipe.train.shard_target and accelerator.num_processes > 1
 
     def load():
@@ -223,8 +227,6 @@ def state_digest(state: dict) -> str:
 def save(accelerator, model, optim, sched, out_dir: Path, step: int, recipe: Recipe, prov: dict,
          trainer_state: dict):
     """Checkpoint on all ranks: gathered full head weights, per-rank optimizer and RNG shards."""
-    from specheads.export.checkpoint import save_checkpoint
-
     from accelerate.utils import broadcast_object_list, gather_object
 
     full = full_state(accelerator, model)
@@ -277,8 +279,6 @@ def restore(accelerator, optim, sched, ckpt_dir: Path, saved_world: int) -> None
 
 def truncate_metrics(log_path: Path, step: int) -> None:
     """Drop records a killed run logged after its last checkpoint, so the log reads as one run."""
-    from specheads.atomic import write_text
-
     if not log_path.is_file():
         return
     keep = []
@@ -296,8 +296,6 @@ def validate(accelerator, model, evaluator, target, val_samples, batch_size: int
     """Offline (teacher-forced) tau on the held-out split, from full weights; the main process's
     number counts. With a sharded target every process runs the same forwards (they gather layers
     together); the others may hold stale head weights, their result is discarded."""
-    from specheads.eval.offline import offline_acceptance
-
     full = full_state(accelerator, model)
     tau = None
     if evaluator is not None:
@@ -313,11 +311,6 @@ def train(recipe: Recipe) -> Path:
     """Run (or resume) training; returns the path of the final checkpoint."""
     from accelerate.utils import set_seed
 
-    from specheads.data.features import feature_source
-    from specheads.export.checkpoint import Checkpoint, latest_checkpoint, load_strict, resume_hint
-    from specheads.heads.losses import COUNT_KEYS
-    from specheads.provenance import provenance
-    from specheads.target import check_fingerprint
 
     check_export_compat(recipe)
     t = recipe.train

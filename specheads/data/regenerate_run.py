@@ -14,7 +14,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, Row
+from specheads.atomic import write_json
+from specheads.data.conversations import read_conversations
+from specheads.data.openai_client import Endpoint
+from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, Row
+from specheads.data.resume import RowWriter
+from specheads.target import Target, default_dtype
 # --- input rows --------------------------------------------------------------------------------
 
 
@@ -48,8 +53,6 @@ def _message_row(row: dict, n: int, path: Path) -> Row:
 
 def read_rows(path: str | Path, fmt: str = "auto", limit: int | None = None) -> list[Row]:
     """Conversations to regenerate (any format `read_conversations` reads; tool rows kept)."""
-    from specheads.data.conversations import read_conversations
-
     path = Path(path)
     raw = _raw_rows(path) if fmt in ("auto", "openai", "messages") else None
     if raw is not None:
@@ -140,9 +143,6 @@ def _run_openai(backend, rows, writer, report, concurrency: int) -> None:
 def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
                    limit: int | None = None, concurrency: int = 8, chunk: int = 64) -> Report:
     """Regenerate `source` into `out` (JSON lines), resuming whatever an earlier run finished."""
-    from specheads.atomic import write_json
-    from specheads.data.resume import RowWriter
-
     out = Path(out)
     rows = read_rows(source, fmt, limit)
     report = Report(rows=len(rows))
@@ -174,14 +174,8 @@ def make_backend(a: argparse.Namespace, opts: RegenOptions):
         raise RegenerateError("pass exactly one of --target (local generate) or --endpoint "
                               "(an OpenAI-compatible server)")
     if a.endpoint:
-        from specheads.data.openai_client import Endpoint
-        from specheads.data.regenerate import OpenAIBackend
-
         ep = Endpoint(a.endpoint, a.api_key, a.timeout, a.retries, a.backoff)
         return OpenAIBackend(ep, a.model, opts)
-    from specheads.generate import default_dtype
-    from specheads.target import Target
-
     target = Target.load(a.target, dtype=a.dtype or default_dtype(a.device), device=a.device)
     return LocalBackend(target, opts, a.batch_size)
 

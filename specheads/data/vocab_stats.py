@@ -18,7 +18,12 @@ from pathlib import Path
 
 import torch
 
+from specheads.atomic import save_safetensors
+from specheads.config import load_recipe
 from specheads.data.samples import read_recipe_conversations, split_samples
+from specheads.data.tokenize import tokenize_conversation
+from specheads.provenance import provenance
+from specheads.target import resolve_target_path, tokenizer_hash
 
 FORMAT = "specheads-vocab-stats"
 _WORKER: dict = {}  # per worker process: the tokenizer and settings, set once by the pool initializer
@@ -32,8 +37,6 @@ def count_supervised(tokenizer, convs, vocab_size: int, max_length: int,
                      end_of_turn: str | None = None) -> tuple[torch.Tensor, list[bool]]:
     """Counts [V] int64 of supervised token ids (streamed), and per conversation whether it is kept
     as a sample (has a supervised token within max_length, as `tokenize_all` decides)."""
-    from specheads.data.tokenize import tokenize_conversation
-
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     kept = []
     for conv in convs:
@@ -84,8 +87,6 @@ def count_training(recipe, tokenizer, vocab_size: int, workers: int = 1, report=
 
 def save_vocab_stats(path: str | Path, counts: torch.Tensor, meta: dict) -> Path:
     """Write counts [V] and their provenance as one safetensors file (atomically)."""
-    from specheads.atomic import save_safetensors
-
     save_safetensors({"counts": counts.to(torch.int64).contiguous()}, path,
                      metadata={"format": FORMAT, "meta": json.dumps(meta)})
     return Path(path)
@@ -111,8 +112,6 @@ def read_vocab_stats(path: str | Path) -> tuple[torch.Tensor, dict]:
 
 def load_vocab_stats(path: str | Path, target) -> torch.Tensor:
     """Counts [V] for `target`, refused when they were counted with another tokenizer or vocab size."""
-    from specheads.target import tokenizer_hash
-
     counts, meta = read_vocab_stats(path)
     if meta.get("tokenizer_sha256") != tokenizer_hash(target.tokenizer) or counts.numel() != target.vocab_size:
         raise VocabStatsError(
@@ -125,8 +124,6 @@ def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path
     """Count the recipe's supervised tokens and save them to `out`."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from specheads.provenance import provenance
-    from specheads.target import resolve_target_path, tokenizer_hash
 
     folder = resolve_target_path(recipe.target.path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -143,8 +140,6 @@ def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path
 
 def main(argv: list[str] | None = None) -> int:
     """`specheads vocab-stats`: parse arguments, load the recipe, count."""
-    from specheads.config import load_recipe
-
     p = argparse.ArgumentParser(prog="specheads vocab-stats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="the training recipe (its target tokenizer and data are used)")

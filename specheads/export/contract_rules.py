@@ -239,26 +239,11 @@ ENGINE_VERSIONS.update({"vllm-0.32": "0.32", "medusa": "1.0"})
 ENGINE_NAMES.update({"vllm-0.32": "vLLM <= 0.32", "medusa": "Medusa (original)"})
 
 # MTP and draft models: the folder is a whole model (export/mtp.py, export/draft.py check it); these
-# entries give the engine of each (format, kind). MTP layouts per target family (vllm_contract.md §6,
-# sglang_contract.md §4): where the modules live, the config key counting them, per-module names.
+# entries give the engine of each (format, kind). The MTP layouts per target family (where the modules
+# live, the config key counting them, per-module names) are in heads/mtp_checkpoint.py.
 for _fmt in ("vllm", "sglang"):
     for _kind in ("mtp", "draft"):
         CONTRACTS[(_fmt, _kind)] = FormatContract(_fmt, _fmt, _kind, "", "", "", 0, 0, (), ())
-MTP_FAMILIES = {  # model_type -> (layout, count key)
-    "deepseek_v3": ("deepseek", "num_nextn_predict_layers"),
-    "glm4_moe": ("deepseek", "num_nextn_predict_layers"),
-    "qwen3_next": ("qwen3_next", "num_nextn_predict_layers"),
-    "qwen3_5_text": ("qwen3_next", "mtp_num_hidden_layers"),  # Qwen3.5: same `mtp.*` names, its own count key
-    "qwen3_5_moe_text": ("qwen3_next", "mtp_num_hidden_layers"),
-}
-# layout -> head name (layers.{k}.X) -> checkpoint name; {p} = module prefix. Layout "qwen3_next" is the
-# `mtp.*` one, shared by Qwen3-Next and Qwen3.5 (vllm_contract.md §6.3, sglang_contract.md §4.2).
-MTP_NAMES = {
-    "deepseek": {"enorm": "{p}enorm.weight", "hnorm": "{p}hnorm.weight", "eh_proj": "{p}eh_proj.weight",
-                 "norm": "{p}shared_head.norm.weight"},
-    "qwen3_next": {"enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",
-                   "eh_proj": "mtp.fc.weight", "norm": "mtp.norm.weight"},
-}
 MTP_SHAPES = {"enorm": ("H",), "hnorm": ("H",), "eh_proj": ("H", "2*H"), "norm": ("H",)}
 MTP_SGLANG_MAX_LAYERS = {"deepseek": 1, "qwen3_next": 1}  # SGLang asserts one NextN layer
 DRAFT_KEYS = (  # an ordinary HF Llama causal LM (vLLM draft_model, SGLang STANDALONE)

@@ -22,7 +22,8 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, Violation, contract_for, detect_format,
 )
 from specheads.export.folder import verify_export
-from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
+from specheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from specheads.target import TargetError, check_fingerprint
 
 # head kind -> module with `load_export(meta, attn_implementation, check) -> (head, meta)`
 KIND_LOADERS = {"medusa": "specheads.export.medusa", "medusa2": "specheads.export.medusa2", "eagle": "specheads.export.eagle1",
@@ -46,8 +47,6 @@ class ExportMeta:
 
     def check_target(self, target) -> None:
         """Refuse a loaded `Target` whose vocabulary or embedding differs from the training target's."""
-        from specheads.target import TargetError, check_fingerprint
-
         if self.target is None and is_foreign(self):
             logging.getLogger(__name__).warning(
                 "%s was written by another trainer: no target fingerprint to check; the verifier still "
@@ -167,6 +166,17 @@ def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check:
     return head.eval(), meta
 
 
+def load_checked_draft(draft_dir: str | Path, target):
+    """The exported head on the target's device and dtype, and its meta; refuses another target's."""
+    folder = Path(draft_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
+                                "written by `specheads export`")
+    head, meta = load_with_meta(folder)
+    meta.check_target(target)
+    return head.to(device=target.device, dtype=target.dtype).eval(), meta
+
+
 def load(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True) -> Eagle3Head:
     """An export folder -> the head (see `load_with_meta` for the target fingerprint)."""
     return load_with_meta(folder, attn_implementation, check)[0]
@@ -240,8 +250,6 @@ def _foreign_aux(cfg: dict, fmt: str, num_target_layers: int | None, folder: Pat
                                     "(vLLM ids [2, L//2, L-3] for an L-layer target; SGLang ids one lower): "
                                     "write them into config.json (eagle_aux_hidden_state_layer_ids; for "
                                     "SGLang inside eagle_config), or pass num_target_layers from Python")
-        from specheads.heads.eagle3 import default_aux_layers
-
         ids = default_aux_layers(num_target_layers)
     return [int(i) for i in ids]
 

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+RECOMMENDED = "## Recommended settings"  # the README section `specheads eval --attach` adds
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 FORMAT_TITLES = {
     "vllm": "vLLM 0.33, speculators format",

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
+from specheads.heads.mtp_checkpoint import load_modules
 from specheads.hf_compat import cache_kwargs
 
 
@@ -158,9 +160,7 @@ class MtpHead(nn.Module):
     def init_from_target(self, target) -> None:
         """Norms from the target's final norm, block from its last layer (or its shipped MTP layers)."""
         if self.config.init == "shipped":
-            from specheads.export.mtp import load_shipped_layers
-
-            load_shipped_layers(self, target.path)
+            load_modules(self, Path(target.path))
             return
         if self.config.init == "random":
             return
