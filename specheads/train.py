@@ -311,7 +311,6 @@ def train(recipe: Recipe) -> Path:
     """Run (or resume) training; returns the path of the final checkpoint."""
     from accelerate.utils import set_seed
 
-
     check_export_compat(recipe)
     t = recipe.train
     out_dir = Path(t.output_dir)

@@ -180,7 +180,6 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
     """Run the frozen target over the recipe's data once and store the head's features in `out`."""
     from accelerate import PartialState
 
-
     if storage not in STORAGE:
         raise FeatureCacheError(f"--dtype {storage}: expected one of {', '.join(STORAGE)}")
     # ranks wait for each other at the end, which after a resume can be hours apart: a long timeout

@@ -124,7 +124,6 @@ def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path
     """Count the recipe's supervised tokens and save them to `out`."""
     from transformers import AutoConfig, AutoTokenizer
 
-
     folder = resolve_target_path(recipe.target.path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     vocab_size = AutoConfig.from_pretrained(folder).vocab_size

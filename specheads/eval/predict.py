@@ -242,7 +242,6 @@ def _median_round_robin(calls: dict, reps: int, device) -> dict:
     """Median seconds per key, keys interleaved per repetition so load bursts hit all of them."""
     import statistics
 
-
     times = {key: [] for key in calls}
     for rep in range(reps + 1):  # repetition 0 warms every shape up, untimed
         for key, call in calls.items():
@@ -258,7 +257,6 @@ def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, re
     """Median seconds of one cached target forward over n tokens after the prompt, per n (made
     non-decreasing in n)."""
     import torch
-
 
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)[None]  # [1, P]
     ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
@@ -284,7 +282,6 @@ def time_proposals(target, head, prompt_ids: list[int], ks, reps: int = 7) -> tu
     """(intercept, seconds per level) of a least-squares line through the chain proposer's
     median `propose(k)` seconds (propose is repeatable: it drops its speculative rows)."""
     import torch
-
 
     proposer = make_proposer(TreeSpec("chain", k=max(ks)), head, target)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)

@@ -127,7 +127,6 @@ def _check_tokenizer(folder: Path, record: dict) -> list[Violation]:
     """The shipped tokenizer loads and is the target's (same token -> id map)."""
     from transformers import AutoTokenizer
 
-
     try:
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as err:

@@ -55,7 +55,6 @@ def peft_model(head, base_dir: Path, dtype: torch.dtype = torch.float32):
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-
     cfg = head.config
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
@@ -122,7 +121,6 @@ def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, num_speculative_toke
     """Heads (as Medusa-1 in `fmt`) + target/ (merged) or adapter/ (peft), validated, into `tmp`, the
     atomic folder that becomes `out_dir` (export/folder.py)."""
     from safetensors.torch import save_file
-
 
     if adapter not in ADAPTER_MODES:
         raise ValueError(f"adapter '{adapter}': expected one of {', '.join(ADAPTER_MODES)}")
