@@ -36,6 +36,7 @@ from specheads.export.checkpoint import (
 from specheads.heads import head_class
 from specheads.heads.losses import COUNT_KEYS
 from specheads.heads.vocab import build_vocab_map, count_tokens
+from specheads.protocols import InitFromTarget, ReducedVocab
 from specheads.provenance import provenance
 from specheads.runlog import RunLog, new_window, window_record
 from specheads.schedule import BatchPlan, lr_factor
@@ -66,9 +67,9 @@ def check_export_compat(recipe: Recipe) -> None:
 def build_head(recipe: Recipe, target, samples):
     """Head sized from the target, with its draft vocabulary from supervised-token frequencies."""
     head = head_class(recipe.head.kind).for_target(recipe.head, target.config)
-    if hasattr(head, "init_from_target"):  # e.g. Medusa output layers start as the target's head
+    if isinstance(head, InitFromTarget):  # e.g. Medusa output layers start as the target's head
         head.init_from_target(target)
-    if hasattr(head, "set_vocab_map"):
+    if isinstance(head, ReducedVocab):
         if recipe.data.vocab_stats:
             counts = load_vocab_stats(recipe.data.vocab_stats, target)
         else:

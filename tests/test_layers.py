@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "specheads"
 
 FLOORS = [  # (floor, top-level modules and packages of specheads)
-    ("foundation", {"specheads", "atomic", "integrity", "provenance", "hf_compat", "metrics", "schedule", "builtin"}),
+    ("foundation", {"specheads", "atomic", "integrity", "protocols", "provenance", "hf_compat", "metrics", "schedule", "builtin"}),
     ("models", {"target", "heads"}),
     ("recipes", {"config"}),
     ("data", {"data"}),

@@ -11,37 +11,25 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from specheads.export import draft, eagle1, eagle3, medusa, medusa2, mtp
+from specheads.export import eagle3
 from specheads.export.checkpoint import Checkpoint, CheckpointError
 from specheads.export.contract import ContractError, validate
 from specheads.export.contract_rules import CONFIG_FILE, META_FILE, WEIGHTS_FILE
 from specheads.export.eagle3 import ExportRefused
 from specheads.export.folder import export_dir, identity, plan_replacement
-from specheads.export.load import ExportMeta, load, load_checked_draft, load_with_meta, read_export_meta
+from specheads.export.load import ExportMeta, read_export_meta
 from specheads.export.readme import readme_text, serve_commands, target_ref
 from specheads.export.record import export_record, float_dtype, write_json
+from specheads.export.registry import LOADERS, WRITERS, load, load_checked_draft, load_with_meta, writer_for
 
 __all__ = [
-    "FORMATS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta", "ExportRefused",
+    "FORMATS", "LOADERS", "WRITERS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta", "ExportRefused",
     "export", "load", "load_checked_draft", "load_with_meta", "read_export_meta", "validate",
 ]
 
 log = logging.getLogger(__name__)
-WRITERS = {"eagle3": eagle3, "eagle": eagle1, "medusa": medusa, "medusa2": medusa2, "mtp": mtp, "draft": draft}  # head kind -> writer module (FORMATS, check_exportable, tensors, config)
 FORMATS = eagle3.FORMATS  # the EAGLE-3 formats (what existing callers iterate over)
 ALL_FORMATS = tuple(dict.fromkeys(f for w in WRITERS.values() for f in w.FORMATS))  # any kind
-
-
-def writer_for(kind: str, fmt: str):
-    """The writer module for a head kind, refusing formats that cannot serve it."""
-    if kind not in WRITERS:
-        raise ExportRefused(f"head kind '{kind}' has no exporter yet; kinds with one: {', '.join(WRITERS)}")
-    writer = WRITERS[kind]
-    if fmt not in writer.FORMATS:
-        reason = getattr(writer, "REFUSED", {}).get(fmt)  # a kind-specific explanation, if any
-        raise ExportRefused(reason or f"format '{fmt}' cannot serve a '{kind}' head; use one of: "
-                            f"{', '.join(writer.FORMATS)}")
-    return writer
 
 
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.export.load import load_eagle3
 from specheads.heads.eagle3 import Eagle3Config
 
 FORMATS = ("vllm", "vllm-native", "sglang")
@@ -143,3 +144,9 @@ def config_json(config: Eagle3Config, fmt: str, k: int, verifier: str, verifier_
     if fmt == "vllm-native":
         return native_config(config, dtype)
     return sglang_config(config, dtype)
+
+
+def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
+    """An EAGLE-3 export -> (head in eval mode, meta); the reading lives in export/load.py with
+    the reading of other trainers' EAGLE-3 folders."""
+    return load_eagle3(meta, attn_implementation, check)

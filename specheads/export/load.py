@@ -21,13 +21,9 @@ from specheads.export.contract import aux_ids, config_rope, layer_config, valida
 from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, Violation, contract_for, detect_format,
 )
-from specheads.export.folder import verify_export
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from specheads.target import TargetError, check_fingerprint
 
-# head kind -> module with `load_export(meta, attn_implementation, check) -> (head, meta)`
-KIND_LOADERS = {"medusa": "specheads.export.medusa", "medusa2": "specheads.export.medusa2", "eagle": "specheads.export.eagle1",
-                "mtp": "specheads.export.mtp", "draft": "specheads.export.draft"}
 # engine default for norm_before_residual when config.json omits it (vllm_contract.md §3.1, §7.2)
 RESIDUAL_DEFAULT = {"vllm": True, "vllm-native": False, "sglang": False}
 
@@ -70,7 +66,7 @@ def read_export_meta(folder: str | Path) -> ExportMeta:
     """The folder's format (detected from config.json) and its specheads.json record, if any."""
     folder = Path(folder)
     record = _read_json(folder / META_FILE) if (folder / META_FILE).is_file() else {}
-    if record.get("kind", "eagle3") in KIND_LOADERS and record.get("format"):
+    if record.get("kind", "eagle3") != "eagle3" and record.get("format"):
         fmt = record["format"]  # other kinds: specheads.json names the format
     else:
         fmt = _detect(folder)
@@ -142,21 +138,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
                                                          "the file is truncated or corrupt; export again")]) from None
 
 
-def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True,
-                   num_target_layers: int | None = None) -> tuple[Eagle3Head, ExportMeta]:
-    """An export folder -> (head in eval mode, its ExportMeta). `check` validates the contract first.
-    A folder another trainer wrote (no specheads.json) is read as its engine reads it;
-    `num_target_layers` resolves the engines' default taps when it names none."""
-    meta = read_export_meta(folder)
-    if is_foreign(meta):
-        return load_foreign(meta, attn_implementation, num_target_layers)
-    verify_export(meta.folder, meta.record)  # recorded weight checksums (older exports: a notice)
-    if meta.kind in KIND_LOADERS:  # other kinds load through their writer module's `load_export`
-        import importlib
-
-        return importlib.import_module(KIND_LOADERS[meta.kind]).load_export(meta, attn_implementation, check)
-    if meta.kind != "eagle3":
-        raise ValueError(f"{meta.folder}: head kind '{meta.kind}' cannot be loaded by this specheads version")
+def load_eagle3(meta: ExportMeta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[Eagle3Head, ExportMeta]:
+    """A specheads EAGLE-3 export (any of its formats) -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format, meta.kind)
     config = config_from_export(_read_json(meta.folder / CONFIG_FILE), meta.format, meta.head_config)
@@ -164,22 +147,6 @@ def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check:
     tensors = head_weights(read_weights(meta.folder / WEIGHTS_FILE), config)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
     return head.eval(), meta
-
-
-def load_checked_draft(draft_dir: str | Path, target):
-    """The exported head on the target's device and dtype, and its meta; refuses another target's."""
-    folder = Path(draft_dir)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
-                                "written by `specheads export`")
-    head, meta = load_with_meta(folder)
-    meta.check_target(target)
-    return head.to(device=target.device, dtype=target.dtype).eval(), meta
-
-
-def load(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True) -> Eagle3Head:
-    """An export folder -> the head (see `load_with_meta` for the target fingerprint)."""
-    return load_with_meta(folder, attn_implementation, check)[0]
 
 
 # --- folders written by other trainers: speculators, SpecForge / SGLang, plain vLLM ------------

@@ -21,9 +21,8 @@ from transformers import DynamicCache
 from specheads.hf_compat import cache_kwargs
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.decode import causal_mask, positions, trim_cache
-from specheads.verify.settings import SettingsError
 from specheads.verify.tree_decode import check_tree_attention, tree_attention_mask
-from specheads.verify.trees import Tree, tree_from_choices
+from specheads.verify.trees import SettingsError, Tree, tree_from_choices
 
 
 def check_vocab_fits(kind: str, vocab_size: int, hidden_size: int | None, target) -> None:

@@ -9,17 +9,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads.verify import eagle1_proposers, eagle3_proposers, medusa_proposers, mtp_proposers
 from specheads.verify.decode import generate
-from specheads.verify.proposers import Eagle3Proposer
-from specheads.verify.sample_decode import SampledEagle3Proposer, sample_generate, sample_tree_generate
+from specheads.verify.sample_decode import sample_generate, sample_tree_generate
 from specheads.verify.tree_decode import tree_generate
-from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
-from specheads.verify.trees import normalize_choices
-
-class SettingsError(ValueError):
-    """Speculation settings that cannot run (a tree, a draft length, a sampling rule); the message
-    names the option to change."""
-
+from specheads.verify.trees import SettingsError, normalize_choices
 
 # --- tree settings -------------------------------------------------------------------------------
 
@@ -123,30 +117,28 @@ def check_tree_fits(spec: TreeSpec, target) -> None:
                             f"step but the target's context is {ctx}: use a smaller tree")
 
 
-# head kind -> module with `make_proposer(spec, head, target, sampled)` (EAGLE-3 is built in below)
-KIND_PROPOSERS = {
-    "medusa": "specheads.verify.medusa_proposers",
-    "eagle": "specheads.verify.eagle1_proposers",
-    "mtp": "specheads.verify.mtp_proposers",
-    "draft": "specheads.verify.mtp_proposers",
+# head kind -> proposer module (`protocols.ProposerModule`); kinds must match heads.HEADS
+PROPOSERS = {
+    "eagle3": eagle3_proposers,
+    "medusa": medusa_proposers,
+    "medusa2": medusa_proposers,
+    "eagle": eagle1_proposers,
+    "mtp": mtp_proposers,
+    "draft": mtp_proposers,
 }
 
 
-def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
-    """The proposer for a spec: a chain proposer (drafts sampled from q when `sampled`) or an
-    EAGLE-3 tree proposer (trees are deterministic top-k either way)."""
-    kind = getattr(head, "kind", "eagle3")
-    if kind in KIND_PROPOSERS:  # other head kinds: their module's own make_proposer
-        import importlib
+def proposer_module(kind: str):
+    """The proposer module of a head kind, or an error listing the kinds that have one."""
+    if kind not in PROPOSERS:
+        raise SettingsError(f"head kind '{kind}' has no proposer; kinds with one: {', '.join(PROPOSERS)}")
+    return PROPOSERS[kind]
 
-        return importlib.import_module(KIND_PROPOSERS[kind]).make_proposer(spec, head, target, sampled)
-    if spec.kind == "chain" and sampled:
-        return SampledEagle3Proposer(head, target)
-    if spec.kind == "chain":
-        return Eagle3Proposer(head, target)
-    if spec.kind == "eagle2":
-        return Eagle3DynamicTreeProposer(head, target, spec.depth, spec.top_k, spec.total_tokens)
-    return Eagle3StaticTreeProposer(head, target, list(spec.choices))
+
+def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
+    """The proposer for a spec and a head, from its kind's module (drafts sampled from q when
+    `sampled` and the kind supports it)."""
+    return proposer_module(head.kind).make_proposer(spec, head, target, sampled)
 
 
 def speculative_decode(spec: TreeSpec, target, proposer, ids, max_new_tokens: int, eos):

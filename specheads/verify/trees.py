@@ -25,6 +25,11 @@ from dataclasses import dataclass
 import torch
 
 
+class SettingsError(ValueError):
+    """Speculation settings that cannot run (a tree, a draft length, a sampling rule); the message
+    names the option to change."""
+
+
 class TreeError(ValueError):
     """A tree description that cannot be turned into a valid token tree."""
 
