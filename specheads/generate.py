@@ -2,7 +2,7 @@
 
 The same prompt is then decoded by plain greedy decoding, so the command proves the speculative
 output identical and reports tau, per-position acceptance and tokens/s for both
-(research/algorithms.md §10). Drafts are a chain (`--tree chain`, the loop in `verify.decode`),
+(docs/algorithms.md §9). Drafts are a chain (`--tree chain`, the loop in `verify.decode`),
 an EAGLE-2 dynamic tree (`--tree eagle2`) or a static tree read from a JSON file holding a
 Medusa-style list of rank paths (`--tree FILE.json`, e.g. `[[0], [1], [0, 0]]`); trees run
 through `verify.tree_decode`.

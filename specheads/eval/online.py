@@ -3,7 +3,7 @@
 For every prompt (and every turn of multi-turn rows) the target decodes greedily three ways with
 the same budget: plain, speculative with the exported EAGLE-3 draft, and speculative with the
 n-gram (prompt lookup) baseline. The speculative outputs must equal plain decoding token for
-token. Counts are summed over all prompts and turns before any ratio (research/algorithms.md §10).
+token. Counts are summed over all prompts and turns before any ratio (docs/algorithms.md §9).
 
 `specheads eval --target T --draft EXPORT_DIR --prompts FILE --out DIR` writes
 DIR/metrics.json and DIR/outputs.jsonl. The draft proposes a chain by default; `--tree eagle2`

@@ -1,9 +1,9 @@
 """Checks an export folder against the loader contracts in `contract_rules` (vLLM 0.33, SGLang 0.5.23).
 
-The tables encode research/vllm_contract.md (§1.2, §3, §7, §12) and research/sglang_contract.md
-(§1, §3, §6.6, "What an exporter must write" B). The engines are fail-silent on many of these rules
-(a missing EAGLE-3 tensor stays uninitialised, a misnamed one is dropped), so every export is checked
-here before it is renamed into place. `validate` reports every violation at once.
+The tables encode docs/engines.md (§2.2-2.4 for vLLM, §3.1-3.2 for SGLang). The engines are
+fail-silent on many of these rules (a missing EAGLE-3 tensor stays uninitialised, a misnamed one
+is dropped), so every export is checked here before it is renamed into place. `validate` reports
+every violation at once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The loader contracts of vLLM 0.33 and SGLang 0.5.23 as data: tensors, config keys, per format.
 
-Encodes research/vllm_contract.md (§1.2, §3, §7, §12) and research/sglang_contract.md (§1, §3,
-§6.6, "What an exporter must write" B). `specheads.export.contract` checks a folder against them.
+Encodes docs/engines.md (§2.2-2.5 for vLLM, §3.1-3.2 for SGLang). `specheads.export.contract`
+checks a folder against them.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class FormatContract:
     tensors: tuple[TensorRule, ...]
 
 
-# vllm_contract.md §3.2 / §12; sglang_contract.md §3.3 / B. Names are bare (no `model.`).
+# docs/engines.md §2.2, §3.1. Names are bare (no `model.`).
 EAGLE3_TENSORS = (
     TensorRule("fc.weight", ("Hd", "n_aux*H")),
     TensorRule("{layer}self_attn.q_proj.weight", ("nh*hd", "2*Hd")),
@@ -176,7 +176,7 @@ CONTRACTS = {
         -1, 0, SGLANG_KEYS, EAGLE3_TENSORS),
 }
 
-# --- EAGLE-1 (vllm_contract.md §2, "EAGLE-1"; sglang_contract.md §2, A) ------------------------
+# --- EAGLE-1 (docs/engines.md §2.4, §3.2) ------------------------
 EAGLE1_TENSORS = (
     TensorRule("fc.weight", ("Hd", "2*Hd")),
     TensorRule("{layer}self_attn.q_proj.weight", ("nh*hd", "Hd")),
@@ -205,7 +205,7 @@ EAGLE1_SGLANG_KEYS = EAGLE1_COMMON_KEYS + (
     KeyRule("architectures", "equals", ["LlamaForCausalLMEagle"]),
 )
 
-# --- Medusa (vllm_contract.md §4: vLLM <= 0.32; the original Medusa layout) -------------------
+# --- Medusa (docs/engines.md §2.5: vLLM <= 0.32; the original Medusa layout) -------------------
 # Tensor rules depend on num_heads / num_layers / bias: `export.medusa.tensor_rules` expands them.
 MEDUSA_VLLM_KEYS = (
     KeyRule("architectures", "equals", ["MedusaModel"]),

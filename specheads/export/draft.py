@@ -1,8 +1,8 @@
 """Draft-model export: an ordinary HF folder (config.json, model.safetensors, the target's tokenizer
 files) that AutoModelForCausalLM, vLLM (`method: draft_model`) and SGLang (`STANDALONE`) load.
 
-Both engines require the target's vocabulary size and tokenizer (vllm_contract.md "draft_model",
-sglang_contract.md F); the check compares the exported tokenizer with the training fingerprint.
+Both engines require the target's vocabulary size and tokenizer (docs/engines.md §2.7,
+§3.4); the check compares the exported tokenizer with the training fingerprint.
 """
 
 from __future__ import annotations

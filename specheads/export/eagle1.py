@@ -1,5 +1,5 @@
 """EAGLE-1 writers, contract check and loader: vLLM 0.33 (`method: eagle`) and SGLang 0.5.23
-(`LlamaForCausalLMEagle`), research/vllm_contract.md §2 and research/sglang_contract.md §2 / A.
+(`LlamaForCausalLMEagle`), docs/engines.md §2.4 and §3.2.
 
 Both read a Llama config and bare `fc.*` / `layers.0.*` names, no input norm on layer 0, no final
 norm, no lm_head. They differ on the fc bias: vLLM builds fc without one (a trained bias would be

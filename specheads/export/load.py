@@ -24,7 +24,7 @@ from specheads.export.contract_rules import (
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from specheads.target import TargetError, check_fingerprint
 
-# engine default for norm_before_residual when config.json omits it (vllm_contract.md §3.1, §7.2)
+# engine default for norm_before_residual when config.json omits it (docs/engines.md §2.2, §2.3)
 RESIDUAL_DEFAULT = {"vllm": True, "vllm-native": False, "sglang": False}
 
 
@@ -150,8 +150,8 @@ def load_eagle3(meta: ExportMeta, attn_implementation: str = "sdpa", check: bool
 
 
 # --- folders written by other trainers: speculators, SpecForge / SGLang, plain vLLM ------------
-# No specheads.json: the folder is read the way the engines read it (vllm_contract.md §3, §7;
-# sglang_contract.md §3, §6), every option the head cannot run is refused by name.
+# No specheads.json: the folder is read the way the engines read it (docs/engines.md §2.2,
+# §2.3, §3.1), every option the head cannot run is refused by name.
 LEGACY_NAMES = (("midlayer.", "layers.0."), ("aux_norm_low.", "fc_norm.0."),
                 ("aux_norm_mid.", "fc_norm.1."), ("aux_norm_high.", "fc_norm.2."))
 DROPPED = {"embed_tokens.weight", "t2d", "verifier_norm.weight", "verifier_lm_head.weight"}
@@ -201,7 +201,7 @@ def _resolved_layer(layer: dict, folder: Path):
 
 
 def _foreign_aux(cfg: dict, fmt: str, num_target_layers: int | None, folder: Path) -> list[int]:
-    """Aux-layer ids in specheads (= vLLM) numbering; SGLang ids are one lower (sglang_contract §3.5)."""
+    """Aux-layer ids in specheads (= vLLM) numbering; SGLang ids are one lower (docs/engines.md §1)."""
     eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     if fmt == "sglang":
         if eagle.get("use_aux_hidden_state", True) is False:

@@ -3,7 +3,7 @@
 "medusa": config.json with medusa_num_heads / medusa_num_layers / base_model_name_or_path and
 `medusa_lm_head.safetensors` holding `{k}.{l}.linear.{weight,bias}` (block l of head k) and
 `{k}.{L}.weight` (its output layer); the original blocks always carry a bias, so a head trained
-without one gets exact zeros. "vllm-0.32": `MedusaModel` (research/vllm_contract.md §4) with
+without one gets exact zeros. "vllm-0.32": `MedusaModel` (docs/engines.md §2.5) with
 `blocks.{k}.layers.{l}.weight` (+ `.bias` with medusa_fc_bias) and `lm_heads.{k}.weight`.
 vLLM 0.33 removed Medusa and SGLang 0.5.23 has no Medusa loader: those formats are refused.
 """

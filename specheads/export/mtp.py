@@ -1,5 +1,5 @@
 """MTP export: the trained modules written into a copy of the target checkpoint, where the engines
-read the target family's own MTP layers (vllm_contract.md §6, sglang_contract.md §4 / C).
+read the target family's own MTP layers (docs/engines.md §2.6, §3.3).
 
 DeepSeek-V3 / GLM-4 MoE: `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head}`
 plus the decoder block under the target's own layer names, counted by `num_nextn_predict_layers`.

@@ -1,7 +1,7 @@
 """Serve commands and the README.md of an export folder: how to run it in vLLM 0.33 or SGLang 0.5.23.
 
 Commands pass the method explicitly: vLLM only guesses EAGLE-3 from a path containing "eagle3"
-(research/vllm_contract.md §1.1), and SGLang needs the algorithm flag anyway.
+(docs/engines.md §2.1), and SGLang needs the algorithm flag anyway.
 """
 
 from __future__ import annotations

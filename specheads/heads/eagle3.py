@@ -1,6 +1,6 @@
 """EAGLE-3 draft head: fused low/mid/high target features, one Llama-style layer, TTT training.
 
-Semantics follow what vLLM and SGLang run (research/algorithms.md §5): residual = fc output
+Semantics follow what vLLM and SGLang run (docs/algorithms.md §5): residual = fc output
 (or hidden_norm(fc output) with norm_before_residual), qkv read [input_layernorm(emb);
 hidden_norm(h)], logits = lm_head(norm(out)), and the pre-norm `out` is carried to the next step.
 """
@@ -233,7 +233,7 @@ class Eagle3Head(nn.Module):
         return self.train_forward(**inputs)
 
     def train_forward(self, aux, embeds, target_logits, loss_mask, attention_mask) -> HeadOutput:
-        """Unrolled TTT over `ttt_steps` (algorithms.md §5.3).
+        """Unrolled TTT over `ttt_steps` (docs/algorithms.md §5).
 
         aux [B, T, n*Ht] target features at x_<=i; embeds [B, T, H] of x_i; target_logits
         [B, T, V] (position i predicts x_{i+1}); loss_mask, attention_mask [B, T].

@@ -1,4 +1,4 @@
-"""Medusa-2: Medusa heads trained jointly with LoRA adapters on the target (research/algorithms.md §1.3-1.4).
+"""Medusa-2: Medusa heads trained jointly with LoRA adapters on the target (docs/algorithms.md §2).
 
 Loss = the Medusa-1 heads' loss on the *adapted* target's final-normed state
 + distill_weight * KL(target with adapters off || target with adapters on) on the supervised rows

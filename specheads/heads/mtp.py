@@ -2,8 +2,8 @@
 
 Module k: out = block_k(eh_proj_k([enorm_k(E(x)); hnorm_k(h)])), logits = lm_head(norm_k(out)),
 with the target's own decoder-layer class as `block`, and the target's embedding and output head
-shared (research/algorithms.md §6). Step 0 reads the target's final-normed state; step j > 0
-reads step j-1's post-norm state (what vLLM and SGLang carry, vllm_contract.md §6.2). Each step
+shared (docs/algorithms.md §6). Step 0 reads the target's final-normed state; step j > 0
+reads step j-1's post-norm state (what vLLM and SGLang carry, docs/engines.md §2.6). Each step
 is trained teacher-forced with a causal mask over its own rows (the paper's objective), which the
 verifier's MTP proposer reproduces exactly while the drafts are right.
 """
