@@ -15,11 +15,12 @@ def _train(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from specheads.export import export
+    from specheads.export import ALL_FORMATS, export
 
     p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
     p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
-    p.add_argument("--format", required=True, choices=["vllm", "vllm-native", "sglang", "vllm-0.32", "medusa"])
+    p.add_argument("--format", required=True, choices=ALL_FORMATS,
+                   help="the formats the export writers declare (each kind accepts some of them)")
     p.add_argument("--out", required=True, help="export folder (written atomically); an existing folder is "
                    "replaced only when it is an earlier export")
     p.add_argument("--overwrite", action="store_true",

@@ -290,7 +290,8 @@ def _check_aux_against_head(cfg: dict, contract: FormatContract, head: dict) -> 
     want = [a + contract.aux_offset for a in head["aux_layers"]]
     if ids is MISSING or ids == want:
         return []
-    other_offset, other = (-1, "SGLang") if contract.aux_offset == 0 else (0, "vLLM")
+    other_fmt, other = ("sglang", "SGLang") if contract.engine != "sglang" else ("vllm", "vLLM")
+    other_offset = contract_for(other_fmt, contract.kind).aux_offset
     engine = ENGINE_NAMES[contract.engine]
     swapped = ids == [a + other_offset for a in head["aux_layers"]]
     hint = f"these are the ids in {other} numbering; " if swapped else ""

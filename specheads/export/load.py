@@ -208,7 +208,8 @@ def _foreign_aux(cfg: dict, fmt: str, num_target_layers: int | None, folder: Pat
             raise ForeignDraftError(folder, "eagle_config.use_aux_hidden_state is false: a draft fed only the "
                                     "final hidden state is not an EAGLE-3 head")
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        ids = None if ids is None else [i + 1 for i in ids]
+        offset = contract_for("sglang", "eagle3").aux_offset  # SGLang numbering (docs/engines.md §1)
+        ids = None if ids is None else [i - offset for i in ids]
     else:
         ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
