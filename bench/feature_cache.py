@@ -29,7 +29,8 @@ from specheads.data.features import capture, read_manifest
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import Checkpoint
 from specheads.target import Target
-from specheads.train import prepare_samples, train
+from specheads.data.samples import prepare_samples
+from specheads.train import train
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo" / "eagle3.yaml"
 

@@ -85,7 +85,7 @@ def exported_head(ckpt: Path, out: Path, kind: str, target):
     the checkpoint itself, labelled as such."""
     from specheads.export import WRITERS, ExportRefused, export
     from specheads.export.checkpoint import Checkpoint
-    from specheads.generate import load_checked_draft
+    from specheads.export import load_checked_draft
 
     if kind not in WRITERS:
         raise ValueError(f"head kind '{kind}' has no exporter")

@@ -6,7 +6,7 @@
 Each prompt (its first turn, chat-rendered) is decoded plainly (the reference), with chains of
 k = 1..8 drafts, a static tree, EAGLE-2 trees at a few budgets, and the n-gram baseline; every
 speculative output is checked equal to plain greedy decoding. Counts and seconds are summed over
-prompts before any ratio (research/algorithms.md §10). Writes DIR/verifier.json and
+prompts before any ratio (docs/algorithms.md §9). Writes DIR/verifier.json and
 DIR/verifier.md (a Markdown table).
 
 On a GPU (`--device auto` picks one when present) the target and the head run in bfloat16 at
@@ -28,7 +28,8 @@ import torch
 
 from specheads.atomic import write_json, write_text
 from specheads.eval.online import encode_chat, eos_ids, read_prompts
-from specheads.generate import default_dtype, load_checked_draft
+from specheads.export import load_checked_draft
+from specheads.target import default_dtype
 from specheads.verify.settings import (
     TreeSpec, check_tree_fits, make_proposer, make_tree_spec, speculative_decode,
 )

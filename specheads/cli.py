@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from specheads.errors import DEBUG_ENV, run_verb
 
@@ -15,11 +17,12 @@ def _train(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from specheads.export import export
+    from specheads.export import ALL_FORMATS, export
 
     p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
     p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
-    p.add_argument("--format", required=True, choices=["vllm", "vllm-native", "sglang", "vllm-0.32", "medusa"])
+    p.add_argument("--format", required=True, choices=ALL_FORMATS,
+                   help="the formats the export writers declare (each kind accepts some of them)")
     p.add_argument("--out", required=True, help="export folder (written atomically); an existing folder is "
                    "replaced only when it is an earlier export")
     p.add_argument("--overwrite", action="store_true",
@@ -41,10 +44,77 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-def _eval(argv: list[str]) -> int:
-    from specheads.eval.online import main
+def _eval_parser() -> argparse.ArgumentParser:
+    from specheads.cli_options import add_sampling_arguments, add_tree_arguments
 
-    return main(argv)
+    p = argparse.ArgumentParser(prog="specheads eval", description=(
+        "Decode prompts with the target alone and with an exported draft; check the outputs are "
+        "identical and report tau, per-position acceptance, cost ratio and speed-up."))
+    p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
+    p.add_argument("--draft", required=True, help="export folder written by `specheads export`")
+    p.add_argument("--prompts", help="jsonl with 'prompt' or 'turns' per row (online mode)")
+    p.add_argument("--offline", action="store_true", help="teacher-forced acceptance on --data, no generation")
+    p.add_argument("--data", help="held-out conversations (any training data format) for --offline")
+    p.add_argument("--no-predict", action="store_true", help="skip the step-cost measurement and prediction")
+    p.add_argument("--verifier-json", help="bench/verifier.py's verifier.json: plot measured speed-ups")
+    p.add_argument("--bench-json", help="server load test JSON: plot throughput over concurrency")
+    p.add_argument("--attach", action="store_true",
+                   help="also copy metrics, report and plots into the export and its README (for push)")
+    p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_tree_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+def _eval(argv: list[str]) -> int:
+    p = _eval_parser()
+    a = p.parse_args(argv)
+    if a.offline:
+        return _eval_offline(a)
+    if not a.prompts:
+        p.error("--prompts is required (or --offline --data FILE)")
+    return _eval_online(a)
+
+
+def _eval_offline(a: argparse.Namespace) -> int:
+    """`eval --offline`: teacher-forced acceptance on held-out conversations."""
+    from specheads.eval.offline import evaluate_offline
+
+    if not a.data:
+        raise ValueError("--offline needs --data FILE (held-out conversations)")
+    m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit)
+    acc = " / ".join(f"{x:.2f}" for x in m["offline"]["acc_cond"])
+    print(f"offline tau {m['tau_est']:.3f} over {m['offline']['samples']} samples, conditional acceptance "
+          f"{acc}; simulated tau {json.dumps({k: round(v, 2) for k, v in m['simulated_tau']['chain'].items()})} "
+          f"-> {Path(a.out) / 'metrics.json'}")
+    return 0
+
+
+def _eval_online(a: argparse.Namespace) -> int:
+    """`eval`: decode the prompts plainly and speculatively; exit 1 when the outputs differ."""
+    from specheads.cli_options import sampling_from_args, spec_from_args
+    from specheads.eval.online import evaluate
+    from specheads.eval.predict import advice_summary
+
+    tree = spec_from_args(a)
+    m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit,
+                 tree=None if tree.kind == "chain" else tree,
+                 sampling=sampling_from_args(a), predict=not a.no_predict,
+                 verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet)
+    d, n = m["speculative"], m["ngram"]
+    label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
+    print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
+          f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
+          f"greedy_equal={m['greedy_equal']}{'' if m['lossless'] else ' LOSSY (typical acceptance)'}"
+          f" -> {Path(a.out) / 'metrics.json'}")
+    if m.get("draft_warning"):
+        print(m["draft_warning"], file=sys.stderr)
+    if m.get("advice"):
+        print(f"recommended: {advice_summary(m['advice'])} -> {Path(a.out) / 'report.md'}")
+    return 1 if m["greedy_equal"] is False else 0
 
 
 def _generate(argv: list[str]) -> int:

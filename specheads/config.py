@@ -12,33 +12,9 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A recipe or override that does not fit the schema; the message names the key."""
-
-
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, hint: str = "") -> Any:
-    """A dataclass field whose value `from_dict` checks against ge / gt / le (None: no bound)."""
-    return field(default=default, metadata={"bounds": (ge, gt, le), "hint": hint})
-
-
-def check_bounds(obj: Any, where: str) -> None:
-    """Every `bounded` field of dataclass `obj` within its range, or a ConfigError naming it."""
-    for f in dataclasses.fields(obj):
-        if "bounds" not in f.metadata:
-            continue
-        value = getattr(obj, f.name)
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        ge, gt, le = f.metadata["bounds"]
-        rule = next((r for r, bad in ((f">= {ge}", ge is not None and not value >= ge),
-                                      (f"> {gt}", gt is not None and not value > gt),
-                                      (f"<= {le}", le is not None and not value <= le)) if bad), None)
-        if rule is None and value == value:  # NaN fails every comparison
-            continue
-        hint = f" ({f.metadata['hint']})" if f.metadata.get("hint") else ""
-        raise ConfigError(f"{where}.{f.name} = {value!r}: must be {rule or 'a number'}{hint}")
+from specheads.bounds import ConfigError, bounded, check_bounds
+from specheads.heads import head_options_class
+from specheads.schedule import SCHEDULES
 
 
 @dataclass
@@ -96,8 +72,6 @@ class TrainConfig:
     shard_target: bool = False  # FSDP2-shard the frozen target's decoder layers over the processes
 
     def __post_init__(self):
-        from specheads.schedule import SCHEDULES
-
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule '{self.schedule}': expected one of {', '.join(SCHEDULES)}")
         if self.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false

@@ -14,6 +14,18 @@ import time
 from pathlib import Path
 
 from specheads.atomic import check_output, write_json, write_text
+from specheads.builtin.stdlib import MAX_PROMPT_CHARS, write_demo_data
+from specheads.builtin.tiny_target import cached_tiny_target
+from specheads.config import load_recipe
+from specheads.data.conversations import read_conversations
+from specheads.data.regenerate import regenerate_local
+from specheads.eval.offline import check_parity
+from specheads.eval.online import evaluate
+from specheads.eval.predict import sglang_flags
+from specheads.export import export
+from specheads.export.checkpoint import Checkpoint
+from specheads.target import Target
+from specheads.train import train
 
 DEFAULT_RECIPE = Path("recipes/demo/eagle3.yaml")
 
@@ -35,11 +47,6 @@ def regenerated_data(run: Path, target_dir: Path, count: int, max_new_tokens: in
 
     Reused while it was made by the same target (fingerprint) with the same settings.
     """
-    from specheads.builtin.stdlib import MAX_PROMPT_CHARS
-    from specheads.data.conversations import read_conversations
-    from specheads.data.regenerate import regenerate_local
-    from specheads.target import Target
-
     data = run / "data"
     out, info_path = data / "train_regen.jsonl", data / "train_regen.json"
     target = Target.load(str(target_dir))
@@ -66,8 +73,6 @@ def stage(what: str) -> None:
 
 
 def demo_recipe(recipe_path: Path, run: Path, train_file: Path, extra: list[str]):
-    from specheads.config import load_recipe
-
     overrides = [f"target.path={run / 'target'}", f"data.train=[{train_file}]",
                  f"train.output_dir={run / 'checkpoint'}", *extra]
     return load_recipe(recipe_path if recipe_path.is_file() else None, overrides)
@@ -83,12 +88,6 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
              limit: int | None = None, overrides: list[str] = (), preset: str = "default",
              module_limit: int | None = None, regenerate: int = 2000) -> dict:
     """Run every stage; returns the summary written to RUN/demo_summary.json."""
-    from specheads.builtin.stdlib import write_demo_data
-    from specheads.builtin.tiny_target import cached_tiny_target
-    from specheads.eval.online import evaluate
-    from specheads.export import export
-    from specheads.train import train
-
     check_output(run, is_demo_run, "a demo run folder", "choose another --run, or move or remove it yourself")
     run.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -130,10 +129,6 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
 
 def demo_parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
     """Offline tau of the training checkpoint vs the online tau of its vLLM export (same prompts)."""
-    from specheads.eval.offline import check_parity
-    from specheads.export.checkpoint import Checkpoint
-    from specheads.target import Target
-
     result = check_parity(Target.load(str(target_dir)), Checkpoint(ckpt).build_head(), eval_dir)
     write_json(eval_dir / "parity.json", result)
     return {k: v for k, v in result.items() if k != "offline"}
@@ -179,8 +174,6 @@ def print_summary(summary: dict) -> None:
                       f"{t['heldout_text_loss']:.3f} (module text) / {t['heldout_assistant_loss']:.3f} (assistant tokens)")
     adv = m.get("advice")
     if adv:
-        from specheads.eval.predict import advice_summary
-
         console.print(f"recommended: {advice_summary(adv)}", soft_wrap=True, markup=False, highlight=False)
     console.print("timings (s): " + json.dumps(summary["timings"]))
     for fmt, folder in summary["exports"].items():

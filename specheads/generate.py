@@ -2,7 +2,7 @@
 
 The same prompt is then decoded by plain greedy decoding, so the command proves the speculative
 output identical and reports tau, per-position acceptance and tokens/s for both
-(research/algorithms.md §10). Drafts are a chain (`--tree chain`, the loop in `verify.decode`),
+(docs/algorithms.md §9). Drafts are a chain (`--tree chain`, the loop in `verify.decode`),
 an EAGLE-2 dynamic tree (`--tree eagle2`) or a static tree read from a JSON file holding a
 Medusa-style list of rank paths (`--tree FILE.json`, e.g. `[[0], [1], [0, 0]]`); trees run
 through `verify.tree_decode`.
@@ -25,39 +25,29 @@ import sys
 import time
 from pathlib import Path
 
+from specheads.cli_options import add_sampling_arguments, add_tree_arguments, sampling_from_args, spec_from_args
+from specheads.eval.online import encode_chat, eos_ids
+from specheads.export import load_checked_draft
+from specheads.metrics import broken_draft_warning
+from specheads.target import Target, default_dtype
+from specheads.verify.decode import greedy_decode
+from specheads.verify.sampling import check_warp
 from specheads.verify.settings import (
-    GenerateError, Sampling, TreeSpec, add_sampling_arguments, add_tree_arguments,
-    check_acceptance, check_tree_fits, make_proposer, sampled_decode, sampling_from_args,
-    spec_from_args, speculative_decode, with_default_k,
+    Sampling, TreeSpec, check_acceptance, check_tree_fits, make_proposer, sampled_decode, speculative_decode,
+    with_default_k,
 )
-
-# --- loading -------------------------------------------------------------------------------------
-
-
-def default_dtype(device: str) -> str:
-    """bfloat16 on a GPU, float32 elsewhere (tiny CPU targets gain nothing from bf16)."""
-    from specheads.target import resolve_device
-
-    return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
+from specheads.verify.text import StreamingProposer, TextStream, writer
 
 
-def load_checked_draft(draft_dir: str | Path, target):
-    """The exported head on the target's device and dtype, and its meta; refuses another target's."""
-    from specheads.export import load_with_meta
+class GenerateError(ValueError):
+    """Arguments `specheads generate` cannot run with (the message says what to change)."""
 
-    folder = Path(draft_dir)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
-                                "written by `specheads export`")
-    head, meta = load_with_meta(folder)
-    meta.check_target(target)
-    return head.to(device=target.device, dtype=target.dtype).eval(), meta
+
+# --- the prompt ----------------------------------------------------------------------------------
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     """The prompt as ids: rendered as one user turn with the chat template, or raw."""
-    from specheads.eval.online import encode_chat
-
     if not text or not text.strip():
         raise GenerateError("the prompt is empty: pass some text with --prompt")
     if not chat:
@@ -66,79 +56,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
         raise GenerateError("the target's tokenizer has no chat template: pass --no-chat to feed "
                             "the prompt as raw text")
     return encode_chat(tokenizer, [{"role": "user", "content": text}])
-
-
-# --- streaming -----------------------------------------------------------------------------------
-
-
-class TextStream:
-    """Decodes a growing token list and writes only the new text (held back mid-character)."""
-
-    def __init__(self, tokenizer, out=None):
-        self.tokenizer, self.out = tokenizer, out or sys.stdout
-        self.tokens: list[int] = []
-        self.printed = ""
-
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-
-    def push(self, tokens: list[int], final: bool = False) -> None:
-        """Add tokens; write the text they complete (all of it when `final`)."""
-        self.tokens.extend(int(t) for t in tokens)
-        text = self._text()
-        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character
-            return
-        if text.startswith(self.printed):
-            self.out.write(text[len(self.printed):])
-        else:  # a merge changed earlier text: print the rest from where the two agree
-            common = len(_common_prefix(text, self.printed))
-            self.out.write(text[common:])
-        self.out.flush()
-        self.printed = text
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
-
-
-class StreamingProposer:
-    """Wraps a proposer so every verified token reaches a TextStream as soon as it is known.
-
-    The loops hand each step's emitted tokens to `accept` (and the prefill's token to `start`),
-    so streaming needs no change to them; the last step's tokens, which no `accept` sees, are
-    written by `finish` from the result. `seconds` (time spent decoding and writing text) is
-    taken off the speculative wall time so that tokens/s compare fairly with plain decoding.
-    """
-
-    def __init__(self, inner, stream: TextStream):
-        self.inner, self.stream = inner, stream
-        self.sent = 0
-        self.seconds = 0.0
-
-    def __getattr__(self, name):  # layers, propose, propose_tree, max_nodes, ...
-        return getattr(self.inner, name)
-
-    def start(self, prompt_ids, first_token, out) -> None:
-        self._send([int(first_token)])
-        self.inner.start(prompt_ids, first_token, out)
-
-    def accept(self, inputs, following, out, start) -> None:
-        self._send(following.reshape(-1).tolist())
-        self.inner.accept(inputs, following, out, start)
-
-    def _send(self, tokens: list[int]) -> None:
-        t0 = time.perf_counter()
-        self.sent += len(tokens)
-        self.stream.push(tokens)
-        self.seconds += time.perf_counter() - t0
-
-    def finish(self, result_tokens: list[int]) -> None:
-        """Write whatever the result holds beyond what was streamed."""
-        self.stream.push(result_tokens[self.sent:], final=True)
-        self.sent = len(result_tokens)
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -165,8 +82,6 @@ def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
              if sampling.lossless else
              f"sampled ({sampling.label()}), LOSSY: typical acceptance, not distributed like "
              "the target's samples")
-    from specheads.metrics import broken_draft_warning
-
     warning = broken_draft_warning(s)
     lines = [
         f"draft: {spec.label()}  tau={s['tau']:.3f}  acceptance per position: {acc}",
@@ -185,8 +100,6 @@ def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
 
 def warm_up(target, proposer_factory, spec: TreeSpec, eos) -> None:
     """One short untimed decode each way so first-call overheads stay out of the timings."""
-    from specheads.verify.decode import greedy_decode
-
     greedy_decode(target, [0, 1, 2, 3], 4)
     speculative_decode(spec, target, proposer_factory(), [0, 1, 2, 3], 4, eos)
 
@@ -205,8 +118,6 @@ def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export "
                                 "folder written by `specheads export`")
     if not sampling.greedy:
-        from specheads.verify.sampling import check_warp
-
         check_warp(sampling.temperature, sampling.top_p, 0)
     check_acceptance(sampling)
 
@@ -214,7 +125,7 @@ def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling
 def stream_decode(spec, target, head, ids, max_new_tokens, eos, sampling, out):
     """The speculative decode, its text streamed to `out` -> (result, seconds spent streaming)."""
     proposer = StreamingProposer(make_proposer(spec, head, target, not sampling.greedy),
-                                 TextStream(target.tokenizer, out))
+                                 TextStream(target.tokenizer, writer(out)))
     if sampling.greedy:
         result = speculative_decode(spec, target, proposer, ids, max_new_tokens, eos)
     else:
@@ -232,10 +143,6 @@ def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
                  sampling: Sampling = Sampling()) -> dict:
     """Stream the speculative decode of `prompt` to `out`, then compare it with plain decoding
     (greedy: token for token; sampled: speed only)."""
-    from specheads.eval.online import eos_ids
-    from specheads.target import Target
-    from specheads.verify.decode import greedy_decode
-
     out, err = out or sys.stdout, err or sys.stderr
     check_inputs(draft_dir, prompt, max_new_tokens, sampling, device)
     target = Target.load(target_path, dtype=dtype or default_dtype(device), device=device)

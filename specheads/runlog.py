@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specheads.config import Recipe, to_dict
+from specheads.metrics import ttt_summary
 
 
 def peak_memory_gib(device) -> float:
@@ -86,8 +87,6 @@ def _format_log(r: dict) -> str:
 
 def window_record(accelerator, window: dict, step: int, lr: float) -> dict:
     """Reduce one logging window over ranks: counts summed before ratios, loss averaged."""
-    from specheads.metrics import ttt_summary
-
     dev = accelerator.device
     counts = accelerator.reduce(window["counts"], reduction="sum").tolist()
     loss = accelerator.reduce(torch.tensor(window["loss"] / window["n"], device=dev), "mean").item()

@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specheads.builtin.tiny_target import cached_tiny_target
+from specheads.hf_compat import cache_kwargs
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,8 +34,6 @@ class TargetOutput:
 def resolve_target_path(path: str) -> Path:
     """`builtin:tiny` (or `builtin:PRESET`) -> the cached embedded target, built on first use."""
     if path.startswith("builtin:"):
-        from specheads.builtin.tiny_target import cached_tiny_target
-
         preset = path.split(":", 1)[1]
         return cached_tiny_target("default" if preset in ("", "tiny") else preset)
     folder = Path(path).expanduser()
@@ -84,6 +85,11 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise TargetError(f"device '{device}': only {torch.cuda.device_count()} CUDA device(s) visible")
     return dev
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on a GPU, float32 elsewhere (tiny CPU targets gain nothing from bf16)."""
+    return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
 
 
 class Target:
@@ -189,8 +195,6 @@ class Target:
     def forward(self, input_ids: torch.Tensor, layers: list[int] = (), attention_mask=None,
                 position_ids=None, cache=None, use_cache: bool = False) -> TargetOutput:
         """input_ids [B, T] -> logits [B, T, V] + hidden states at `layers` (each [B, T, H])."""
-        from specheads.hf_compat import cache_kwargs
-
         with self._taps(list(layers)) as store, self._final_tap() as final:
             out = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

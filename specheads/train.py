@@ -23,9 +23,24 @@ from pathlib import Path
 
 import torch
 
+from specheads.atomic import write_text
 from specheads.config import Recipe, TrainConfig, check_recipe_inputs, load_recipe, to_dict
+from specheads.data.features import feature_source
+from specheads.data.samples import prepare_samples, split_samples
+from specheads.data.tokenize import collate
+from specheads.data.vocab_stats import load_vocab_stats
+from specheads.eval.offline import offline_acceptance
+from specheads.export.checkpoint import (
+    Checkpoint, latest_checkpoint, load_strict, resume_hint, save_checkpoint,
+)
+from specheads.heads import head_class
+from specheads.heads.losses import COUNT_KEYS
+from specheads.heads.vocab import build_vocab_map, count_tokens
+from specheads.protocols import InitFromTarget, ReducedVocab
+from specheads.provenance import provenance
 from specheads.runlog import RunLog, new_window, window_record
-from specheads.schedule import BatchPlan, lr_factor, validation_split
+from specheads.schedule import BatchPlan, lr_factor
+from specheads.target import Target, check_fingerprint
 
 
 class TrainError(ValueError):
@@ -49,42 +64,13 @@ def check_export_compat(recipe: Recipe) -> None:
             )
 
 
-def prepare_samples(recipe: Recipe, tokenizer, report=print):
-    """Read and tokenise the recipe's training data (assistant-only loss masks, verified)."""
-    from specheads.data.conversations import read_conversations
-    from specheads.data.tokenize import TokenizeStats, tokenize_all
-
-    if not recipe.data.train:
-        raise TrainError("data.train is empty: list at least one dataset file or folder")
-    convs = []
-    for source in recipe.data.train:
-        rows, stats = read_conversations(source, fmt=recipe.data.format,
-                                         skip_malformed=recipe.data.skip_malformed)
-        convs.extend(rows)
-        skipped = f", skipped {stats.skipped} malformed (e.g. {stats.reasons[0]})" if stats.skipped else ""
-        report(f"[specheads] {source}: {stats.kept} of {stats.read} rows ({stats.format}){skipped}")
-    tstats = TokenizeStats()
-    samples = tokenize_all(tokenizer, convs, recipe.data.max_length, end_of_turn=recipe.data.end_of_turn,
-                           stats=tstats)
-    report(f"[specheads] tokenised {tstats.kept} samples (max_length {recipe.data.max_length}): "
-           f"{tstats.truncated} truncated, {tstats.dropped} dropped with no supervised token left")
-    if not samples:
-        raise TrainError("no training sample has a supervised token after tokenisation")
-    return samples
-
-
 def build_head(recipe: Recipe, target, samples):
     """Head sized from the target, with its draft vocabulary from supervised-token frequencies."""
-    from specheads.heads import head_class
-    from specheads.heads.vocab import build_vocab_map, count_tokens
-
     head = head_class(recipe.head.kind).for_target(recipe.head, target.config)
-    if hasattr(head, "init_from_target"):  # e.g. Medusa output layers start as the target's head
+    if isinstance(head, InitFromTarget):  # e.g. Medusa output layers start as the target's head
         head.init_from_target(target)
-    if hasattr(head, "set_vocab_map"):
+    if isinstance(head, ReducedVocab):
         if recipe.data.vocab_stats:
-            from specheads.data.vocab_stats import load_vocab_stats
-
             counts = load_vocab_stats(recipe.data.vocab_stats, target)
         else:
             counts = count_tokens(samples, target.vocab_size)
@@ -94,8 +80,6 @@ def build_head(recipe: Recipe, target, samples):
 
 
 def make_batch(samples, idx, pad_id, device):
-    from specheads.data.tokenize import collate
-
     return {k: v.to(device) for k, v in collate([samples[i] for i in idx], pad_id).items()}
 
 
@@ -182,8 +166,6 @@ def shard_target(target, device) -> None:
 
 def load_target(accelerator, recipe: Recipe):
     """The frozen target, whole on every process (a ZeRO-3 launch would partition it on load)."""
-    from specheads.target import Target
-
     sharded = recipe.train.shard_target and accelerator.num_processes > 1
 
     def load():
@@ -246,8 +228,6 @@ def state_digest(state: dict) -> str:
 def save(accelerator, model, optim, sched, out_dir: Path, step: int, recipe: Recipe, prov: dict,
          trainer_state: dict):
     """Checkpoint on all ranks: gathered full head weights, per-rank optimizer and RNG shards."""
-    from specheads.export.checkpoint import save_checkpoint
-
     from accelerate.utils import broadcast_object_list, gather_object
 
     full = full_state(accelerator, model)
@@ -300,8 +280,6 @@ def restore(accelerator, optim, sched, ckpt_dir: Path, saved_world: int) -> None
 
 def truncate_metrics(log_path: Path, step: int) -> None:
     """Drop records a killed run logged after its last checkpoint, so the log reads as one run."""
-    from specheads.atomic import write_text
-
     if not log_path.is_file():
         return
     keep = []
@@ -319,8 +297,6 @@ def validate(accelerator, model, evaluator, target, val_samples, batch_size: int
     """Offline (teacher-forced) tau on the held-out split, from full weights; the main process's
     number counts. With a sharded target every process runs the same forwards (they gather layers
     together); the others may hold stale head weights, their result is discarded."""
-    from specheads.eval.offline import offline_acceptance
-
     full = full_state(accelerator, model)
     tau = None
     if evaluator is not None:
@@ -336,12 +312,6 @@ def train(recipe: Recipe) -> Path:
     """Run (or resume) training; returns the path of the final checkpoint."""
     from accelerate.utils import set_seed
 
-    from specheads.data.features import feature_source
-    from specheads.export.checkpoint import Checkpoint, latest_checkpoint, load_strict, resume_hint
-    from specheads.heads.losses import COUNT_KEYS
-    from specheads.provenance import provenance
-    from specheads.target import check_fingerprint
-
     check_export_compat(recipe)
     check_recipe_inputs(recipe)  # before the slow part
     t = recipe.train
@@ -350,8 +320,7 @@ def train(recipe: Recipe) -> Path:
     set_seed(t.seed)
     target = load_target(accelerator, recipe)
     samples = prepare_samples(recipe, target.tokenizer, report=accelerator.print)
-    train_idx, val_idx = validation_split(len(samples), t.val_samples, t.seed)
-    val_samples, samples = [samples[i] for i in val_idx], [samples[i] for i in train_idx]
+    samples, val_samples = split_samples(recipe, samples)
     head = build_head(recipe, target, samples)
     resume_from = latest_checkpoint(out_dir) if t.resume else None
     start, saved_world = 0, 1

@@ -43,7 +43,7 @@ def prompts_file(tmp_path_factory):
 def local_counts(tiny_target_dir, random_export_dir) -> dict:
     """What the built-in verifier counts for the same prompts, settings and draft length."""
     from specheads.eval.online import encode_chat, eos_ids
-    from specheads.generate import load_checked_draft
+    from specheads.export import load_checked_draft
     from specheads.target import Target
     from specheads.verify.decode import generate
     from specheads.verify.settings import TreeSpec, make_proposer, with_default_k

@@ -31,7 +31,8 @@ from specheads.data.features import (
 )
 from specheads.data.tokenize import collate
 from specheads.target import Target
-from specheads.train import build_head, head_inputs, prepare_samples
+from specheads.data.samples import prepare_samples
+from specheads.train import build_head, head_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "demo" / "eagle3.yaml"

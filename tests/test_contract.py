@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 from specheads.export import ContractError, export, load, validate
 from specheads.export.contract import detect_format, expected_shape
 from specheads.export.contract_rules import CONTRACTS
+from specheads.export.folder import SHA_KEY
+from specheads.integrity import IntegrityError
 from test_export import make_head, save
 
 
@@ -155,12 +157,25 @@ def test_stray_weights_file_and_truncated_weights(folder):
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     msg = violations(folder, "vllm-native")
     assert "pytorch_model.bin" in msg and "model.safetensors: expected a readable safetensors file" in msg
+    with pytest.raises(IntegrityError, match="truncated"):  # the recorded checksum catches it first
+        load(folder)
+    forget_checksums(folder)  # a hand-made folder: the contract itself names the unreadable file
     with pytest.raises(ContractError, match="truncated or corrupt"):
         load(folder)
 
 
+def forget_checksums(folder):
+    """Drop the recorded sha256 table, as in a folder written by an older version or by hand."""
+    meta = json.loads((folder / "specheads.json").read_text())
+    meta.pop(SHA_KEY, None)
+    (folder / "specheads.json").write_text(json.dumps(meta))
+
+
 def test_load_refuses_a_broken_export(folder):
     edit_tensors(folder, lambda t: t.__setitem__("d2t", t["d2t"].float()))
+    with pytest.raises(IntegrityError, match="checksum"):
+        load(folder)
+    forget_checksums(folder)
     with pytest.raises(ContractError, match="d2t"):
         load(folder)
 

@@ -78,6 +78,13 @@ def test_export_loads_back(target, draft_export):
             greedy_decode(target, prompt, 16).tokens
 
 
+def test_export_readme_names_the_method_it_serves_with(draft_export):
+    _, outs = draft_export
+    titles = {fmt: (out / "README.md").read_text().splitlines()[0] for fmt, out in outs.items()}
+    assert "method draft_model" in titles["vllm"] and "speculators" not in titles["vllm"]
+    assert "STANDALONE" in titles["sglang"]
+
+
 def test_export_refuses_other_formats(draft_export, tmp_path):
     from specheads.export.eagle3 import ExportRefused
 

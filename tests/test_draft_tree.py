@@ -20,7 +20,7 @@ from specheads.target import Target
 from specheads.verify.decode import greedy_decode
 from specheads.verify.mtp_proposers import DraftModelTreeProposer, MtpProposer, MtpTreeProposer
 from specheads.verify.sample_decode import sample_tree_generate
-from specheads.verify.settings import GenerateError, TreeSpec, make_proposer
+from specheads.verify.settings import SettingsError, TreeSpec, make_proposer
 from specheads.verify.tree_decode import tree_generate
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
@@ -85,9 +85,9 @@ def test_greedy_tree_output_equals_plain_greedy(target, noise):
 
 
 def test_dynamic_trees_are_refused(target):
-    with pytest.raises(GenerateError, match="draft model cannot grow 'eagle2' trees"):
+    with pytest.raises(SettingsError, match="draft model cannot grow 'eagle2' trees"):
         make_proposer(TreeSpec("eagle2"), draft_head(target), target)
-    with pytest.raises(GenerateError, match="MTP head cannot grow 'eagle2' trees"):
+    with pytest.raises(SettingsError, match="MTP head cannot grow 'eagle2' trees"):
         make_proposer(TreeSpec("eagle2"), mtp_head(make_target()), target)
 
 

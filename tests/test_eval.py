@@ -12,9 +12,9 @@ from specheads.eval.online import (
     alpha_from_tau,
     encode_chat,
     evaluate,
-    main,
     read_prompts,
 )
+from specheads.cli import main as cli
 from specheads.target import Target, TargetError
 
 
@@ -40,8 +40,8 @@ def prompts_file(tmp_path):
 
 def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["--target", str(target_dir), "--draft", str(export_dir), "--prompts",
-               str(prompts_file), "--out", str(out), "--max-new-tokens", "12", "--k", "2"])
+    rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts",
+              str(prompts_file), "--out", str(out), "--max-new-tokens", "12", "--k", "2"])
     assert rc == 0 and "tau=" in capsys.readouterr().out
     m = json.loads((out / "metrics.json").read_text())
     assert m["greedy_equal"] is True and m["mismatched_ids"] == [] and m["k"] == 2
@@ -115,9 +115,9 @@ def test_eval_samples_losslessly_and_reproducibly(target_dir, export_dir, prompt
     """--temperature > 0: seeded speculative sampling; no token equality is claimed."""
     runs = []
     for name in ("a", "b"):
-        rc = main(["--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts_file),
-                   "--out", str(tmp_path / name), "--max-new-tokens", "12", "--temperature", "1.0",
-                   "--top-p", "0.9", "--seed", "7"])
+        rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts_file),
+                  "--out", str(tmp_path / name), "--max-new-tokens", "12", "--temperature", "1.0",
+                  "--top-p", "0.9", "--seed", "7"])
         assert rc == 0
         metrics = json.loads((tmp_path / name / "metrics.json").read_text())
         assert metrics["greedy_equal"] is None and metrics["sampling"] == {"temperature": 1.0, "top_p": 0.9, "seed": 7}

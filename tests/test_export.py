@@ -218,3 +218,15 @@ def test_load_names_a_folder_that_is_no_export(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="config.json: architectures"):
         load(tmp_path)
+
+
+def test_readme_title_names_each_kind_s_own_format():
+    """Only EAGLE-3 in `vllm` is the speculators format; every (kind, format) pair has its title."""
+    from specheads.export import WRITERS
+    from specheads.export.readme import readme_title
+
+    for kind, writer in WRITERS.items():
+        for fmt in writer.FORMATS:
+            title = readme_title(fmt, kind)
+            assert ("speculators" in title) == ((kind, fmt) == ("eagle3", "vllm")), (kind, fmt, title)
+    assert readme_title("sglang", "mtp") == "SGLang 0.5.23, NEXTN"

@@ -16,7 +16,7 @@ import pytest
 
 from specheads.cli import main as cli
 from specheads.eval.online import encode_chat, eos_ids
-from specheads.generate import StreamingProposer, TextStream
+from specheads.verify.text import StreamingProposer, TextStream, writer
 from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, speculative_decode
 from specheads.target import Target
 from specheads.verify.decode import greedy_decode
@@ -100,13 +100,13 @@ def test_generate_samples_reproducibly(tiny_target_dir, export_dir, tree, capsys
 
 def test_text_streams_step_by_step(target, export_dir):
     """Text reaches the output while decoding runs, one piece per verification step."""
-    from specheads.generate import load_checked_draft
+    from specheads.export import load_checked_draft
 
     head, _ = load_checked_draft(export_dir, target)
     spec = TreeSpec("chain", k=2)
     sink = Sink()
     ids = encode_chat(target.tokenizer, [{"role": "user", "content": PROMPT}])
-    proposer = StreamingProposer(make_proposer(spec, head, target), TextStream(target.tokenizer, sink))
+    proposer = StreamingProposer(make_proposer(spec, head, target), TextStream(target.tokenizer, writer(sink)))
     result = speculative_decode(spec, target, proposer, ids, 16, eos_ids(target))
     proposer.finish(result.tokens)
     assert len([w for w in sink.writes if w]) > 1

@@ -137,6 +137,8 @@ def test_export_loads_back_and_stays_lossless(tmp_path, family, layers):
         ref = greedy_decode(target, prompt, 16)
         assert generate(target, MtpProposer(loaded, target), prompt, 16, k=2).tokens == ref.tokens
     assert "--speculative-config" in meta.serve_commands[0] and '"method":"mtp"' in meta.serve_commands[0]
+    title = (out / "README.md").read_text().splitlines()[0]
+    assert "method mtp" in title and "speculators" not in title
     # fine-tuning the shipped layers: a head initialised from the export equals the trained one
     shipped = MtpHead.for_target(MtpOptions(num_layers=layers, init="shipped"), target.config)
     shipped.init_from_target(Target(again, None, out))

@@ -139,10 +139,10 @@ def test_validation_trackers_schedule_and_peak_memory(tiny_target_dir, demo_data
     offline files and tensorboard events carrying the logged losses, the wsd schedule."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from specheads.data.samples import prepare_samples
     from specheads.eval.offline import offline_acceptance
     from specheads.schedule import lr_factor, validation_split
     from specheads.target import Target
-    from specheads.train import prepare_samples
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

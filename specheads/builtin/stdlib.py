@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from specheads.atomic import atomic_file
+
 HELDOUT_PER_MILLE = 100  # ~10% of modules are held out
 SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
 MIN_BODY_CHARS = 40
@@ -159,8 +161,6 @@ def choose_prompts(convs: list[dict], n: int = DEFAULT_N_PROMPTS,
 
 def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> Path:
     """Write JSON lines to a temp file beside `path`, then rename it into place."""
-    from specheads.atomic import atomic_file
-
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specheads.integrity import sha256_file
+from specheads.target import check_fingerprint
 
 FORMAT = "specheads-features"
 VERSION = 1
@@ -102,8 +103,6 @@ class OfflineFeatures:
     """Features read from a capture: the same dict `collect` gives, for any batch of cached samples."""
 
     def __init__(self, folder: str | Path, target, head, verify: bool = True):
-        from specheads.target import check_fingerprint
-
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
         m = self.manifest

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import check_output, remove_stale, save_safetensors, write_json
+from specheads.config import check_recipe_inputs, load_recipe
 from specheads.data.feature_cache import (
     FORMAT,
     INT8_NOTE,
@@ -47,6 +48,12 @@ from specheads.data.feature_cache import (
     read_manifest,
     sample_key,
 )
+from specheads.data.samples import prepare_samples
+from specheads.data.tokenize import collate
+from specheads.heads import head_class
+from specheads.progress import Progress
+from specheads.provenance import provenance
+from specheads.target import Target
 
 __all__ = ["capture", "main", "check_disk", "estimate_bytes", "plan_shards", "FeatureCacheError", "MANIFEST",
            "OfflineFeatures", "OnlineFeatures", "decode", "encode", "feature_source", "read_manifest", "sample_key"]
@@ -128,8 +135,6 @@ def write_shard(folder: Path, shard: Shard, samples, collect, storage: str, batc
                 device, progress=None) -> dict:
     """Collect one shard's features, write `<stem>.safetensors` then its sidecar (both atomically);
     `progress` (specheads.progress.Progress) counts the samples collected."""
-    from specheads.data.tokenize import collate
-
     parts: dict[str, list[torch.Tensor]] = {}
     entries, offset = [], 0
     for b in range(0, len(shard.samples), batch_size):
@@ -178,11 +183,6 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
             batch_size: int = 8, report=print, quiet: bool = False) -> Path:
     """Run the frozen target over the recipe's data once and store the head's features in `out`."""
     from accelerate import PartialState
-
-    from specheads.heads import head_class
-    from specheads.provenance import provenance
-    from specheads.target import Target
-    from specheads.train import prepare_samples
 
     if storage not in STORAGE:
         raise FeatureCacheError(f"--dtype {storage}: expected one of {', '.join(STORAGE)}")
@@ -233,8 +233,6 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
 
 
 def _one(sample, pad_id: int) -> dict:
-    from specheads.data.tokenize import collate
-
     return collate([sample], pad_id)
 
 
@@ -266,8 +264,6 @@ def _capture_rank(folder, shards, samples, collect, storage, batch_size, pad_id,
                   quiet: bool = False) -> None:
     """Write this rank's missing shards in order; finished ones (sidecar present) are skipped;
     progress over their samples on stderr unless `quiet`."""
-    from specheads.progress import Progress
-
     if shards:
         remove_leftovers(folder, shards[0].rank)
     done = sum((folder / f"{s.stem}.json").is_file() for s in shards)
@@ -315,8 +311,6 @@ def _write_manifest(folder: Path, plan: dict, expected: Counter, estimate: int, 
 
 def main(argv: list[str] | None = None) -> int:
     """`specheads capture`: parse arguments, load the recipe, check it, capture."""
-    from specheads.config import check_recipe_inputs, load_recipe
-
     p = argparse.ArgumentParser(prog="specheads capture", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="the training recipe (its target, data and head decide what is stored)")

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from specheads.data.conversations import Conversation, Message
+from specheads.data.openai_client import chat, served_model
 from specheads.progress import Progress
 
 THINK = re.compile(r"<think>.*?(</think>|$)\s*", re.DOTALL)
@@ -222,8 +223,6 @@ class OpenAIBackend:
     """Any OpenAI-compatible server; one conversation's turns in order, conversations in parallel."""
 
     def __init__(self, endpoint, model: str | None, opts: RegenOptions):
-        from specheads.data.openai_client import served_model
-
         self.endpoint, self.opts = endpoint, opts
         self.card = served_model(endpoint, model)
         self.model = self.card["id"]
@@ -246,8 +245,6 @@ class OpenAIBackend:
 
     def run_one(self, row: Row) -> dict:
         """One conversation, turn by turn -> its output row (raises EndpointError on failure)."""
-        from specheads.data.openai_client import chat
-
         state = TurnState(row, self.opts)
         while state.advance():
             state.answer(*chat(self.endpoint, self._body(state)))

@@ -14,8 +14,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, Row, count_turns
+from specheads.atomic import write_json
+from specheads.data.conversations import read_conversations
+from specheads.data.openai_client import Endpoint
+from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, Row, count_turns
+from specheads.data.resume import RowWriter
 from specheads.progress import Progress
+from specheads.target import Target, default_dtype
 
 # --- input rows --------------------------------------------------------------------------------
 
@@ -52,8 +57,6 @@ def _message_row(row: dict, n: int, path: Path) -> Row:
 
 def read_rows(path: str | Path, fmt: str = "auto", limit: int | None = None) -> list[Row]:
     """Conversations to regenerate (any format `read_conversations` reads; tool rows kept)."""
-    from specheads.data.conversations import read_conversations
-
     path = Path(path)
     raw = _raw_rows(path) if fmt in ("auto", "openai", "messages") else None
     if raw is not None:
@@ -147,9 +150,6 @@ def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
                    quiet: bool = False) -> Report:
     """Regenerate `source` into `out` (JSON lines), resuming whatever an earlier run finished;
     progress (turns) on stderr unless `quiet`."""
-    from specheads.atomic import write_json
-    from specheads.data.resume import RowWriter
-
     out = Path(out)
     rows = read_rows(source, fmt, limit)
     report = Report(rows=len(rows))
@@ -200,14 +200,8 @@ def make_backend(a: argparse.Namespace, opts: RegenOptions):
         raise RegenerateError("pass exactly one of --target (local generate) or --endpoint "
                               "(an OpenAI-compatible server)")
     if a.endpoint:
-        from specheads.data.openai_client import Endpoint
-        from specheads.data.regenerate import OpenAIBackend
-
         ep = Endpoint(a.endpoint, a.api_key, a.timeout, a.retries, a.backoff)
         return OpenAIBackend(ep, a.model, opts)
-    from specheads.generate import default_dtype
-    from specheads.target import Target
-
     target = Target.load(a.target, dtype=a.dtype or default_dtype(a.device), device=a.device)
     return LocalBackend(target, opts, a.batch_size)
 

@@ -3,7 +3,8 @@
     specheads vocab-stats RECIPE --out FILE [--workers N] [key=value ...]
 
 The counts are exactly what training would count from the same recipe (same tokenisation, loss
-masks and max_length), streamed sample by sample and split over worker processes. Training uses
+masks and max_length, held-out samples left out), streamed sample by sample and split over worker
+processes. Training uses
 them with `data.vocab_stats: FILE` to build the reduced draft vocabulary without re-counting.
 """
 
@@ -17,6 +18,13 @@ from pathlib import Path
 
 import torch
 
+from specheads.atomic import save_safetensors
+from specheads.config import check_recipe_inputs, load_recipe
+from specheads.data.samples import read_recipe_conversations, split_samples
+from specheads.data.tokenize import tokenize_conversation
+from specheads.provenance import provenance
+from specheads.target import resolve_target_path, tokenizer_hash
+
 FORMAT = "specheads-vocab-stats"
 _WORKER: dict = {}  # per worker process: the tokenizer and settings, set once by the pool initializer
 
@@ -26,18 +34,17 @@ class VocabStatsError(ValueError):
 
 
 def count_supervised(tokenizer, convs, vocab_size: int, max_length: int,
-                     end_of_turn: str | None = None) -> tuple[torch.Tensor, int]:
-    """Counts [V] int64 of supervised token ids, and the number of samples seen (streamed)."""
-    from specheads.data.tokenize import tokenize_conversation
-
+                     end_of_turn: str | None = None) -> tuple[torch.Tensor, list[bool]]:
+    """Counts [V] int64 of supervised token ids (streamed), and per conversation whether it is kept
+    as a sample (has a supervised token within max_length, as `tokenize_all` decides)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    n = 0
+    kept = []
     for conv in convs:
         s = tokenize_conversation(tokenizer, conv, max_length, end_of_turn=end_of_turn)
         ids = torch.tensor(s.input_ids, dtype=torch.int64)[torch.tensor(s.loss_mask, dtype=torch.bool)]
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
-        n += 1
-    return counts, n
+        kept.append(ids.numel() > 0)
+    return counts, kept
 
 
 def _init_worker(tokenizer, vocab_size, max_length, end_of_turn) -> None:
@@ -45,30 +52,41 @@ def _init_worker(tokenizer, vocab_size, max_length, end_of_turn) -> None:
     _WORKER.update(tokenizer=tokenizer, vocab_size=vocab_size, max_length=max_length, end_of_turn=end_of_turn)
 
 
-def _count_chunk(convs) -> tuple[torch.Tensor, int]:
+def _count_chunk(convs) -> tuple[torch.Tensor, list[bool]]:
     w = _WORKER
     return count_supervised(w["tokenizer"], convs, w["vocab_size"], w["max_length"], w["end_of_turn"])
 
 
 def count_parallel(tokenizer, convs: list, vocab_size: int, max_length: int, end_of_turn: str | None = None,
-                   workers: int = 1, chunk: int = 256) -> tuple[torch.Tensor, int]:
-    """`count_supervised` over `workers` processes (chunks of conversations); the sum is the same."""
+                   workers: int = 1, chunk: int = 256) -> tuple[torch.Tensor, list[bool]]:
+    """`count_supervised` over `workers` processes (chunks of conversations, kept flags in order);
+    the result is the same."""
     if workers <= 1:
         return count_supervised(tokenizer, convs, vocab_size, max_length, end_of_turn)
     chunks = [convs[i:i + chunk] for i in range(0, len(convs), chunk)]
-    counts, n = torch.zeros(vocab_size, dtype=torch.int64), 0
+    counts, kept = torch.zeros(vocab_size, dtype=torch.int64), []
     with multiprocessing.get_context("spawn").Pool(
             workers, initializer=_init_worker, initargs=(tokenizer, vocab_size, max_length, end_of_turn)) as pool:
-        for c, k in pool.imap_unordered(_count_chunk, chunks):
+        for c, k in pool.imap(_count_chunk, chunks):
             counts += c
-            n += k
-    return counts, n
+            kept.extend(k)
+    return counts, kept
+
+
+def count_training(recipe, tokenizer, vocab_size: int, workers: int = 1, report=print) -> tuple[torch.Tensor, int]:
+    """Counts [V] over the samples training trains on, and their number: every kept sample is
+    counted (in parallel), then the held-out ones (`split_samples`, a few) are taken off again."""
+    d = recipe.data
+    convs = read_recipe_conversations(recipe, report)
+    counts, kept = count_parallel(tokenizer, convs, vocab_size, d.max_length, d.end_of_turn, workers=workers)
+    trained, held = split_samples(recipe, [c for c, k in zip(convs, kept) if k])
+    if held:
+        counts -= count_supervised(tokenizer, held, vocab_size, d.max_length, d.end_of_turn)[0]
+    return counts, len(trained)
 
 
 def save_vocab_stats(path: str | Path, counts: torch.Tensor, meta: dict) -> Path:
     """Write counts [V] and their provenance as one safetensors file (atomically)."""
-    from specheads.atomic import save_safetensors
-
     save_safetensors({"counts": counts.to(torch.int64).contiguous()}, path,
                      metadata={"format": FORMAT, "meta": json.dumps(meta)})
     return Path(path)
@@ -94,8 +112,6 @@ def read_vocab_stats(path: str | Path) -> tuple[torch.Tensor, dict]:
 
 def load_vocab_stats(path: str | Path, target) -> torch.Tensor:
     """Counts [V] for `target`, refused when they were counted with another tokenizer or vocab size."""
-    from specheads.target import tokenizer_hash
-
     counts, meta = read_vocab_stats(path)
     if meta.get("tokenizer_sha256") != tokenizer_hash(target.tokenizer) or counts.numel() != target.vocab_size:
         raise VocabStatsError(
@@ -108,19 +124,10 @@ def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path
     """Count the recipe's supervised tokens and save them to `out`."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from specheads.data.conversations import read_conversations
-    from specheads.provenance import provenance
-    from specheads.target import resolve_target_path, tokenizer_hash
-
     folder = resolve_target_path(recipe.target.path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     vocab_size = AutoConfig.from_pretrained(folder).vocab_size
-    convs = []
-    for source in recipe.data.train:
-        rows, _ = read_conversations(source, fmt=recipe.data.format, skip_malformed=recipe.data.skip_malformed)
-        convs.extend(rows)
-    counts, n = count_parallel(tokenizer, convs, vocab_size, recipe.data.max_length,
-                               recipe.data.end_of_turn, workers=workers)
+    counts, n = count_training(recipe, tokenizer, vocab_size, workers=workers, report=report)
     meta = {"target": str(folder.name), "tokenizer_sha256": tokenizer_hash(tokenizer), "vocab_size": vocab_size,
             "num_samples": n, "num_tokens": int(counts.sum()), "max_length": recipe.data.max_length,
             "sources": list(recipe.data.train), "provenance": provenance()}
@@ -132,8 +139,6 @@ def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path
 
 def main(argv: list[str] | None = None) -> int:
     """`specheads vocab-stats`: parse arguments, load the recipe, check it, count."""
-    from specheads.config import check_recipe_inputs, load_recipe
-
     p = argparse.ArgumentParser(prog="specheads vocab-stats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="the training recipe (its target tokenizer and data are used)")

@@ -201,7 +201,7 @@ def _ratio(num, den) -> float | None:
 
 
 def vllm_acceptance(before, after) -> dict | None:
-    """vllm_contract.md §9: rate = accepted / draft tokens, length = 1 + accepted / drafts."""
+    """docs/engines.md §2.8: rate = accepted / draft tokens, length = 1 + accepted / drafts."""
     p = "vllm:spec_decode_num_"
     drafts, tokens, accepted = (_delta(before, after, p + s) for s in ("drafts", "draft_tokens", "accepted_tokens"))
     if drafts is None:
@@ -217,7 +217,7 @@ def vllm_acceptance(before, after) -> dict | None:
 
 
 def sglang_acceptance(before, after) -> dict | None:
-    """sglang_contract.md §7: length = generated tokens / verify calls; the gauges as reported."""
+    """docs/engines.md §3.5: length = generated tokens / verify calls; the gauges as reported."""
     verify = _delta(before, after, "sglang:spec_verify_calls")
     gauge = metric_sum(after, "sglang:spec_accept_length")
     if verify is None and gauge is None:

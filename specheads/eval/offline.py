@@ -13,9 +13,15 @@ from pathlib import Path
 
 import torch
 
-from specheads.data.tokenize import TokenizedSample, collate
+from specheads.data.conversations import read_conversations
+from specheads.data.tokenize import TokenizedSample, collate, tokenize_all
+from specheads.eval.online import load_draft
+from specheads.eval.predict import simulated_tau
+from specheads.eval.report import check_report_folder, write_report
 from specheads.heads.losses import COUNT_KEYS
 from specheads.metrics import ttt_summary
+from specheads.provenance import provenance
+from specheads.target import Target
 
 LIKELY_CAUSES = [
     "vocabulary map: d2t/t2d in the export differ from training (draft ids land on wrong target ids)",
@@ -82,14 +88,6 @@ def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: 
                      limit: int | None = None, max_length: int = 2048) -> dict:
     """`specheads eval --offline`: teacher-forced acceptance of an export on held-out
     conversations, the simulated tau of chains and trees, metrics.json + report + plots."""
-    from specheads.data.conversations import read_conversations
-    from specheads.data.tokenize import tokenize_all
-    from specheads.eval.online import load_draft
-    from specheads.eval.predict import simulated_tau
-    from specheads.eval.report import check_report_folder, write_report
-    from specheads.provenance import provenance
-    from specheads.target import Target
-
     check_report_folder(out_dir)
     target = Target.load(target_path)
     head, _, checked = load_draft(draft_dir, target)
@@ -101,15 +99,3 @@ def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: 
                "provenance": provenance(target=target.fingerprint(), draft=str(draft_dir), data=str(data_file),
                                         limit=limit, fingerprint_checked=checked)}
     return write_report(out_dir, metrics)
-
-
-def main_offline(a) -> int:
-    """The `--offline` branch of `specheads eval` (arguments parsed there)."""
-    if not a.data:
-        raise ValueError("--offline needs --data FILE (held-out conversations)")
-    m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit)
-    acc = " / ".join(f"{x:.2f}" for x in m["offline"]["acc_cond"])
-    print(f"offline tau {m['tau_est']:.3f} over {m['offline']['samples']} samples, conditional acceptance "
-          f"{acc}; simulated tau {json.dumps({k: round(v, 2) for k, v in m['simulated_tau']['chain'].items()})} "
-          f"-> {Path(a.out) / 'metrics.json'}")
-    return 0

@@ -3,7 +3,7 @@
 For every prompt (and every turn of multi-turn rows) the target decodes greedily three ways with
 the same budget: plain, speculative with the exported EAGLE-3 draft, and speculative with the
 n-gram (prompt lookup) baseline. The speculative outputs must equal plain decoding token for
-token. Counts are summed over all prompts and turns before any ratio (research/algorithms.md §10).
+token. Counts are summed over all prompts and turns before any ratio (docs/algorithms.md §9).
 
 `specheads eval --target T --draft EXPORT_DIR --prompts FILE --out DIR` writes
 DIR/metrics.json and DIR/outputs.jsonl. The draft proposes a chain by default; `--tree eagle2`
@@ -13,7 +13,6 @@ which; the n-gram baseline stays a chain of k).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -22,14 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
-from specheads.verify.settings import (
-    Sampling, TreeSpec, add_sampling_arguments, add_tree_arguments, check_acceptance,
-    check_tree_fits, make_proposer, sampled_decode, sampling_from_args, spec_from_args,
-    speculative_decode,
-)
+from specheads.eval.predict import prediction_metrics
+from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
+from specheads.export import load_with_meta
 from specheads.metrics import broken_draft_warning, predicted_speedup
+from specheads.provenance import provenance
+from specheads.target import Target, check_fingerprint
 from specheads.verify.decode import DecodeStats, generate
 from specheads.verify.proposers import NgramProposer
+from specheads.verify.settings import (
+    Sampling, TreeSpec, check_acceptance, check_tree_fits, make_proposer, sampled_decode, speculative_decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +117,6 @@ def _meta_value(meta, key: str):
 
 def load_draft(draft_dir: str | Path, target):
     """The exported head (moved to the target's device and dtype), its meta, fingerprint checked."""
-    from specheads.export import load_with_meta
-    from specheads.target import check_fingerprint
-
     head, meta = load_with_meta(draft_dir)
     expected = _meta_value(meta, "target")
     if expected:
@@ -285,20 +284,13 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     tree verifier. Alpha, c and the predicted speed-up use the chain model with k = the tree's
     depth, so for trees they are rough; the measured speed-up is exact.
     """
-    from specheads.provenance import provenance
-    from specheads.target import Target
-
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if k is not None and k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
     check_acceptance(sampling or Sampling())
-    from specheads.eval.report import check_report_folder
-
     check_report_folder(out_dir)
     rows = read_prompts(prompts_file, limit)
-    from specheads.eval.report import read_json
-
     verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")  # broken inputs fail before decoding
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
@@ -353,8 +345,6 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         ),
     }
     if predict and tree.kind == "chain" and not sampled:
-        from specheads.eval.predict import prediction_metrics
-
         prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in rows]
         if not quiet:
             print("[specheads] eval: timing target and draft steps for the speed-up prediction",
@@ -367,8 +357,6 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         use_prediction(metrics)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
-    from specheads.eval.report import attach_to_export, write_report
-
     write_report(out, metrics, outputs, verifier, bench)
     if attach:
         attach_to_export(draft_dir, out)
@@ -387,49 +375,3 @@ def use_prediction(metrics: dict) -> None:
     metrics["predicted_speedup"] = spec["predicted_speedup"] = row["speedup"]
     spec["predicted_speedup_model"] = "measured acceptance per position and step costs (prediction)"
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads eval", description=(
-        "Decode prompts with the target alone and with an exported draft; check the outputs are "
-        "identical and report tau, per-position acceptance, cost ratio and speed-up."))
-    p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
-    p.add_argument("--draft", required=True, help="export folder written by `specheads export`")
-    p.add_argument("--prompts", help="jsonl with 'prompt' or 'turns' per row (online mode)")
-    p.add_argument("--offline", action="store_true", help="teacher-forced acceptance on --data, no generation")
-    p.add_argument("--data", help="held-out conversations (any training data format) for --offline")
-    p.add_argument("--no-predict", action="store_true", help="skip the step-cost measurement and prediction")
-    p.add_argument("--verifier-json", help="bench/verifier.py's verifier.json: plot measured speed-ups")
-    p.add_argument("--bench-json", help="server load test JSON: plot throughput over concurrency")
-    p.add_argument("--attach", action="store_true",
-                   help="also copy metrics, report and plots into the export and its README (for push)")
-    p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    add_tree_arguments(p)
-    add_sampling_arguments(p)
-    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    a = p.parse_args(argv)
-    if a.offline:
-        from specheads.eval.offline import main_offline
-
-        return main_offline(a)
-    if not a.prompts:
-        p.error("--prompts is required (or --offline --data FILE)")
-    tree = spec_from_args(a)
-    m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit,
-                 tree=None if tree.kind == "chain" else tree,
-                 sampling=sampling_from_args(a), predict=not a.no_predict,
-                 verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet)
-    d, n = m["speculative"], m["ngram"]
-    label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
-    print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
-          f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
-          f"greedy_equal={m['greedy_equal']}{'' if m['lossless'] else ' LOSSY (typical acceptance)'}"
-          f" -> {Path(a.out) / 'metrics.json'}")
-    if m.get("draft_warning"):
-        print(m["draft_warning"], file=sys.stderr)
-    if m.get("advice"):
-        from specheads.eval.predict import advice_summary
-
-        print(f"recommended: {advice_summary(m['advice'])} -> {Path(a.out) / 'report.md'}")
-    return 1 if m["greedy_equal"] is False else 0

@@ -21,6 +21,9 @@ import heapq
 import math
 from dataclasses import asdict, dataclass, field
 
+from specheads.verify.decode import Clock, DecodeStats, generate, new_cache, target_step, trim_cache
+from specheads.verify.settings import TreeSpec, make_proposer
+
 CHAIN_KS = tuple(range(1, 9))
 TREE_BUDGETS = (8, 16, 32, 48, 64)  # verified tokens per step, root included (SGLang draft tokens)
 SIBLING_DECAY = 0.5
@@ -272,8 +275,6 @@ def _median_round_robin(calls: dict, reps: int, device) -> dict:
     """Median seconds per key, keys interleaved per repetition so load bursts hit all of them."""
     import statistics
 
-    from specheads.verify.decode import Clock
-
     times = {key: [] for key in calls}
     for rep in range(reps + 1):  # repetition 0 warms every shape up, untimed
         for key, call in calls.items():
@@ -289,8 +290,6 @@ def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, re
     """Median seconds of one cached target forward over n tokens after the prompt, per n (made
     non-decreasing in n)."""
     import torch
-
-    from specheads.verify.decode import new_cache, target_step, trim_cache
 
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)[None]  # [1, P]
     ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
@@ -316,9 +315,6 @@ def time_proposals(target, head, prompt_ids: list[int], ks, reps: int = 7) -> tu
     """(intercept, seconds per level) of a least-squares line through the chain proposer's
     median `propose(k)` seconds (propose is repeatable: it drops its speculative rows)."""
     import torch
-
-    from specheads.verify.decode import new_cache, target_step
-    from specheads.verify.settings import TreeSpec, make_proposer
 
     proposer = make_proposer(TreeSpec("chain", k=max(ks)), head, target)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)
@@ -347,9 +343,6 @@ def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal:
     """Target seconds per verified-token count and drafter seconds per level (micro-timed, medians);
     the drafter's per-step remainder (accept) and the loop overhead from real decodes of `prompts`
     plainly and with a chain of k_cal."""
-    from specheads.verify.decode import DecodeStats, generate
-    from specheads.verify.settings import TreeSpec, make_proposer
-
     if not prompts or k_max < 2:
         raise PredictError("measure_costs needs at least one prompt and k_max >= 2")
     target_s = time_target_forwards(target, prompts[0], [n for n in TARGET_COUNTS if n <= max_nodes], reps)

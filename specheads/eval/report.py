@@ -21,11 +21,12 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-from specheads.atomic import write_bytes, write_json, write_text
+from specheads.atomic import check_output, write_bytes, write_json, write_text
+from specheads.eval.predict import sglang_flags
+from specheads.export.readme import RECOMMENDED
 
 THROUGHPUT_KEYS = ("output_tokens_per_s", "output_throughput", "tokens_per_s")
 SERIES_KEYS = ("label", "name", "method")
-RECOMMENDED = "## Recommended settings"
 
 
 class ReportError(ValueError):
@@ -209,8 +210,6 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
 
 def advice_lines(adv: dict) -> list[str]:
     """The recommended-settings section (also written into an export's README)."""
-    from specheads.eval.predict import sglang_flags
-
     lines = [RECOMMENDED, "",
              "Predicted from acceptance and step costs measured with specheads' own verifier (batch 1); "
              "re-check on your hardware and batch sizes.", ""]
@@ -252,8 +251,6 @@ def is_report_folder(folder: Path) -> bool:
 
 def check_report_folder(out_dir: str | Path) -> None:
     """Refuse (before any work) an --out holding files an eval did not write: they could be replaced."""
-    from specheads.atomic import check_output
-
     check_output(Path(out_dir), is_report_folder, "an eval output folder",
                  "choose another --out (a new or empty folder, or an earlier eval's)")
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from specheads.atomic import atomic_dir, remove_stale, write_text
+from specheads.heads import head_class
 from specheads.integrity import check_finite, file_hashes, read_safetensors, sha256_file, verify_files
 
 HEAD_FILE = "head.safetensors"
@@ -195,8 +196,6 @@ class Checkpoint:
 
     def build_head(self, attn_implementation: str = "sdpa"):
         """Rebuild the head and load its weights strictly (a missing or extra tensor is an error)."""
-        from specheads.heads import head_class
-
         cls = head_class(self.kind)
         head = cls(cls.Config(**self.head_config), attn_implementation=attn_implementation)
         load_strict(head, self.weights, str(self.path / HEAD_FILE))

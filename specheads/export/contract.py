@@ -1,9 +1,9 @@
 """Checks an export folder against the loader contracts in `contract_rules` (vLLM 0.33, SGLang 0.5.23).
 
-The tables encode research/vllm_contract.md (§1.2, §3, §7, §12) and research/sglang_contract.md
-(§1, §3, §6.6, "What an exporter must write" B). The engines are fail-silent on many of these rules
-(a missing EAGLE-3 tensor stays uninitialised, a misnamed one is dropped), so every export is checked
-here before it is renamed into place. `validate` reports every violation at once.
+The tables encode docs/engines.md (§2.2-2.4 for vLLM, §3.1-3.2 for SGLang). The engines are
+fail-silent on many of these rules (a missing EAGLE-3 tensor stays uninitialised, a misnamed one
+is dropped), so every export is checked here before it is renamed into place. `validate` reports
+every violation at once.
 """
 
 from __future__ import annotations
@@ -290,7 +290,8 @@ def _check_aux_against_head(cfg: dict, contract: FormatContract, head: dict) -> 
     want = [a + contract.aux_offset for a in head["aux_layers"]]
     if ids is MISSING or ids == want:
         return []
-    other_offset, other = (-1, "SGLang") if contract.aux_offset == 0 else (0, "vLLM")
+    other_fmt, other = ("sglang", "SGLang") if contract.engine != "sglang" else ("vllm", "vLLM")
+    other_offset = contract_for(other_fmt, contract.kind).aux_offset
     engine = ENGINE_NAMES[contract.engine]
     swapped = ids == [a + other_offset for a in head["aux_layers"]]
     hint = f"these are the ids in {other} numbering; " if swapped else ""

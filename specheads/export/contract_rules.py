@@ -1,7 +1,7 @@
 """The loader contracts of vLLM 0.33 and SGLang 0.5.23 as data: tensors, config keys, per format.
 
-Encodes research/vllm_contract.md (§1.2, §3, §7, §12) and research/sglang_contract.md (§1, §3,
-§6.6, "What an exporter must write" B). `specheads.export.contract` checks a folder against them.
+Encodes docs/engines.md (§2.2-2.5 for vLLM, §3.1-3.2 for SGLang). `specheads.export.contract`
+checks a folder against them.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class FormatContract:
     tensors: tuple[TensorRule, ...]
 
 
-# vllm_contract.md §3.2 / §12; sglang_contract.md §3.3 / B. Names are bare (no `model.`).
+# docs/engines.md §2.2, §3.1. Names are bare (no `model.`).
 EAGLE3_TENSORS = (
     TensorRule("fc.weight", ("Hd", "n_aux*H")),
     TensorRule("{layer}self_attn.q_proj.weight", ("nh*hd", "2*Hd")),
@@ -176,7 +176,7 @@ CONTRACTS = {
         -1, 0, SGLANG_KEYS, EAGLE3_TENSORS),
 }
 
-# --- EAGLE-1 (vllm_contract.md §2, "EAGLE-1"; sglang_contract.md §2, A) ------------------------
+# --- EAGLE-1 (docs/engines.md §2.4, §3.2) ------------------------
 EAGLE1_TENSORS = (
     TensorRule("fc.weight", ("Hd", "2*Hd")),
     TensorRule("{layer}self_attn.q_proj.weight", ("nh*hd", "Hd")),
@@ -205,7 +205,7 @@ EAGLE1_SGLANG_KEYS = EAGLE1_COMMON_KEYS + (
     KeyRule("architectures", "equals", ["LlamaForCausalLMEagle"]),
 )
 
-# --- Medusa (vllm_contract.md §4: vLLM <= 0.32; the original Medusa layout) -------------------
+# --- Medusa (docs/engines.md §2.5: vLLM <= 0.32; the original Medusa layout) -------------------
 # Tensor rules depend on num_heads / num_layers / bias: `export.medusa.tensor_rules` expands them.
 MEDUSA_VLLM_KEYS = (
     KeyRule("architectures", "equals", ["MedusaModel"]),
@@ -239,26 +239,11 @@ ENGINE_VERSIONS.update({"vllm-0.32": "0.32", "medusa": "1.0"})
 ENGINE_NAMES.update({"vllm-0.32": "vLLM <= 0.32", "medusa": "Medusa (original)"})
 
 # MTP and draft models: the folder is a whole model (export/mtp.py, export/draft.py check it); these
-# entries give the engine of each (format, kind). MTP layouts per target family (vllm_contract.md §6,
-# sglang_contract.md §4): where the modules live, the config key counting them, per-module names.
+# entries give the engine of each (format, kind). The MTP layouts per target family (where the modules
+# live, the config key counting them, per-module names) are in heads/mtp_checkpoint.py.
 for _fmt in ("vllm", "sglang"):
     for _kind in ("mtp", "draft"):
         CONTRACTS[(_fmt, _kind)] = FormatContract(_fmt, _fmt, _kind, "", "", "", 0, 0, (), ())
-MTP_FAMILIES = {  # model_type -> (layout, count key)
-    "deepseek_v3": ("deepseek", "num_nextn_predict_layers"),
-    "glm4_moe": ("deepseek", "num_nextn_predict_layers"),
-    "qwen3_next": ("qwen3_next", "num_nextn_predict_layers"),
-    "qwen3_5_text": ("qwen3_next", "mtp_num_hidden_layers"),  # Qwen3.5: same `mtp.*` names, its own count key
-    "qwen3_5_moe_text": ("qwen3_next", "mtp_num_hidden_layers"),
-}
-# layout -> head name (layers.{k}.X) -> checkpoint name; {p} = module prefix. Layout "qwen3_next" is the
-# `mtp.*` one, shared by Qwen3-Next and Qwen3.5 (vllm_contract.md §6.3, sglang_contract.md §4.2).
-MTP_NAMES = {
-    "deepseek": {"enorm": "{p}enorm.weight", "hnorm": "{p}hnorm.weight", "eh_proj": "{p}eh_proj.weight",
-                 "norm": "{p}shared_head.norm.weight"},
-    "qwen3_next": {"enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",
-                   "eh_proj": "mtp.fc.weight", "norm": "mtp.norm.weight"},
-}
 MTP_SHAPES = {"enorm": ("H",), "hnorm": ("H",), "eh_proj": ("H", "2*H"), "norm": ("H",)}
 MTP_SGLANG_MAX_LAYERS = {"deepseek": 1, "qwen3_next": 1}  # SGLang asserts one NextN layer
 DRAFT_KEYS = (  # an ordinary HF Llama causal LM (vLLM draft_model, SGLang STANDALONE)

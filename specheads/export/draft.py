@@ -1,8 +1,8 @@
 """Draft-model export: an ordinary HF folder (config.json, model.safetensors, the target's tokenizer
 files) that AutoModelForCausalLM, vLLM (`method: draft_model`) and SGLang (`STANDALONE`) load.
 
-Both engines require the target's vocabulary size and tokenizer (vllm_contract.md "draft_model",
-sglang_contract.md F); the check compares the exported tokenizer with the training fingerprint.
+Both engines require the target's vocabulary size and tokenizer (docs/engines.md §2.7,
+§3.4); the check compares the exported tokenizer with the training fingerprint.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
 )
 from specheads.export.eagle3 import DTYPES, ExportRefused
+from specheads.export.readme import readme_text, serve_commands, target_ref
+from specheads.export.record import export_record
 from specheads.heads.draft import DraftConfig, DraftHead
+from specheads.target import resolve_target_path, tokenizer_hash
 
 FORMATS = ("vllm", "sglang")
 REFUSED = {f: "a draft model is a plain HF causal LM: export it with --format vllm or --format sglang"
@@ -34,8 +37,6 @@ def check_exportable(config: DraftConfig, fmt: str, weights=None) -> None:
 
 def tokenizer_source(ckpt, verifier: str | None) -> Path:
     """The target folder whose tokenizer files the draft ships with."""
-    from specheads.target import resolve_target_path
-
     if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
         return Path(verifier).expanduser()
     path = (ckpt.recipe.get("target") or {}).get("path") or ""
@@ -57,9 +58,6 @@ def model_tensors(head: DraftHead, dtype: str | None) -> dict[str, torch.Tensor]
 def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
     """Write the draft LM as an HF folder into `tmp`, the atomic folder
     that becomes `out_dir` (export/folder.py); contract-checked."""
-    from specheads.export import export_record
-    from specheads.export.readme import readme_text, serve_commands, target_ref
-
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     head = ckpt.build_head()
@@ -128,8 +126,6 @@ def _check_target(cfg: dict, record: dict) -> list[Violation]:
 def _check_tokenizer(folder: Path, record: dict) -> list[Violation]:
     """The shipped tokenizer loads and is the target's (same token -> id map)."""
     from transformers import AutoTokenizer
-
-    from specheads.target import tokenizer_hash
 
     try:
         tok = AutoTokenizer.from_pretrained(folder)

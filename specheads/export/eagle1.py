@@ -1,5 +1,5 @@
 """EAGLE-1 writers, contract check and loader: vLLM 0.33 (`method: eagle`) and SGLang 0.5.23
-(`LlamaForCausalLMEagle`), research/vllm_contract.md §2 and research/sglang_contract.md §2 / A.
+(`LlamaForCausalLMEagle`), docs/engines.md §2.4 and §3.2.
 
 Both read a Llama config and bare `fc.*` / `layers.0.*` names, no input norm on layer 0, no final
 norm, no lm_head. They differ on the fc bias: vLLM builds fc without one (a trained bias would be
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
     KEY_CHECKS, _found, check_files, check_tensors, config_dims, config_rope, get_key,
     read_config, read_tensor_specs,
@@ -24,6 +25,7 @@ from specheads.export.contract_rules import (
     contract_for,
 )
 from specheads.export.eagle3 import DTYPES, ExportRefused, layer_keys
+from specheads.export.load import _read_json, read_weights
 from specheads.heads.eagle import EagleConfig, EagleHead
 
 FORMATS = ("vllm", "sglang")
@@ -153,9 +155,6 @@ def config_from_export(cfg: dict, trained: dict | None = None) -> EagleConfig:
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[EagleHead, object]:
     """An EAGLE-1 export folder -> (head in eval mode, meta). A zero SGLang fc.bias is dropped
     again when the head was trained without one."""
-    from specheads.export.checkpoint import load_strict
-    from specheads.export.load import _read_json, read_weights
-
     if check:
         validate(meta.folder, meta.format)
     config = config_from_export(_read_json(meta.folder / CONFIG_FILE, meta.format), meta.head_config)

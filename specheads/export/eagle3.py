@@ -2,13 +2,14 @@
 
 "vllm" is the speculators format (`vllm serve DIR`), "vllm-native" the plain HF EAGLE-3 config
 vLLM reads through `--speculative-config`, "sglang" SGLang's `LlamaForCausalLMEagle3`
-(research/vllm_contract.md §7.3, §12; research/sglang_contract.md B).
+(docs/engines.md §2.2, §2.3, §3.1).
 """
 
 from __future__ import annotations
 
 import torch
 
+from specheads.export.load import load_eagle3
 from specheads.heads.eagle3 import Eagle3Config
 
 FORMATS = ("vllm", "vllm-native", "sglang")
@@ -99,7 +100,7 @@ def head_keys(config: Eagle3Config) -> dict:
 
 def speculators_config(config: Eagle3Config, k: int, verifier: str, verifier_archs: list[str],
                        dtype: str) -> dict:
-    """vllm_contract.md §7.3: no top-level model_type; layer keys in transformer_layer_config."""
+    """docs/engines.md §2.3: no top-level model_type; layer keys in transformer_layer_config."""
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -116,13 +117,13 @@ def speculators_config(config: Eagle3Config, k: int, verifier: str, verifier_arc
 
 
 def native_config(config: Eagle3Config, dtype: str) -> dict:
-    """vllm_contract.md §3.1 / §12: a LlamaForCausalLM config with the EAGLE-3 keys at top level."""
+    """docs/engines.md §2.2: a LlamaForCausalLM config with the EAGLE-3 keys at top level."""
     return {"architectures": ["LlamaForCausalLM"], **layer_keys(config, dtype), **head_keys(config),
             "tie_word_embeddings": False}
 
 
 def sglang_config(config: Eagle3Config, dtype: str) -> dict:
-    """sglang_contract.md B: LlamaForCausalLMEagle3, ids in SGLang numbering inside eagle_config."""
+    """docs/engines.md §3.1: LlamaForCausalLMEagle3, ids in SGLang numbering inside eagle_config."""
     ids = [a + AUX_OFFSET["sglang"] for a in config.aux_layers]
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -143,3 +144,9 @@ def config_json(config: Eagle3Config, fmt: str, k: int, verifier: str, verifier_
     if fmt == "vllm-native":
         return native_config(config, dtype)
     return sglang_config(config, dtype)
+
+
+def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
+    """An EAGLE-3 export -> (head in eval mode, meta); the reading lives in export/load.py with
+    the reading of other trainers' EAGLE-3 folders."""
+    return load_eagle3(meta, attn_implementation, check)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.atomic import OutputRefused, atomic_dir, check_output
-from specheads.eval.report import RECOMMENDED  # the README section `eval --attach` adds
 from specheads.export.contract_rules import META_FILE
+from specheads.export.readme import RECOMMENDED
 from specheads.integrity import IntegrityError, sha256_file, verify_files
 
 PURPOSE = "export"  # specheads.json "purpose": marks a folder `specheads export` wrote

@@ -21,13 +21,10 @@ from specheads.export.contract import aux_ids, config_rope, layer_config, valida
 from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, Violation, contract_for, detect_format,
 )
-from specheads.export.folder import verify_export
-from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
+from specheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from specheads.target import TargetError, check_fingerprint
 
-# head kind -> module with `load_export(meta, attn_implementation, check) -> (head, meta)`
-KIND_LOADERS = {"medusa": "specheads.export.medusa", "medusa2": "specheads.export.medusa2", "eagle": "specheads.export.eagle1",
-                "mtp": "specheads.export.mtp", "draft": "specheads.export.draft"}
-# engine default for norm_before_residual when config.json omits it (vllm_contract.md §3.1, §7.2)
+# engine default for norm_before_residual when config.json omits it (docs/engines.md §2.2, §2.3)
 RESIDUAL_DEFAULT = {"vllm": True, "vllm-native": False, "sglang": False}
 
 
@@ -46,8 +43,6 @@ class ExportMeta:
 
     def check_target(self, target) -> None:
         """Refuse a loaded `Target` whose vocabulary or embedding differs from the training target's."""
-        from specheads.target import TargetError, check_fingerprint
-
         if self.target is None and is_foreign(self):
             logging.getLogger(__name__).warning(
                 "%s was written by another trainer: no target fingerprint to check; the verifier still "
@@ -71,7 +66,7 @@ def read_export_meta(folder: str | Path) -> ExportMeta:
     """The folder's format (detected from config.json) and its specheads.json record, if any."""
     folder = Path(folder)
     record = _read_json(folder / META_FILE) if (folder / META_FILE).is_file() else {}
-    if record.get("kind", "eagle3") in KIND_LOADERS and record.get("format"):
+    if record.get("kind", "eagle3") != "eagle3" and record.get("format"):
         fmt = record["format"]  # other kinds: specheads.json names the format
     else:
         fmt = _detect(folder)
@@ -143,21 +138,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
                                                          "the file is truncated or corrupt; export again")]) from None
 
 
-def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True,
-                   num_target_layers: int | None = None) -> tuple[Eagle3Head, ExportMeta]:
-    """An export folder -> (head in eval mode, its ExportMeta). `check` validates the contract first.
-    A folder another trainer wrote (no specheads.json) is read as its engine reads it;
-    `num_target_layers` resolves the engines' default taps when it names none."""
-    meta = read_export_meta(folder)
-    if is_foreign(meta):
-        return load_foreign(meta, attn_implementation, num_target_layers)
-    verify_export(meta.folder, meta.record)  # recorded weight checksums (older exports: a notice)
-    if meta.kind in KIND_LOADERS:  # other kinds load through their writer module's `load_export`
-        import importlib
-
-        return importlib.import_module(KIND_LOADERS[meta.kind]).load_export(meta, attn_implementation, check)
-    if meta.kind != "eagle3":
-        raise ValueError(f"{meta.folder}: head kind '{meta.kind}' cannot be loaded by this specheads version")
+def load_eagle3(meta: ExportMeta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[Eagle3Head, ExportMeta]:
+    """A specheads EAGLE-3 export (any of its formats) -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format, meta.kind)
     config = config_from_export(_read_json(meta.folder / CONFIG_FILE), meta.format, meta.head_config)
@@ -167,14 +149,9 @@ def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check:
     return head.eval(), meta
 
 
-def load(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True) -> Eagle3Head:
-    """An export folder -> the head (see `load_with_meta` for the target fingerprint)."""
-    return load_with_meta(folder, attn_implementation, check)[0]
-
-
 # --- folders written by other trainers: speculators, SpecForge / SGLang, plain vLLM ------------
-# No specheads.json: the folder is read the way the engines read it (vllm_contract.md §3, §7;
-# sglang_contract.md §3, §6), every option the head cannot run is refused by name.
+# No specheads.json: the folder is read the way the engines read it (docs/engines.md §2.2,
+# §2.3, §3.1), every option the head cannot run is refused by name.
 LEGACY_NAMES = (("midlayer.", "layers.0."), ("aux_norm_low.", "fc_norm.0."),
                 ("aux_norm_mid.", "fc_norm.1."), ("aux_norm_high.", "fc_norm.2."))
 DROPPED = {"embed_tokens.weight", "t2d", "verifier_norm.weight", "verifier_lm_head.weight"}
@@ -224,14 +201,15 @@ def _resolved_layer(layer: dict, folder: Path):
 
 
 def _foreign_aux(cfg: dict, fmt: str, num_target_layers: int | None, folder: Path) -> list[int]:
-    """Aux-layer ids in specheads (= vLLM) numbering; SGLang ids are one lower (sglang_contract §3.5)."""
+    """Aux-layer ids in specheads (= vLLM) numbering; SGLang ids are one lower (docs/engines.md §1)."""
     eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     if fmt == "sglang":
         if eagle.get("use_aux_hidden_state", True) is False:
             raise ForeignDraftError(folder, "eagle_config.use_aux_hidden_state is false: a draft fed only the "
                                     "final hidden state is not an EAGLE-3 head")
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        ids = None if ids is None else [i + 1 for i in ids]
+        offset = contract_for("sglang", "eagle3").aux_offset  # SGLang numbering (docs/engines.md §1)
+        ids = None if ids is None else [i - offset for i in ids]
     else:
         ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
@@ -240,8 +218,6 @@ def _foreign_aux(cfg: dict, fmt: str, num_target_layers: int | None, folder: Pat
                                     "(vLLM ids [2, L//2, L-3] for an L-layer target; SGLang ids one lower): "
                                     "write them into config.json (eagle_aux_hidden_state_layer_ids; for "
                                     "SGLang inside eagle_config), or pass num_target_layers from Python")
-        from specheads.heads.eagle3 import default_aux_layers
-
         ids = default_aux_layers(num_target_layers)
     return [int(i) for i in ids]
 

@@ -3,7 +3,7 @@
 "medusa": config.json with medusa_num_heads / medusa_num_layers / base_model_name_or_path and
 `medusa_lm_head.safetensors` holding `{k}.{l}.linear.{weight,bias}` (block l of head k) and
 `{k}.{L}.weight` (its output layer); the original blocks always carry a bias, so a head trained
-without one gets exact zeros. "vllm-0.32": `MedusaModel` (research/vllm_contract.md §4) with
+without one gets exact zeros. "vllm-0.32": `MedusaModel` (docs/engines.md §2.5) with
 `blocks.{k}.layers.{l}.weight` (+ `.bias` with medusa_fc_bias) and `lm_heads.{k}.weight`.
 vLLM 0.33 removed Medusa and SGLang 0.5.23 has no Medusa loader: those formats are refused.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
     KEY_CHECKS, _found, check_float_dtypes, get_key, read_config, read_tensor_specs,
 )
@@ -24,6 +25,7 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, TensorRule, Violation, contract_for,
 )
 from specheads.export.eagle3 import DTYPES, ExportRefused
+from specheads.export.load import _read_json, read_weights
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 
 FORMATS = ("medusa", "vllm-0.32")
@@ -203,9 +205,6 @@ def _recorded_head(folder: Path) -> dict | None:
 # --- load back ---------------------------------------------------------------------------------
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[MedusaHead, object]:
     """A Medusa export folder -> (heads in eval mode, meta); rebuilt from config.json alone."""
-    from specheads.export.checkpoint import load_strict
-    from specheads.export.load import _read_json, read_weights
-
     fmt = meta.format
     if check:
         validate(meta.folder, fmt)

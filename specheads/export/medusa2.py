@@ -18,6 +18,10 @@ import torch
 from specheads.export import medusa
 from specheads.export.contract_rules import CONFIG_FILE, META_FILE
 from specheads.export.eagle3 import DTYPES, ExportRefused
+from specheads.export.readme import readme_text, target_ref
+from specheads.export.record import export_record, float_dtype, write_json
+from specheads.heads.medusa2 import ADAPTER
+from specheads.target import resolve_target_path
 
 FORMATS = medusa.FORMATS
 REFUSED = medusa.REFUSED
@@ -37,8 +41,6 @@ def heads_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def target_folder(ckpt, verifier: str | None) -> Path:
     """The base target to merge into / to name: `verifier` when it is a local folder, else the recipe's."""
-    from specheads.target import resolve_target_path
-
     if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
         return Path(verifier).expanduser()
     path = (ckpt.recipe.get("target") or {}).get("path") or ""
@@ -52,8 +54,6 @@ def peft_model(head, base_dir: Path, dtype: torch.dtype = torch.float32):
     """The base target from `base_dir` with this head's LoRA loaded through peft (a PeftModel)."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
-
-    from specheads.heads.medusa2 import ADAPTER
 
     cfg = head.config
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
@@ -82,8 +82,6 @@ def write_merged(head, base_dir: Path, out: Path, dtype: str | None) -> None:
 
 def write_adapter(head, base_dir: Path, out: Path, base_name: str) -> None:
     """out/: adapter_config.json + adapter_model.safetensors as peft writes them."""
-    from specheads.heads.medusa2 import ADAPTER
-
     model = peft_model(head, base_dir)
     model.peft_config[ADAPTER].base_model_name_or_path = base_name
     model.save_pretrained(out, safe_serialization=True)
@@ -124,9 +122,6 @@ def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, num_speculative_toke
     atomic folder that becomes `out_dir` (export/folder.py)."""
     from safetensors.torch import save_file
 
-    from specheads.export import _write_json, export_record, float_dtype
-    from specheads.export.readme import readme_text, target_ref
-
     if adapter not in ADAPTER_MODES:
         raise ValueError(f"adapter '{adapter}': expected one of {', '.join(ADAPTER_MODES)}")
     head = ckpt.build_head()
@@ -146,8 +141,8 @@ def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, num_speculative_toke
     config = medusa.config_json(head.config.medusa_config(), fmt, k, verifier_name, target.architectures,
                                 record["dtype"])
     save_file(tensors, str(tmp / WEIGHTS_FILES[fmt]), metadata={"format": "pt"})
-    _write_json(tmp / CONFIG_FILE, config)
-    _write_json(tmp / META_FILE, record)
+    write_json(tmp / CONFIG_FILE, config)
+    write_json(tmp / META_FILE, record)
     readme = readme_text(fmt, out_dir, record["serve_commands"], target, record)
     (tmp / "README.md").write_text(readme + adapter_section(adapter, base_name))
     if adapter == "merge":

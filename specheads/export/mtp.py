@@ -1,5 +1,5 @@
 """MTP export: the trained modules written into a copy of the target checkpoint, where the engines
-read the target family's own MTP layers (vllm_contract.md §6, sglang_contract.md §4 / C).
+read the target family's own MTP layers (docs/engines.md §2.6, §3.3).
 
 DeepSeek-V3 / GLM-4 MoE: `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head}`
 plus the decoder block under the target's own layer names, counted by `num_nextn_predict_layers`.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -23,14 +22,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specheads.export.contract_rules import (
-    CONFIG_FILE, META_FILE, MTP_FAMILIES, MTP_NAMES, MTP_SGLANG_MAX_LAYERS, MTP_SHAPES, ContractError,
-    Violation,
+    CONFIG_FILE, META_FILE, MTP_SGLANG_MAX_LAYERS, MTP_SHAPES, ContractError, Violation,
 )
 from specheads.export.eagle3 import DTYPES, ExportRefused
+from specheads.export.readme import readme_text, serve_commands, target_ref
+from specheads.export.record import export_record
 from specheads.heads.mtp import ZERO_FIRST_EMBEDDING, MtpConfig, MtpHead, target_config_dict
+from specheads.heads.mtp_checkpoint import (
+    INDEX_FILE, MTP_LAYOUTS, block_prefix, layout_of, load_modules, meta_model, mtp_names, own_names, read_tensors,
+    weight_map,
+)
+from specheads.target import resolve_target_path
 
 FORMATS = ("vllm", "sglang")
-INDEX_FILE = "model.safetensors.index.json"
 MTP_FILE = "model-mtp.safetensors"
 REFUSED = {f: "an MTP head lives inside the target checkpoint; export it with --format vllm or --format sglang"
            for f in ("vllm-native", "vllm-0.32", "medusa")}
@@ -41,13 +45,13 @@ def family(config: MtpConfig | dict) -> tuple[str, str]:
     """(layout, count key) of the target family, or ExportRefused naming the families that have one."""
     cfg = config.target_config if isinstance(config, MtpConfig) else config
     model_type = cfg.get("model_type")
-    if model_type not in MTP_FAMILIES:
+    if model_type not in MTP_LAYOUTS:
         arch = (cfg.get("architectures") or ["?"])[0]
         raise ExportRefused(
             f"target family '{model_type}' ({arch}) has no MTP draft class in vLLM 0.33 or SGLang 0.5.23, so "
-            f"neither engine can serve MTP modules for it. Families with one: {', '.join(MTP_FAMILIES)}. "
+            f"neither engine can serve MTP modules for it. Families with one: {', '.join(MTP_LAYOUTS)}. "
             "For this target train an EAGLE-3 head or a draft model (recipes/eagle3, recipes/draft)")
-    return MTP_FAMILIES[model_type]
+    return layout_of(cfg)
 
 
 def check_exportable(config: MtpConfig, fmt: str, weights=None) -> None:
@@ -59,24 +63,6 @@ def check_exportable(config: MtpConfig, fmt: str, weights=None) -> None:
     if fmt == "sglang" and config.num_layers > MTP_SGLANG_MAX_LAYERS[layout]:
         raise ExportRefused(f"SGLang 0.5.23 asserts num_nextn_predict_layers == 1 for this family; this head has "
                             f"{config.num_layers} modules. Export it with --format vllm, or train head.num_layers: 1")
-
-
-def block_prefix(layout: str, L: int, k: int) -> str:
-    return f"model.layers.{L + k}." if layout == "deepseek" else f"mtp.layers.{k}."
-
-
-def own_names(layout: str, L: int, k: int) -> dict[str, str]:
-    """Head module tensors (enorm, hnorm, eh_proj, norm) -> checkpoint names for module k."""
-    p = block_prefix(layout, L, k)
-    return {part: name.format(p=p) for part, name in MTP_NAMES[layout].items()}
-
-
-def meta_model(config: MtpConfig):
-    """The target's model class on the meta device: only its weight-conversion rules are used."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config.hf_config())
 
 
 def to_checkpoint(head: MtpHead, lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -97,94 +83,9 @@ def to_checkpoint(head: MtpHead, lm_head: torch.Tensor) -> dict[str, torch.Tenso
     return {n: t.cpu().contiguous() for n, t in out.items()}
 
 
-def block_from_checkpoint(module, tensors: dict[str, torch.Tensor], where: str, model) -> None:
-    """Checkpoint-named block tensors (prefix stripped) -> module.block, stacking per-expert weights
-    the way transformers fuses them, then checking the round trip reproduces every tensor exactly."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    own = module.block.state_dict()
-    state = {n: t for n, t in tensors.items() if n in own}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, t in tensors.items():
-        m = re.match(r"^(.*experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
-        if m:
-            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
-    for prefix, by_id in experts.items():
-        ids = sorted(by_id)
-        state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_id[e]["gate"], by_id[e]["up"]]) for e in ids])
-        state[f"{prefix}.down_proj"] = torch.stack([by_id[e]["down"] for e in ids])
-    missing = sorted(set(own) - set(state))
-    bad = [n for n in state if n in own and state[n].shape != own[n].shape]
-    if missing or bad:
-        raise ContractError(Path(where), "mtp", [Violation(where, "every tensor of the target's decoder layer",
-                            f"missing {missing[:4]}, wrong shape {bad[:4]}", "export the MTP layers again")])
-    module.block.load_state_dict({n: state[n].to(own[n].dtype) for n in own})
-    idx = "model.layers.0."  # conversion rules match full parameter names
-    back = revert_weight_conversion(model, {idx + n: t for n, t in module.block.state_dict().items()})
-    back = {n[len(idx):]: t for n, t in back.items()}
-    if set(back) != set(tensors) or any(not torch.equal(back[n].to(tensors[n].dtype), tensors[n]) for n in back):
-        raise ContractError(Path(where), "mtp", [Violation(where, "block tensors that load losslessly",
-                            "a layout this version cannot convert", "report the target family")])
-
-
-# --- reading a checkpoint folder ------------------------------------------------------------------
-def weight_map(folder: Path) -> dict[str, str]:
-    """tensor name -> shard file, from the index or the single model.safetensors."""
-    if (folder / INDEX_FILE).is_file():
-        return dict(json.loads((folder / INDEX_FILE).read_text())["weight_map"])
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise ExportRefused(f"{folder}: no {INDEX_FILE} and no model.safetensors; pass the target's HF folder")
-    with safe_open(str(single), "pt") as fh:
-        return {n: single.name for n in fh.keys()}
-
-
-def read_tensors(folder: Path, names) -> dict[str, torch.Tensor]:
-    wm, out = weight_map(folder), {}
-    for name in names:
-        with safe_open(str(folder / wm[name]), "pt") as fh:
-            out[name] = fh.get_tensor(name)
-    return out
-
-
-def mtp_names(wm: dict[str, str], layout: str, L: int) -> list[str]:
-    """Every tensor name that belongs to MTP modules in this layout."""
-    pat = re.compile(r"^mtp\." if layout == "qwen3_next" else r"^model\.layers\.(\d+)\.")
-    return [n for n in wm if (m := pat.match(n)) and (layout == "qwen3_next" or int(m[1]) >= L)]
-
-
-def load_modules(head: MtpHead, folder: Path) -> None:
-    """Fill every module of `head` from the MTP tensors in a checkpoint folder (target or export)."""
-    cfg = head.config
-    layout, _ = family(cfg)
-    L, wm = cfg.num_target_layers, weight_map(folder)
-    model = meta_model(cfg)
-    for k, module in enumerate(head.layers):
-        names = own_names(layout, L, k)
-        prefix = block_prefix(layout, L, k)
-        block_names = [n for n in wm if n.startswith(prefix) and n not in names.values() and "shared_head" not in n
-                       and "embed_tokens" not in n]
-        absent = [n for n in names.values() if n not in wm]
-        if absent or not block_names:
-            raise ExportRefused(f"{folder}: MTP module {k} is not in this checkpoint (missing {absent[:3] or prefix + '*'})")
-        own = read_tensors(folder, names.values())
-        with torch.no_grad():
-            for part, name in names.items():
-                getattr(module, part).weight.copy_(own[name])
-        block = read_tensors(folder, block_names)
-        block_from_checkpoint(module, {n[len(prefix):]: t for n, t in block.items()}, str(folder), model)
-
-
-def load_shipped_layers(head: MtpHead, target_path) -> None:
-    """Start from the MTP layers the target checkpoint ships (head.init: shipped)."""
-    load_modules(head, Path(target_path))
-
-
 # --- writing ------------------------------------------------------------------------------------
 def target_folder(ckpt, verifier: str | None) -> Path:
     """The target checkpoint to copy: `verifier` when it is a local folder, else the recipe's target."""
-    from specheads.target import resolve_target_path
-
     if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
         return Path(verifier).expanduser()
     path = (ckpt.recipe.get("target") or {}).get("path") or ""
@@ -244,9 +145,6 @@ def _numel(shape) -> int:
 def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
     """Write the target checkpoint + trained MTP modules into `tmp`, the atomic folder
     that becomes `out_dir` (export/folder.py); contract-checked."""
-    from specheads.export import export_record
-    from specheads.export.readme import readme_text, serve_commands, target_ref
-
     head = ckpt.build_head()
     check_exportable(head.config, fmt)
     layout, count_key = family(head.config)

@@ -1,7 +1,7 @@
 """Serve commands and the README.md of an export folder: how to run it in vLLM 0.33 or SGLang 0.5.23.
 
 Commands pass the method explicitly: vLLM only guesses EAGLE-3 from a path containing "eagle3"
-(research/vllm_contract.md §1.1), and SGLang needs the algorithm flag anyway.
+(docs/engines.md §2.1), and SGLang needs the algorithm flag anyway.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+RECOMMENDED = "## Recommended settings"  # the README section `specheads eval --attach` adds
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 FORMAT_TITLES = {
     "vllm": "vLLM 0.33, speculators format",
@@ -78,6 +79,10 @@ KIND_FORMAT_TITLES = {  # (format, kind) -> title, where the format's own title 
     ("medusa", "medusa"): "the original Medusa layout",
     ("vllm-0.32", "medusa2"): "vLLM <= 0.32, MedusaModel",
     ("medusa", "medusa2"): "the original Medusa layout",
+    ("vllm", "mtp"): "vLLM 0.33, method mtp",
+    ("sglang", "mtp"): "SGLang 0.5.23, NEXTN",
+    ("vllm", "draft"): "vLLM 0.33, method draft_model",
+    ("sglang", "draft"): "SGLang 0.5.23, STANDALONE",
 }
 KIND_NAMES = {"eagle3": "EAGLE-3 draft", "eagle": "EAGLE-1 draft", "medusa": "Medusa heads",
               "medusa2": "Medusa-2 heads (trained with LoRA on the target)",
@@ -178,11 +183,16 @@ def head_lines(kind: str, fmt: str, head: dict) -> list[str]:
             f" trained for {head['ttt_steps']} draft steps"]
 
 
+def readme_title(fmt: str, kind: str) -> str:
+    """The engine and format named in the README's heading (speculators: EAGLE-3 in `vllm` only)."""
+    return KIND_FORMAT_TITLES.get((fmt, kind)) or FORMAT_TITLES[fmt]
+
+
 def readme_text(fmt: str, folder: str | Path, commands: list[str], target: TargetRef, meta: dict) -> str:
     """README.md: what this folder is, how to serve it, where it came from."""
     head, kind = meta["head_config"], meta.get("kind", "eagle3")
     cmd_block = "\n\n".join(commands)
-    title = KIND_FORMAT_TITLES.get((fmt, kind)) or FORMAT_TITLES[fmt]
+    title = readme_title(fmt, kind)
     lines = [
         f"# {KIND_NAMES.get(kind, kind)} for `{target.name or target.serve_as}` ({title})",
         "",

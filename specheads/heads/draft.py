@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.config import bounded
+from specheads.bounds import bounded
 from specheads.heads.losses import HeadOutput, collect_final, forward_kl, shift, stack_counts
 
 

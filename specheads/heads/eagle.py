@@ -2,7 +2,7 @@
 
 The feature f_i is the target's final-normed last hidden state (its lm_head input). A draft step
 computes v = layer(fc([E(x_{i+1}) ; f_i])); v regresses f_{i+1} and the frozen target lm_head
-turns it into logits for x_{i+2}; later steps feed v back in place of f (research/algorithms.md
+turns it into logits for x_{i+2}; later steps feed v back in place of f (docs/algorithms.md
 §3). No final norm and no lm_head of its own: exactly what vLLM's `method: eagle` and SGLang's
 `LlamaForCausalLMEagle` run. `fc_bias` is SGLang-only (vLLM drops an fc bias silently).
 """
@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from specheads.config import bounded
+from specheads.bounds import bounded
 from specheads.heads.eagle3 import ttt_attention_mask
 from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
 from specheads.hf_compat import cache_kwargs
@@ -162,7 +162,7 @@ class EagleHead(nn.Module):
         return self.train_forward(**inputs)
 
     def train_forward(self, final, embeds, lm_head, loss_mask, attention_mask) -> HeadOutput:
-        """Feature regression + soft cross-entropy over `ttt_steps` unrolled steps (§3.3).
+        """Feature regression + soft cross-entropy over `ttt_steps` unrolled steps (docs/algorithms.md §3).
 
         final [B, T, H] features f_i; embeds [B, T, H] of x_i; lm_head [V, H]; masks [B, T].
         Row i at step j reads x_{i+j+1}, sits at position i+j, regresses f_{i+j+1} and predicts

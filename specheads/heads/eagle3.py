@@ -1,6 +1,6 @@
 """EAGLE-3 draft head: fused low/mid/high target features, one Llama-style layer, TTT training.
 
-Semantics follow what vLLM and SGLang run (research/algorithms.md §5): residual = fc output
+Semantics follow what vLLM and SGLang run (docs/algorithms.md §5): residual = fc output
 (or hidden_norm(fc output) with norm_before_residual), qkv read [input_layernorm(emb);
 hidden_norm(h)], logits = lm_head(norm(out)), and the pre-norm `out` is carried to the next step.
 """
@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from specheads.config import bounded
+from specheads.bounds import bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
@@ -234,7 +234,7 @@ class Eagle3Head(nn.Module):
         return self.train_forward(**inputs)
 
     def train_forward(self, aux, embeds, target_logits, loss_mask, attention_mask) -> HeadOutput:
-        """Unrolled TTT over `ttt_steps` (algorithms.md §5.3).
+        """Unrolled TTT over `ttt_steps` (docs/algorithms.md §5).
 
         aux [B, T, n*Ht] target features at x_<=i; embeds [B, T, H] of x_i; target_logits
         [B, T, V] (position i predicts x_{i+1}); loss_mask, attention_mask [B, T].

@@ -2,7 +2,7 @@
 
 Head k (0-based) maps h_t (the target's lm_head input at position t) to logits for x_{t+k+2}:
 `lm_heads[k](blocks[k](h_t))`, each block `x + SiLU(W x + b)` repeated `num_layers` times with
-distinct weights (research/algorithms.md §1.1). State-dict names are vLLM <= 0.32's
+distinct weights (docs/algorithms.md §1). State-dict names are vLLM <= 0.32's
 (`blocks.{k}.layers.{l}`, `lm_heads.{k}`); the original Medusa names are written by the exporter.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.config import bounded
+from specheads.bounds import bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, shift
 
 
@@ -100,7 +100,7 @@ class MedusaHead(nn.Module):
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
-        """Every output layer starts as a copy of the target's lm_head (algorithms.md §1.1)."""
+        """Every output layer starts as a copy of the target's lm_head (docs/algorithms.md §1)."""
         weight = target.lm_head.weight  # [V, H]
         if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(f"the target's lm_head is {tuple(weight.shape)}, the Medusa heads expect "

@@ -1,4 +1,4 @@
-"""Medusa-2: Medusa heads trained jointly with LoRA adapters on the target (research/algorithms.md §1.3-1.4).
+"""Medusa-2: Medusa heads trained jointly with LoRA adapters on the target (docs/algorithms.md §2).
 
 Loss = the Medusa-1 heads' loss on the *adapted* target's final-normed state
 + distill_weight * KL(target with adapters off || target with adapters on) on the supervised rows
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specheads.config import bounded
+from specheads.bounds import bounded
 from specheads.heads.losses import HeadOutput, forward_kl, shift
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 

@@ -2,8 +2,8 @@
 
 Module k: out = block_k(eh_proj_k([enorm_k(E(x)); hnorm_k(h)])), logits = lm_head(norm_k(out)),
 with the target's own decoder-layer class as `block`, and the target's embedding and output head
-shared (research/algorithms.md §6). Step 0 reads the target's final-normed state; step j > 0
-reads step j-1's post-norm state (what vLLM and SGLang carry, vllm_contract.md §6.2). Each step
+shared (docs/algorithms.md §6). Step 0 reads the target's final-normed state; step j > 0
+reads step j-1's post-norm state (what vLLM and SGLang carry, docs/engines.md §2.6). Each step
 is trained teacher-forced with a causal mask over its own rows (the paper's objective), which the
 verifier's MTP proposer reproduces exactly while the drafts are right.
 """
@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.config import bounded
+from specheads.bounds import bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
+from specheads.heads.mtp_checkpoint import load_modules
 from specheads.hf_compat import cache_kwargs
 
 
@@ -159,9 +161,7 @@ class MtpHead(nn.Module):
     def init_from_target(self, target) -> None:
         """Norms from the target's final norm, block from its last layer (or its shipped MTP layers)."""
         if self.config.init == "shipped":
-            from specheads.export.mtp import load_shipped_layers
-
-            load_shipped_layers(self, target.path)
+            load_modules(self, Path(target.path))
             return
         if self.config.init == "random":
             return

@@ -16,7 +16,10 @@ from typing import Callable
 
 import torch
 
-from specheads.verify.decode import DecodeStats
+from specheads.eval.online import eos_ids
+from specheads.verify.decode import DecodeStats, generate
+from specheads.verify.settings import Sampling, TreeSpec, make_proposer, sampled_decode, speculative_decode
+from specheads.verify.text import StreamingProposer, TextStream, find_stop
 
 
 class RequestError(ValueError):
@@ -91,60 +94,25 @@ class NullProposer:
         pass
 
 
-def find_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Index of the earliest stop string in `text`, or -1."""
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(hits) if hits else -1
-
-
-class StopTextStream:
-    """Turns a growing token list into text deltas for `emit`, honouring stop strings.
-
-    Has the `push(tokens, final)` interface `generate.StreamingProposer` drives.
-    """
+class StopTextStream(TextStream):
+    """The shared detokeniser (verify/text.py) with eos left out and stop strings honoured, which
+    also stops the decode once the client is gone (`cancel` set)."""
 
     def __init__(self, tokenizer, eos: set[int], stops: tuple[str, ...], emit: Callable[[str], None],
                  cancel: threading.Event | None = None):
-        self.tokenizer, self.eos, self.stops, self.emit = tokenizer, eos, stops, emit
+        super().__init__(tokenizer, emit, eos, stops)
         self.cancel = cancel
-        self.tokens: list[int] = []
-        self.sent = ""
-        self.stopped = False
-        self.hold = max((len(s) for s in stops), default=1) - 1
 
     def push(self, tokens: list[int], final: bool = False) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise Cancelled("the client disconnected")
-        self.tokens.extend(int(t) for t in tokens if int(t) not in self.eos)
-        if self.stopped:
-            return
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character
-            return
-        cut = find_stop(text, self.stops)
-        if cut >= 0:
-            text, self.stopped = text[:cut], True
-        elif not final and self.hold:
-            text = text[: max(len(self.sent), len(text) - self.hold)]
-        start = len(self.sent) if text.startswith(self.sent) else len(_common(text, self.sent))
-        if len(text) > start:
-            self.emit(text[start:])
-        self.sent = text
-
-
-def _common(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
+        super().push(tokens, final)
 
 
 class Engine:
     """Target + optional draft, a lock so that one request decodes at a time."""
 
     def __init__(self, target, head=None, spec=None, model_name: str = "specheads"):
-        from specheads.eval.online import eos_ids
-
         self.target, self.head, self.spec, self.model_name = target, head, spec, model_name
         self.eos = eos_ids(target)
         self.tokenizer = SerialTokenizer(target.tokenizer)
@@ -178,8 +146,6 @@ class Engine:
         return [int(t) for t in prompt]
 
     def _proposer(self, sampled: bool):
-        from specheads.verify.settings import make_proposer
-
         if self.head is None:
             return NullProposer()
         return make_proposer(self.spec, self.head, self.target, sampled)
@@ -198,9 +164,6 @@ class Engine:
 
     def _decode(self, proposer, ids: list[int], budget: int, params: Params):
         """The loop for this draft and these settings -> DecodeResult."""
-        from specheads.verify.decode import generate
-        from specheads.verify.settings import Sampling, TreeSpec, sampled_decode, speculative_decode
-
         spec = self.spec if self.head is not None else TreeSpec("chain", k=1)
         if params.temperature == 0:
             if self.head is None:
@@ -214,8 +177,6 @@ class Engine:
                  cancel: threading.Event | None = None) -> Completion:
         """Decode one prompt; `emit` receives text deltas as tokens are verified (streaming);
         setting `cancel` stops the decode at its next step (raises Cancelled)."""
-        from specheads.generate import StreamingProposer
-
         if cancel is not None and cancel.is_set():
             raise Cancelled("the client disconnected before its turn")
         budget = self.budget(ids, params)

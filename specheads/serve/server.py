@@ -30,6 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from specheads.cli_options import add_tree_arguments, spec_from_args
+from specheads.export import load_checked_draft
 from specheads.serve.engine import Cancelled, Completion, Engine, Params, RequestError
 from specheads.serve.metrics import CONTENT_TYPE, Metrics
 from specheads.serve.protocol import (
@@ -37,6 +39,8 @@ from specheads.serve.protocol import (
     parse_template_kwargs, parse_tools,
 )
 from specheads.serve.transport import ServeError, bind, protocol_class, url_of
+from specheads.target import Target, default_dtype
+from specheads.verify.settings import check_tree_fits, with_default_k
 
 MAX_BODY = 64 << 20
 
@@ -348,10 +352,6 @@ def serve_in_thread(engine: Engine, host: str = "127.0.0.1", port: int = 0, draf
 def load_engine(target_path: str, draft: str | None, spec, device: str, dtype: str | None,
                 model_name: str | None) -> Engine:
     """Target (+ exported draft, checked against it) -> Engine."""
-    from specheads.generate import default_dtype, load_checked_draft
-    from specheads.target import Target
-    from specheads.verify.settings import check_tree_fits, with_default_k
-
     target = Target.load(target_path, dtype=dtype or default_dtype(device), device=device)
     head = None
     if draft:
@@ -376,8 +376,6 @@ def serve(engine: Engine, sock: socket.socket, draft: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specheads.verify.settings import add_tree_arguments, spec_from_args
-
     p = argparse.ArgumentParser(prog="specheads serve", description=(
         "Serve the target (with an exported draft, or plainly) behind an OpenAI-compatible API "
         "with Prometheus /metrics using vLLM's speculative-decoding metric names."))

@@ -2,7 +2,7 @@
 
 Both loops share the same building blocks (prompt checks, masks, cache trimming, timing) so that
 the speculative output can be compared token for token with plain greedy decoding: greedy chain
-verification (research/algorithms.md §9.1) is lossless, so any difference is a bug (or, in low
+verification (docs/algorithms.md §8.1) is lossless, so any difference is a bug (or, in low
 precision, an argmax tie flipped by batched-vs-sequential numerics).
 
 Sequence bookkeeping: `seq` is prompt + emitted tokens; the target cache always holds every

@@ -3,7 +3,7 @@
 Medusa heads read only the target's final-normed state at the last verified position, never the
 drafted prefix, so a node's token depends on its depth and rank alone: the node at choice path
 (r_1, .., r_d) holds the r_d-th most likely token of head d. Nothing is cached between steps
-except that one state [1, H] (research/algorithms.md §1.5-1.7).
+except that one state [1, H] (docs/algorithms.md §1).
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from specheads.hf_compat import cache_kwargs
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.decode import causal_mask, positions, trim_cache
-from specheads.verify.trees import Tree, tree_from_choices
+from specheads.verify.tree_decode import check_tree_attention, tree_attention_mask
+from specheads.verify.trees import SettingsError, Tree, tree_from_choices
 
 
 def check_vocab_fits(kind: str, vocab_size: int, hidden_size: int | None, target) -> None:
@@ -144,8 +146,6 @@ class MtpTreeProposer:
     def _step_rows(self, j: int, nodes: list[int], tokens: list[int],
                    prev: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Step j rows [1, 1, H] of `nodes` (topological) from step j-1's rows of their parents."""
-        from specheads.verify.tree_decode import tree_attention_mask
-
         c, tree = self.chain, self.tree
         hidden = torch.cat([prev[int(tree.parents[u])] for u in nodes], dim=1)  # [1, n, H]
         real, idx = c.outs[j].shape[1], torch.tensor(nodes)
@@ -236,8 +236,6 @@ class DraftModelProposer:
 
 
 def _cache(cache) -> dict:
-    from specheads.hf_compat import cache_kwargs
-
     return cache_kwargs(cache)
 
 
@@ -251,8 +249,6 @@ class DraftModelTreeProposer:
     """
 
     def __init__(self, head, target, tree: Tree | list):
-        from specheads.verify.tree_decode import check_tree_attention
-
         check_tree_attention(head.model.config, "the draft model")
         self.chain = DraftModelProposer(head, target)
         self.layers = self.chain.layers
@@ -311,13 +307,11 @@ class DraftModelTreeProposer:
 def make_proposer(spec, head, target, sampled: bool = False):
     """Chains and static trees for both kinds. Drafts are deterministic (top-k), so
     sampled decoding verifies them as point masses, which stays lossless."""
-    from specheads.verify.settings import GenerateError
-
     if spec.kind == "chain":
         return MtpProposer(head, target) if head.kind == "mtp" else DraftModelProposer(head, target)
     if spec.kind == "static":
         tree_cls = MtpTreeProposer if head.kind == "mtp" else DraftModelTreeProposer
         return tree_cls(head, target, list(spec.choices))
     what = "an MTP head" if head.kind == "mtp" else "a draft model"
-    raise GenerateError(f"{what} cannot grow '{spec.kind}' trees here: use --tree chain or a "
+    raise SettingsError(f"{what} cannot grow '{spec.kind}' trees here: use --tree chain or a "
                         "static tree file (--tree FILE.json)")

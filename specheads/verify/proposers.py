@@ -55,7 +55,7 @@ def check_head_fits(head, target) -> None:
 
 
 class Eagle3Proposer:
-    """Chain drafts from an EAGLE-3 head (research/algorithms.md §5.2-5.3 inference alignment).
+    """Chain drafts from an EAGLE-3 head (docs/algorithms.md §5, inference alignment).
 
     Row i of the draft (RoPE position i) reads fuse(target states at position i) and the
     embedding of token i+1; its output predicts token i+2. Draft step j >= 1 reads the previous

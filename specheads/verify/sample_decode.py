@@ -5,14 +5,14 @@ same prompt checks, cache trimming / compaction, proposer protocol and `DecodeSt
 the choice of tokens differs. Every token is drawn from the target's warped distribution
 (`sampling.warp`): the first one from the prefill, later ones through an acceptance rule:
 
-* chain (`sample_generate`): Leviathan / Chen speculative sampling (research/algorithms.md
-  §9.2). A proposer with `propose_sampled(k, warper, gen) -> (tokens [n], q [n, V])` samples its
+* chain (`sample_generate`): Leviathan / Chen speculative sampling (docs/algorithms.md
+  §8.2). A proposer with `propose_sampled(k, warper, gen) -> (tokens [n], q [n, V])` samples its
   drafts from its own warped q (`SampledEagle3Proposer`); any other chain proposer (n-gram, a
   greedy EAGLE-3 proposer) proposes deterministically and is treated as a point mass q.
   `rule="typical"` verifies deterministic top-1 drafts with Medusa typical acceptance instead
   (LOSSY, flagged like the tree rule below).
 * tree (`sample_tree_generate`): the EAGLE-2/3 point-mass rule over the deterministic top-k
-  trees of the existing tree proposers (§9.3), or Medusa typical acceptance (§9.4), which is
+  trees of the existing tree proposers (§8.3), or Medusa typical acceptance (§8.4), which is
   LOSSY and flagged `lossy=True` on the result.
 
 Both lossless rules leave the output distributed exactly as sampling the target token by token;

@@ -1,10 +1,10 @@
 """Sampling for speculative decoding: logit warping, seeded sampling and acceptance rules.
 
-Pure functions over probability tensors (research/algorithms.md §9.2-9.4):
+Pure functions over probability tensors (docs/algorithms.md §8.2-8.4):
 
 * `warp` turns logits into the distribution that is actually sampled (temperature, top-k,
   top-p). The same warp must be applied to the target's and the draft's logits: the lossless
-  rules compare p and q, and q is only meaningful under the target's warping (§12.6).
+  rules compare p and q, and q is only meaningful under the target's warping (docs/algorithms.md §8.2).
 * `sample` draws by inverse CDF from a `torch.Generator`, so a seed reproduces a generation and
   a zero-probability token can never be drawn (temperature 0 is then exactly argmax).
 * `accept_chain` is Leviathan / Chen speculative sampling (lossless) for a sampled chain;
@@ -166,7 +166,7 @@ def children_lists(parents: list[int]) -> list[list[int]]:
 
 def accept_tree_pointmass(tree, tokens: torch.Tensor, p: torch.Tensor,
                           gen: torch.Generator) -> tuple[list[int], int]:
-    """EAGLE-2/3 acceptance for a deterministic draft tree (lossless; §9.3).
+    """EAGLE-2/3 acceptance for a deterministic draft tree (lossless; docs/algorithms.md §8.3).
 
     tree: a `Tree` (parents in topological order); tokens [N] (root first); p [N, V] the
     target's warped distribution for a child of each node. At a node, try its children in
@@ -227,7 +227,7 @@ def typical_thresholds(p: torch.Tensor, posterior_threshold: float = 0.09,
 def typical_accept(tree, tokens: torch.Tensor, p: torch.Tensor,
                    gen: torch.Generator | None = None, posterior_threshold: float = 0.09,
                    posterior_alpha: float = 0.3) -> TypicalDecision:
-    """Medusa typical acceptance (§9.4) over a tree. LOSSY: no residual correction, so the output
+    """Medusa typical acceptance (docs/algorithms.md §8.4) over a tree. LOSSY: no residual correction, so the output
     distribution is not the target's (it favours likely, low-entropy continuations).
 
     A node's token x is acceptable when p_parent(x) > threshold(parent). Each root-to-leaf path

@@ -1,18 +1,19 @@
-"""Speculation settings shared by `specheads generate`, `specheads eval` and bench/verifier.py:
+"""Speculation settings shared by `specheads generate`, `eval`, `serve` and bench/verifier.py:
 the draft shape (a chain of k, an EAGLE-2 dynamic tree, a static Medusa-style choice list), the
 proposer each needs, and which decode loop (greedy or sampling, chain or tree) runs it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-class GenerateError(ValueError):
-    """Arguments `specheads generate` cannot run with (the message says what to change)."""
-
+from specheads.verify import eagle1_proposers, eagle3_proposers, medusa_proposers, mtp_proposers
+from specheads.verify.decode import generate
+from specheads.verify.sample_decode import sample_generate, sample_tree_generate
+from specheads.verify.tree_decode import tree_generate
+from specheads.verify.trees import SettingsError, normalize_choices
 
 # --- tree settings -------------------------------------------------------------------------------
 
@@ -66,23 +67,21 @@ class TreeSpec:
 
 def read_tree_file(path: str | Path) -> tuple[tuple[int, ...], ...]:
     """A JSON list of rank paths (or {"choices": [...]}) -> normalised choices; clear errors."""
-    from specheads.verify.trees import normalize_choices
-
     path = Path(path)
     if not path.is_file():
-        raise GenerateError(f"--tree '{path}': expected 'chain', 'eagle2' or a JSON file of rank "
+        raise SettingsError(f"--tree '{path}': expected 'chain', 'eagle2' or a JSON file of rank "
                             "paths such as [[0], [1], [0, 0]]; no such file")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise GenerateError(f"--tree '{path}': not a readable JSON file ({err})") from None
+        raise SettingsError(f"--tree '{path}': not a readable JSON file ({err})") from None
     if isinstance(obj, dict):
         obj = obj.get("choices")
     ok = isinstance(obj, list) and obj and all(
         isinstance(c, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in c)
         for c in obj)
     if not ok:
-        raise GenerateError(f"--tree '{path}': expected a non-empty JSON list of rank paths (lists "
+        raise SettingsError(f"--tree '{path}': expected a non-empty JSON list of rank paths (lists "
                             "of integers), e.g. [[0], [1], [0, 0]]")
     return normalize_choices(obj)
 
@@ -91,31 +90,15 @@ def make_tree_spec(tree: str = "chain", k: int | None = None, depth: int = 5, to
                    total_tokens: int = 48) -> TreeSpec:
     """`--tree` value + sizes -> a validated TreeSpec."""
     if k is not None and k < 1:
-        raise GenerateError(f"--k must be >= 1, got {k}")
+        raise SettingsError(f"--k must be >= 1, got {k}")
     if tree == "chain":
         return TreeSpec("chain", k=k)
     if tree == "eagle2":
         if depth < 0 or top_k < 1 or total_tokens < 2:
-            raise GenerateError(f"an EAGLE-2 tree needs --depth >= 0, --top-k >= 1 and "
+            raise SettingsError(f"an EAGLE-2 tree needs --depth >= 0, --top-k >= 1 and "
                                 f"--total-tokens >= 2; got {depth}, {top_k}, {total_tokens}")
         return TreeSpec("eagle2", depth=depth, top_k=top_k, total_tokens=total_tokens)
     return TreeSpec("static", choices=read_tree_file(tree), source=str(tree))
-
-
-def add_tree_arguments(p: argparse.ArgumentParser) -> None:
-    """--tree / --k / --depth / --top-k / --total-tokens, shared by generate and eval."""
-    p.add_argument("--tree", default="chain",
-                   help="chain (default), eagle2 (dynamic tree) or FILE.json (static tree: a list "
-                        "of rank paths such as [[0], [1], [0, 0]])")
-    p.add_argument("--k", type=int, default=None, help="chain draft length (default: the export's)")
-    p.add_argument("--depth", type=int, default=5, help="EAGLE-2: expansion levels after the first")
-    p.add_argument("--top-k", type=int, default=8, help="EAGLE-2: branching factor")
-    p.add_argument("--total-tokens", type=int, default=48,
-                   help="EAGLE-2: tokens verified per step, root included")
-
-
-def spec_from_args(a: argparse.Namespace) -> TreeSpec:
-    return make_tree_spec(a.tree, a.k, a.depth, a.top_k, a.total_tokens)
 
 
 def with_default_k(spec: TreeSpec, meta, head) -> TreeSpec:
@@ -130,46 +113,36 @@ def check_tree_fits(spec: TreeSpec, target) -> None:
     """Refuse a tree that cannot be verified in one forward within the target's context."""
     ctx = getattr(target.config, "max_position_embeddings", None)
     if ctx is not None and spec.nodes() >= ctx:
-        raise GenerateError(f"the draft tree ({spec.label()}) verifies {spec.nodes()} tokens per "
+        raise SettingsError(f"the draft tree ({spec.label()}) verifies {spec.nodes()} tokens per "
                             f"step but the target's context is {ctx}: use a smaller tree")
 
 
-# head kind -> module with `make_proposer(spec, head, target, sampled)` (EAGLE-3 is built in below)
-KIND_PROPOSERS = {
-    "medusa": "specheads.verify.medusa_proposers",
-    "eagle": "specheads.verify.eagle1_proposers",
-    "mtp": "specheads.verify.mtp_proposers",
-    "draft": "specheads.verify.mtp_proposers",
+# head kind -> proposer module (`protocols.ProposerModule`); kinds must match heads.HEADS
+PROPOSERS = {
+    "eagle3": eagle3_proposers,
+    "medusa": medusa_proposers,
+    "medusa2": medusa_proposers,
+    "eagle": eagle1_proposers,
+    "mtp": mtp_proposers,
+    "draft": mtp_proposers,
 }
 
 
+def proposer_module(kind: str):
+    """The proposer module of a head kind, or an error listing the kinds that have one."""
+    if kind not in PROPOSERS:
+        raise SettingsError(f"head kind '{kind}' has no proposer; kinds with one: {', '.join(PROPOSERS)}")
+    return PROPOSERS[kind]
+
+
 def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
-    """The proposer for a spec: a chain proposer (drafts sampled from q when `sampled`) or an
-    EAGLE-3 tree proposer (trees are deterministic top-k either way)."""
-    from specheads.verify.proposers import Eagle3Proposer
-    from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
-
-    kind = getattr(head, "kind", "eagle3")
-    if kind in KIND_PROPOSERS:  # other head kinds: their module's own make_proposer
-        import importlib
-
-        return importlib.import_module(KIND_PROPOSERS[kind]).make_proposer(spec, head, target, sampled)
-    if spec.kind == "chain" and sampled:
-        from specheads.verify.sample_decode import SampledEagle3Proposer
-
-        return SampledEagle3Proposer(head, target)
-    if spec.kind == "chain":
-        return Eagle3Proposer(head, target)
-    if spec.kind == "eagle2":
-        return Eagle3DynamicTreeProposer(head, target, spec.depth, spec.top_k, spec.total_tokens)
-    return Eagle3StaticTreeProposer(head, target, list(spec.choices))
+    """The proposer for a spec and a head, from its kind's module (drafts sampled from q when
+    `sampled` and the kind supports it)."""
+    return proposer_module(head.kind).make_proposer(spec, head, target, sampled)
 
 
 def speculative_decode(spec: TreeSpec, target, proposer, ids, max_new_tokens: int, eos):
     """Run the loop the spec needs (chain or tree) -> DecodeResult."""
-    from specheads.verify.decode import generate
-    from specheads.verify.tree_decode import tree_generate
-
     if spec.kind == "chain":
         return generate(target, proposer, ids, max_new_tokens, spec.k, eos)
     return tree_generate(target, proposer, ids, max_new_tokens, eos)
@@ -215,52 +188,21 @@ class Sampling:
 def check_acceptance(sampling: Sampling) -> None:
     """Refuse typical acceptance where it means nothing (greedy) or its thresholds are invalid."""
     if sampling.acceptance not in ("exact", "typical"):
-        raise GenerateError(f"--acceptance must be 'exact' or 'typical', got '{sampling.acceptance}'")
+        raise SettingsError(f"--acceptance must be 'exact' or 'typical', got '{sampling.acceptance}'")
     if sampling.lossless:
         return
     if sampling.greedy:
-        raise GenerateError("--acceptance typical needs --temperature > 0: at temperature 0 it "
+        raise SettingsError("--acceptance typical needs --temperature > 0: at temperature 0 it "
                             "reduces to exact greedy verification (drop --acceptance)")
     if not 0 < sampling.epsilon <= 1 or sampling.delta <= 0:
-        raise GenerateError(f"typical acceptance needs 0 < --typical-epsilon <= 1 and "
+        raise SettingsError(f"typical acceptance needs 0 < --typical-epsilon <= 1 and "
                             f"--typical-delta > 0; got {sampling.epsilon}, {sampling.delta}")
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    """--temperature / --top-p / --seed / --acceptance / --typical-*, shared by generate and eval."""
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (default): greedy, checked identical to plain greedy; > 0: speculative "
-                        "sampling")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
-                   help="exact (default): lossless verification; typical: Medusa typical "
-                        "acceptance, LOSSY (needs --temperature > 0)")
-    p.add_argument("--typical-epsilon", type=float, default=None,
-                   help="typical acceptance: hard threshold epsilon (default 0.09)")
-    p.add_argument("--typical-delta", type=float, default=None,
-                   help="typical acceptance: entropy threshold factor delta (default 0.3)")
-
-
-def sampling_from_args(a: argparse.Namespace) -> Sampling:
-    """The parsed sampling flags -> a checked Sampling (thresholds only with typical)."""
-    given = [f for f, v in (("--typical-epsilon", a.typical_epsilon),
-                            ("--typical-delta", a.typical_delta)) if v is not None]
-    if given and a.acceptance != "typical":
-        raise GenerateError(f"{' and '.join(given)} only apply with --acceptance typical")
-    eps = 0.09 if a.typical_epsilon is None else a.typical_epsilon
-    delta = 0.3 if a.typical_delta is None else a.typical_delta
-    sampling = Sampling(a.temperature, a.top_p, a.seed, a.acceptance, eps, delta)
-    check_acceptance(sampling)
-    return sampling
 
 
 def sampled_decode(spec: TreeSpec | None, target, proposer, ids, max_new_tokens: int, eos,
                    sampling: Sampling):
     """Speculative sampling with the loop the spec needs and the sampling's acceptance rule
     (exact: Leviathan / point-mass, lossless; typical: LOSSY); `spec` None samples plainly."""
-    from specheads.verify.sample_decode import sample_generate, sample_tree_generate
-
     warp = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
             "seed": sampling.seed, "eos_token_ids": eos}
     if spec is None:

@@ -1,11 +1,11 @@
 """Greedy tree speculative decoding: one target forward per step over a whole token tree.
 
-Each step verifies [root, nodes...] in one pass (research/algorithms.md §9.6): RoPE positions
+Each step verifies [root, nodes...] in one pass (docs/algorithms.md §8.5): RoPE positions
 follow depth (`P + depth`), an additive 4-D mask lets a node see the whole cached prefix and its
 own ancestors, and the new keys / values land in cache slots P .. P+N-1. Greedy acceptance
-(§9.1) walks down from the root, always to the child holding the parent's argmax; the bonus
+(§8.1) walks down from the root, always to the child holding the parent's argmax; the bonus
 token is the argmax at the deepest accepted node. The cache is then compacted to the prefix plus
-the accepted path (§9.5), so the next step starts from exactly what plain decoding would have.
+the accepted path (§8.5), so the next step starts from exactly what plain decoding would have.
 
 Sequence bookkeeping is the chain loop's (`verify.decode`): `seq` = prompt + emitted tokens, the
 target cache holds every position of `seq` but the last, which is the next tree's root.

@@ -153,7 +153,7 @@ class Eagle3StaticTreeProposer(_Eagle3TreeBase):
 
 
 class Eagle3DynamicTreeProposer(_Eagle3TreeBase):
-    """EAGLE-2 dynamic tree (research/algorithms.md §4): expand the best `top_k` nodes per level
+    """EAGLE-2 dynamic tree (docs/algorithms.md §4): expand the best `top_k` nodes per level
     for `depth` levels, then keep the `total_tokens - 1` nodes with the highest cumulative
     draft log-probability (the verified tree has total_tokens nodes with the root)."""
 

@@ -3,7 +3,7 @@
 A tree of N nodes is stored in topological order: node 0 is the root (the last emitted token,
 not yet in the target cache; parent -1), every other node's parent has a smaller index (depth-1
 nodes have parent 0). Everything the verifier needs is derived once from the parents
-(research/algorithms.md §1.6 and §4.4):
+(docs/algorithms.md §1 and §4):
 
 * `depths [N]`: root 0; also the RoPE position offset of each node (siblings share a position).
 * `mask [N, N]` bool: `mask[i, j]` iff j is an ancestor of i or i itself (row = what node i
@@ -23,6 +23,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+class SettingsError(ValueError):
+    """Speculation settings that cannot run (a tree, a draft length, a sampling rule); the message
+    names the option to change."""
 
 
 class TreeError(ValueError):

@@ -1,0 +1,54 @@
+"""Command-line options shared by `specheads generate`, `eval` and `serve` (and bench/verifier.py):
+the draft tree flags and the sampling flags, parsed into verify.settings' TreeSpec and Sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specheads.verify.settings import Sampling, SettingsError, TreeSpec, check_acceptance, make_tree_spec
+
+
+def add_tree_arguments(p: argparse.ArgumentParser) -> None:
+    """--tree / --k / --depth / --top-k / --total-tokens, shared by generate and eval."""
+    p.add_argument("--tree", default="chain",
+                   help="chain (default), eagle2 (dynamic tree) or FILE.json (static tree: a list "
+                        "of rank paths such as [[0], [1], [0, 0]])")
+    p.add_argument("--k", type=int, default=None, help="chain draft length (default: the export's)")
+    p.add_argument("--depth", type=int, default=5, help="EAGLE-2: expansion levels after the first")
+    p.add_argument("--top-k", type=int, default=8, help="EAGLE-2: branching factor")
+    p.add_argument("--total-tokens", type=int, default=48,
+                   help="EAGLE-2: tokens verified per step, root included")
+
+
+def spec_from_args(a: argparse.Namespace) -> TreeSpec:
+    return make_tree_spec(a.tree, a.k, a.depth, a.top_k, a.total_tokens)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """--temperature / --top-p / --seed / --acceptance / --typical-*, shared by generate and eval."""
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, checked identical to plain greedy; > 0: speculative "
+                        "sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
+                   help="exact (default): lossless verification; typical: Medusa typical "
+                        "acceptance, LOSSY (needs --temperature > 0)")
+    p.add_argument("--typical-epsilon", type=float, default=None,
+                   help="typical acceptance: hard threshold epsilon (default 0.09)")
+    p.add_argument("--typical-delta", type=float, default=None,
+                   help="typical acceptance: entropy threshold factor delta (default 0.3)")
+
+
+def sampling_from_args(a: argparse.Namespace) -> Sampling:
+    """The parsed sampling flags -> a checked Sampling (thresholds only with typical)."""
+    given = [f for f, v in (("--typical-epsilon", a.typical_epsilon),
+                            ("--typical-delta", a.typical_delta)) if v is not None]
+    if given and a.acceptance != "typical":
+        raise SettingsError(f"{' and '.join(given)} only apply with --acceptance typical")
+    eps = 0.09 if a.typical_epsilon is None else a.typical_epsilon
+    delta = 0.3 if a.typical_delta is None else a.typical_delta
+    sampling = Sampling(a.temperature, a.top_p, a.seed, a.acceptance, eps, delta)
+    check_acceptance(sampling)
+    return sampling

@@ -1,0 +1,79 @@
+"""The export registries, side by side: per drafter kind, the module that writes its folders
+(`WRITERS`) and the module that reads them back (`LOADERS`); both follow `protocols.Writer`.
+An unknown kind fails here, at the first lookup, with the list of kinds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specheads.export import draft, eagle1, eagle3, medusa, medusa2, mtp
+from specheads.export.eagle3 import ExportRefused
+from specheads.export.folder import verify_export
+from specheads.export.load import ExportMeta, is_foreign, load_foreign, read_export_meta
+
+# kind -> module, in heads.HEADS order; one line per kind so that adding a kind adds a line
+WRITERS = {
+    "eagle3": eagle3,
+    "medusa": medusa,
+    "medusa2": medusa2,
+    "eagle": eagle1,
+    "mtp": mtp,
+    "draft": draft,
+}
+LOADERS = {
+    "eagle3": eagle3,
+    "medusa": medusa,
+    "medusa2": medusa2,
+    "eagle": eagle1,
+    "mtp": mtp,
+    "draft": draft,
+}
+
+
+def writer_for(kind: str, fmt: str):
+    """The writer module for a head kind, refusing formats that cannot serve it."""
+    if kind not in WRITERS:
+        raise ExportRefused(f"head kind '{kind}' has no exporter; kinds with one: {', '.join(WRITERS)}")
+    writer = WRITERS[kind]
+    if fmt not in writer.FORMATS:
+        reason = getattr(writer, "REFUSED", {}).get(fmt)  # optional: a kind-specific explanation
+        raise ExportRefused(reason or f"format '{fmt}' cannot serve a '{kind}' head; use one of: "
+                            f"{', '.join(writer.FORMATS)}")
+    return writer
+
+
+def loader_for(meta: ExportMeta):
+    """The module that loads an export of `meta.kind`."""
+    if meta.kind not in LOADERS:
+        raise ValueError(f"{meta.folder}: head kind '{meta.kind}' cannot be loaded by this specheads version; "
+                         f"kinds it loads: {', '.join(LOADERS)}")
+    return LOADERS[meta.kind]
+
+
+def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True,
+                   num_target_layers: int | None = None):
+    """An export folder -> (head in eval mode, its ExportMeta). `check` validates the contract first.
+    A folder another trainer wrote (no specheads.json) is read as its engine reads it;
+    `num_target_layers` resolves the engines' default taps when it names none."""
+    meta = read_export_meta(folder)
+    if is_foreign(meta):
+        return load_foreign(meta, attn_implementation, num_target_layers)
+    verify_export(meta.folder, meta.record)  # recorded weight checksums (older exports: a notice)
+    return loader_for(meta).load_export(meta, attn_implementation, check)
+
+
+def load(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True):
+    """An export folder -> the head (see `load_with_meta` for the target fingerprint)."""
+    return load_with_meta(folder, attn_implementation, check)[0]
+
+
+def load_checked_draft(draft_dir: str | Path, target):
+    """The exported head on the target's device and dtype, and its meta; refuses another target's."""
+    folder = Path(draft_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
+                                "written by `specheads export`")
+    head, meta = load_with_meta(folder)
+    meta.check_target(target)
+    return head.to(device=target.device, dtype=target.dtype).eval(), meta

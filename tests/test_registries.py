@@ -1,0 +1,45 @@
+"""The per-layer registries of drafter kinds agree, and an unknown kind fails at its first lookup."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from specheads.export import LOADERS, WRITERS, ExportRefused, load_with_meta
+from specheads.export.registry import writer_for
+from specheads.heads import HEADS, head_class
+from specheads.verify.settings import PROPOSERS, SettingsError, TreeSpec, make_proposer
+
+REGISTRIES = {"heads.HEADS": HEADS, "export.WRITERS": WRITERS, "export.LOADERS": LOADERS,
+              "verify.settings.PROPOSERS": PROPOSERS}
+
+
+def test_every_registry_has_the_same_kinds():
+    kinds = {name: sorted(reg) for name, reg in REGISTRIES.items()}
+    assert all(k == kinds["heads.HEADS"] for k in kinds.values()), kinds
+
+
+def test_registry_members_provide_their_protocol():
+    for kind, cls in HEADS.items():
+        assert cls.kind == kind and cls.Options.kind == kind
+        for member in ("for_target", "required_layers", "collect", "expand", "train_forward"):
+            assert callable(getattr(cls, member, None)), (kind, member)
+    for kind, module in WRITERS.items():
+        assert module.FORMATS and callable(LOADERS[kind].load_export), kind
+    for kind, module in PROPOSERS.items():
+        assert callable(module.make_proposer), kind
+
+
+def test_unknown_kind_fails_at_first_lookup_naming_the_kinds(tmp_path):
+    known = ", ".join(HEADS)
+    with pytest.raises(ValueError, match=f"head.kind 'nope'.*{known}"):
+        head_class("nope")
+    with pytest.raises(ExportRefused, match=f"head kind 'nope'.*{known}"):
+        writer_for("nope", "vllm")
+    with pytest.raises(SettingsError, match=f"head kind 'nope' has no proposer.*{known}"):
+        make_proposer(TreeSpec("chain", k=2), SimpleNamespace(kind="nope"), target=None)
+    (tmp_path / "specheads.json").write_text(json.dumps({"kind": "nope", "format": "vllm"}))
+    with pytest.raises(ValueError, match=f"head kind 'nope' cannot be loaded.*{known}"):
+        load_with_meta(tmp_path)
