@@ -173,12 +173,13 @@ def test_export_round_trip_decodes_losslessly(tmp_path, target, fmt):
 
 def test_sglang_is_refused_and_trees_too(tmp_path, target):
     from specheads.export import ExportRefused, export
-    from specheads.verify.settings import GenerateError, TreeSpec, make_proposer
+    from specheads.verify.settings import TreeSpec, make_proposer
+    from specheads.verify.trees import SettingsError
 
     with pytest.raises(ExportRefused, match="SGLang 0.5.23 has no P-EAGLE loader"):
         export(checkpoint(tmp_path, random_head(target)), "sglang", tmp_path / "s")
     assert not (tmp_path / "s").exists()
-    with pytest.raises(GenerateError, match="use --tree chain"):
+    with pytest.raises(SettingsError, match="use --tree chain"):
         make_proposer(TreeSpec("eagle2", depth=2, top_k=2, total_tokens=6), random_head(target), target)
 
 
