@@ -1,7 +1,7 @@
 """Side-by-side table of every drafter kind on the same target, data and budget.
 
     python bench/heads.py --run runs/demo --out runs/bench-heads [--kinds eagle3,eagle,...] \
-        [--steps 300] [--limit 16] [--max-new-tokens 64] [--k 4]
+        [--steps 300] [--limit 16] [--max-new-tokens 64] [--k 4] [--predict]
 
 `--run` is a folder written by `make demo` (its `target` link and `data/`): each kind trains from
 its demo recipe on the same regenerated answers with the same step budget, is exported to the
@@ -14,7 +14,12 @@ must equal plain greedy decoding. Writes OUT/heads.json and OUT/heads.md.
 Columns: trainable parameters; training seconds per optimizer step (the frozen target's forward
 included, CPU fp32 here); tau (tokens per target forward, bonus included); per-position
 acceptance of the chain (unconditional: share of draft steps whose first p drafts were all
-accepted).
+accepted). `peagle` is EAGLE-3 with parallel drafting (recipes/peagle/demo.yaml).
+
+`--predict` adds, per kind: the chain length k that specheads' own prediction (eval/predict.py,
+from the measured acceptance and micro-timed target / drafter costs) expects to be fastest (up to
+8, or a DFlash block minus the anchor), tau at that k, the predicted speed-up and the measured one
+(wall-clock tokens/s of that chain over plain greedy on the same prompts, drafting included).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from specheads.verify.decode import DecodeStats, greedy_decode
 from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, speculative_decode
 
 DEMO_RECIPES = {"eagle3": "recipes/demo/eagle3.yaml"}  # other kinds: recipes/<kind>/demo.yaml
+VARIANTS = ("peagle",)  # benched like kinds: recipes/<variant>/demo.yaml trains a registered kind
+MAX_PREDICT_K = 8
 TREE_EAGLE2 = (4, 4, 16)  # depth, top_k, total_tokens
 # a static tree of 15 drafts (Medusa-style rank paths), wide at the root, depth 4 (= k, and what
 # 4 Medusa heads can fill)
@@ -83,13 +90,13 @@ def exported_head(ckpt: Path, out: Path, kind: str, target):
     """(head, format): exported to the first format the kind's writer supports and loaded back
     from that folder; when no engine serves the kind for this target family (MTP on a Llama),
     the checkpoint itself, labelled as such."""
-    from specheads.export import WRITERS, ExportRefused, export
+    from specheads.export import WRITERS, ExportRefused, export, load_checked_draft
     from specheads.export.checkpoint import Checkpoint
-    from specheads.export import load_checked_draft
 
-    if kind not in WRITERS:
-        raise ValueError(f"head kind '{kind}' has no exporter")
-    fmt = WRITERS[kind].FORMATS[0]
+    head_kind = Checkpoint(ckpt).kind  # a variant (peagle) trains a registered kind (eagle3)
+    if head_kind not in WRITERS:
+        raise ValueError(f"head kind '{head_kind}' has no exporter")
+    fmt = WRITERS[head_kind].FORMATS[0]
     try:
         folder = export(ckpt, fmt, out / kind / "export" / fmt)
     except ExportRefused:
@@ -145,6 +152,52 @@ def measure(target, head, prompts, references, k: int, max_new_tokens: int) -> d
     return row
 
 
+def rate(stats) -> float:
+    """Generated tokens per wall-clock second."""
+    return stats.tokens / stats.wall_s
+
+
+def max_chain(head) -> int:
+    """Longest chain worth predicting: a DFlash block minus its anchor, else MAX_PREDICT_K."""
+    block = getattr(head.config, "block_size", None)
+    return min(MAX_PREDICT_K, block - 1) if block else MAX_PREDICT_K
+
+
+def predicted_row(target, head, prompts, references, max_new_tokens: int) -> dict:
+    """k chosen by eval/predict.py from acceptance measured at the longest chain, then tau and the
+    wall-clock speed-up of that chain over plain decoding (drafting included)."""
+    from specheads.eval.predict import prediction_metrics
+
+    k_max = max_chain(head)
+    stats, _ = decode_all(target, head, make_tree_spec("chain", k=k_max), prompts, references, max_new_tokens)
+    cond = stats.summary()["acceptance_per_position_conditional"]
+    metrics = prediction_metrics(target, head, [[int(t) for t in ids] for _, ids in prompts], cond, k_max=k_max)
+    if not metrics:
+        return {"predicted_k": None}
+    best = max(metrics["prediction"]["chains"], key=lambda r: r["speedup"])
+    plain, _ = decode_all(target, head, None, prompts, references, max_new_tokens)
+    spec, bad = decode_all(target, head, make_tree_spec("chain", k=best["k"]), prompts, references, max_new_tokens)
+    return {"k_max": k_max, "cond_acceptance_k_max": cond, "predicted_k": best["k"],
+            "predicted_speedup": best["speedup"], "tau_predicted_k": spec.summary()["tau"],
+            "tokens_per_s_plain": rate(plain), "tokens_per_s_spec": rate(spec),
+            "measured_speedup": rate(spec) / rate(plain), "predicted_k_mismatched_ids": list(bad)}
+
+
+def predicted_table(report: dict) -> list[str]:
+    rows = [r for r in report["kinds"] if r.get("predicted_k")]
+    if not rows:
+        return []
+    lines = ["", "Chain length chosen by specheads' prediction (eval/predict.py), then measured "
+             "(wall clock, drafting included, one thread):", "",
+             "| kind | k (predicted best) | tau at k | predicted speed-up | measured speed-up | tokens/s plain | tokens/s spec |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['predicted_k']} (of <= {r['k_max']}) | {r['tau_predicted_k']:.2f} | "
+                     f"{r['predicted_speedup']:.2f}x | {r['measured_speedup']:.2f}x | {r['tokens_per_s_plain']:.1f} | "
+                     f"{r['tokens_per_s_spec']:.1f} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     st = report["settings"]
     lines = [
@@ -165,11 +218,11 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['kind']} | {r['format']} | {r['params']:,} | {r['train_s_per_step']:.3f} | "
                      f"{r['tau_chain']:.2f} (k={r['chain_k']}) | {tau_tree} | {tree} | {acc} | "
                      f"{'yes' if r['greedy_equal'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + predicted_table(report)) + "\n"
 
 
 def bench(run: Path, out: Path, kinds: list[str], steps: int, limit: int, max_new_tokens: int,
-          k: int, root: Path, extra: list[str] = ()) -> dict:
+          k: int, root: Path, extra: list[str] = (), predict: bool = False) -> dict:
     """Train, export, reload and decode every kind; write OUT/heads.json and OUT/heads.md."""
     from specheads.provenance import provenance
     from specheads.target import Target
@@ -186,6 +239,9 @@ def bench(run: Path, out: Path, kinds: list[str], steps: int, limit: int, max_ne
             ckpt, s_per_step, params, _ = train_kind(kind, run, out, steps, root, list(extra))
             head, fmt = exported_head(ckpt, out, kind, target)
             row = measure(target, head, prompts, references, k, max_new_tokens)
+            if predict:
+                row.update(predicted_row(target, head, prompts, references, max_new_tokens))
+                row["greedy_equal"] = row["greedy_equal"] and not row.get("predicted_k_mismatched_ids")
             results.append({"kind": kind, "format": fmt, "params": params,
                             "train_s_per_step": s_per_step, **row})
         except (ValueError, FileNotFoundError, NotImplementedError) as err:
@@ -194,7 +250,7 @@ def bench(run: Path, out: Path, kinds: list[str], steps: int, limit: int, max_ne
     report = {
         "settings": {"target": str(run / "target"), "data": str(run / "data"), "steps": steps,
                      "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k,
-                     "threads": torch.get_num_threads()},
+                     "threads": torch.get_num_threads(), "predict": predict},
         "kinds": results,
         "provenance": provenance(target=target.fingerprint()),
     }
@@ -210,21 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="a `make demo` run folder (target link + data/)")
     p.add_argument("--out", required=True, help="folder for heads.json and heads.md")
-    p.add_argument("--kinds", default=",".join(HEADS), help="comma-separated head kinds (default: all)")
+    known = [*HEADS, *VARIANTS]
+    p.add_argument("--kinds", default=",".join(known), help="comma-separated head kinds (default: all, and peagle)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per kind (same for all)")
     p.add_argument("--limit", type=int, default=16, help="held-out prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="chain length")
+    p.add_argument("--predict", action="store_true",
+                   help="also pick k by eval/predict.py and measure tau and wall-clock speed-up at it")
     p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="repo root (recipes/)")
     p.add_argument("overrides", nargs="*", help="recipe overrides applied to every kind")
     a = p.parse_args(argv)
     kinds = [x.strip() for x in a.kinds.split(",") if x.strip()]
-    unknown = [x for x in kinds if x not in HEADS]
+    unknown = [x for x in kinds if x not in known]
     if unknown:
-        print(f"bench/heads.py: error: unknown head kinds {unknown}; known: {', '.join(HEADS)}", file=sys.stderr)
+        print(f"bench/heads.py: error: unknown head kinds {unknown}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     report = bench(Path(a.run), Path(a.out), kinds, a.steps, a.limit, a.max_new_tokens, a.k,
-                   Path(a.root), a.overrides)
+                   Path(a.root), a.overrides, predict=a.predict)
     print(markdown(report), end="")
     print(f"-> {Path(a.out) / 'heads.json'}")
     return 0 if report["greedy_equal"] else 1

@@ -51,6 +51,7 @@ class TrainError(ValueError):
 UNSUPPORTED_VARIANTS = {
     ("sglang", "norm_before_residual"): "SGLang 0.5.23 always uses the raw fc output as the residual",
     ("vllm", "fc_bias"): "vLLM builds the EAGLE-1 fc without a bias and drops a trained one silently",
+    ("sglang", "parallel_drafting"): "SGLang 0.5.23 has no P-EAGLE loader",
 }
 
 

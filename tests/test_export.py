@@ -221,12 +221,12 @@ def test_load_names_a_folder_that_is_no_export(tmp_path):
 
 
 def test_readme_title_names_each_kind_s_own_format():
-    """Only EAGLE-3 in `vllm` is the speculators format; every (kind, format) pair has its title."""
+    """Only EAGLE-3 and DFlash in `vllm` are speculators formats; every (kind, format) pair has its title."""
     from specheads.export import WRITERS
     from specheads.export.readme import readme_title
 
     for kind, writer in WRITERS.items():
         for fmt in writer.FORMATS:
             title = readme_title(fmt, kind)
-            assert ("speculators" in title) == ((kind, fmt) == ("eagle3", "vllm")), (kind, fmt, title)
+            assert ("speculators" in title) == ((kind, fmt) in {("eagle3", "vllm"), ("dflash", "vllm")}), (kind, fmt, title)
     assert readme_title("sglang", "mtp") == "SGLang 0.5.23, NEXTN"

@@ -13,7 +13,7 @@ from specheads.export import export
 from specheads.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
-REAL = ("eagle3", "medusa", "mtp")  # recipe folders for real targets (demo.yaml files are the tiny demos)
+REAL = ("eagle3", "medusa", "mtp", "dflash", "peagle")  # recipe folders for real targets (demo.yaml files are the tiny demos)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 FAMILIES = {  # recipe -> (transformers config class, extra tiny-size kwargs)
@@ -25,6 +25,9 @@ FAMILIES = {  # recipe -> (transformers config class, extra tiny-size kwargs)
     "eagle3/gpt-oss-20b.yaml": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                                                  "sliding_window": 16}),
     "medusa/vicuna-7b.yaml": ("LlamaConfig", {}),
+    "dflash/qwen3-8b.yaml": ("Qwen3Config", {"head_dim": 16}),
+    "dflash/llama3.1-8b-instruct.yaml": ("LlamaConfig", {}),
+    "peagle/qwen3-8b.yaml": ("Qwen3Config", {"head_dim": 16}),
     "mtp/deepseek-v3.yaml": ("DeepseekV3Config", {"num_key_value_heads": 4,
         "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
@@ -79,6 +82,9 @@ def _scaled(recipe, target: Path, data: Path, out: Path) -> list[str]:
         over["head.draft_vocab_size"] = 256
     if head.get("intermediate_size"):
         over["head.intermediate_size"] = TINY["intermediate_size"]
+    for key in ("mask_token_id", "target_layer_ids"):  # real-target ids do not exist in the tiny model
+        if head.get(key) is not None:
+            over[f"head.{key}"] = "null"
     if head.get("init") == "shipped":  # a random model ships no MTP layers to fine-tune
         over["head.init"] = "last_layer"
     return [f"{k}={v}" for k, v in over.items()]

@@ -102,6 +102,7 @@ KEY_CHECKS = {  # check -> (passes(value, rule), what was expected)
     "dict": (lambda v, r: isinstance(v, dict), lambda r: "a JSON object"),
     "not_true": (lambda v, r: v is not True, lambda r: "false or absent"),
     "rope": (lambda v, r: _rope_ok(v), lambda r: "rope_parameters.rope_theta (or legacy rope_theta)"),
+    "one_of": (lambda v, r: v in r.value, lambda r: " or ".join(json.dumps(x) for x in r.value)),
 }
 
 
@@ -163,7 +164,30 @@ def config_dims(cfg: dict, contract: FormatContract) -> dict[str, int]:
         dims["hd"] = dims["Hd"] // dims["nh"]
     ids = aux_ids(cfg, contract)
     dims["n_aux"] = len(ids) if isinstance(ids, list) else 3
+    dims["parallel"] = int(is_parallel(cfg))
     return dims
+
+
+def is_parallel(cfg: dict) -> bool:
+    """P-EAGLE: speculators type peagle (all vLLM reads there), or a native config saying parallel_drafting."""
+    if "speculators_model_type" in cfg:
+        return cfg["speculators_model_type"] == "peagle"
+    return cfg.get("parallel_drafting") is True
+
+
+def check_parallel(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """A P-EAGLE config names its mask token (vLLM: mask_token_id, or pard_token natively) inside V."""
+    if contract.engine != "vllm" or not is_parallel(cfg):
+        return []
+    mask = cfg.get("mask_token_id", MISSING if contract.layer_keys_at else cfg.get("pard_token", MISSING))
+    V = layer_config(cfg, contract).get("vocab_size")
+    if not _int(mask):
+        return [Violation(f"{CONFIG_FILE}: mask_token_id", "the mask token id (an integer)", _found(mask),
+                          "vLLM fills the parallel-drafting slots with it and refuses to start without it")]
+    if _int(V) and not 0 <= mask < V:
+        return [Violation(f"{CONFIG_FILE}: mask_token_id", f"< vocab_size {V}", str(mask),
+                          "the mask token is embedded with the target's table; pick an id inside it")]
+    return []
 
 
 def expected_shape(exprs: tuple[str, ...], dims: dict[str, int]) -> tuple[int, ...] | None:
@@ -192,8 +216,14 @@ def check_tensors(specs: dict, dims: dict, contract: FormatContract) -> list[Vio
     out = []
     for name, rule in allowed.items():
         where = f"{WEIGHTS_FILE}: {name}"
+        if name in specs and rule.need == "if_parallel" and not dims.get("parallel"):
+            out.append(Violation(where, "no such tensor (the config does not draft in parallel)", "a tensor",
+                                 "vLLM skips it with a warning unless parallel_drafting is on; remove it "
+                                 "or export the head as P-EAGLE"))
+            continue
         if name not in specs:
-            if rule.need == "required" or (rule.need == "if_hidden_differs" and dims.get("Hd") != dims.get("H")):
+            if rule.need == "required" or (rule.need == "if_hidden_differs" and dims.get("Hd") != dims.get("H")) \
+                    or (rule.need == "if_parallel" and dims.get("parallel")):
                 out.append(Violation(where, "the tensor", "no tensor", f"{ENGINE_NAMES[contract.engine]} does not "
                                      "report missing draft tensors (they stay uninitialised); re-export"))
             continue
@@ -264,6 +294,10 @@ def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[
         out.append(Violation(f"{CONFIG_FILE}: {at}rope_parameters", json.dumps(head["rope_parameters"]),
                              json.dumps(config_rope(layer)), "copy the head's (= the target's) RoPE settings"))
     out += _check_residual(cfg, contract, head)
+    if is_parallel(cfg) != bool(head.get("parallel_drafting", False)):
+        out.append(Violation(f"{CONFIG_FILE}: parallel_drafting", json.dumps(bool(head.get("parallel_drafting"))),
+                             json.dumps(is_parallel(cfg)), "P-EAGLE heads draft in parallel, EAGLE-3 heads do "
+                             "not: export again from the checkpoint"))
     mpe = layer.get("max_position_embeddings")
     if _int(mpe) and mpe < head["max_position_embeddings"]:
         out.append(Violation(f"{CONFIG_FILE}: {at}max_position_embeddings",
@@ -322,7 +356,7 @@ def validate(folder: str | Path, engine: str, kind: str = "eagle3", expected=Non
     if folder.is_dir():
         problems += check_files(folder)
     if cfg is not None:
-        problems += check_keys(cfg, contract) + check_aux(cfg, contract)
+        problems += check_keys(cfg, contract) + check_aux(cfg, contract) + check_parallel(cfg, contract)
         head = _head_dict(expected, folder)
         if head is not None:
             problems += check_against_head(cfg, contract, head)

@@ -98,6 +98,7 @@ EAGLE3_TENSORS = (
     TensorRule("d2t", ("Vd",), dtype="int64"),
     TensorRule("t2d", ("V",), dtype="bool", need="optional"),
     TensorRule("embed_tokens.weight", ("V", "Hd"), need="if_hidden_differs"),
+    TensorRule("mask_hidden", ("n_aux*H",), need="if_parallel"),  # P-EAGLE only (vLLM: required with it)
 )
 
 # Names no engine should see: (pattern, why + what to do). The first match is reported.
@@ -137,7 +138,7 @@ VLLM_HEAD_KEYS = (
 )
 SPECULATORS_KEYS = VLLM_HEAD_KEYS + (
     KeyRule("model_type", "absent", fix="a top-level model_type defeats vLLM's speculators detection"),
-    KeyRule("speculators_model_type", "equals", "eagle3"),
+    KeyRule("speculators_model_type", "one_of", ("eagle3", "peagle"), "peagle = P-EAGLE (parallel drafting)"),
     KeyRule("transformer_layer_config", "dict"),
     KeyRule("speculators_config.proposal_methods.0.speculative_tokens", "positive_int"),
     KeyRule("speculators_config.default_proposal_method", "str"),
@@ -162,6 +163,7 @@ SGLANG_KEYS = (
     KeyRule("eagle_config.norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
     KeyRule("eagle_aux_hidden_state_layer_ids", "absent",
             fix="SGLang uses a top-level id list only to size fc; keep the ids in eagle_config"),
+    KeyRule("parallel_drafting", "not_true", fix="SGLang 0.5.23 has no P-EAGLE loader; serve it with vLLM"),
 )
 
 CONTRACTS = {
@@ -256,6 +258,8 @@ DRAFT_KEYS = (  # an ordinary HF Llama causal LM (vLLM draft_model, SGLang STAND
     KeyRule("speculators_config", "absent", fix="a speculators key: vLLM would parse it as an EAGLE draft"),
     KeyRule("", "rope", fix="copy the target's RoPE settings"),
 )
+for _fmt in ("vllm", "vllm-native", "sglang"):  # DFlash: export/dflash.py checks the folder itself
+    CONTRACTS[(_fmt, "dflash")] = FormatContract(_fmt, _fmt.split("-")[0], "dflash", "", "", "", 0, 0, (), ())
 TOKENIZER_FILES = ("tokenizer_config.json",)  # plus tokenizer.json or a vocab file, checked by loading
 FORMATS = tuple(sorted({fmt for fmt, _ in CONTRACTS}))
 

@@ -24,6 +24,11 @@ class ExportRefused(ValueError):
 
 def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
     """Refuse heads an engine would load but run differently from training."""
+    if fmt == "sglang" and config.parallel_drafting:
+        raise ExportRefused(
+            "this is a P-EAGLE head (parallel_drafting: true), and SGLang 0.5.23 has no P-EAGLE loader "
+            "(no mask_hidden, no parallel drafting). Export it with --format vllm (speculators peagle) "
+            "or --format vllm-native (method eagle3 + parallel_drafting).")
     if fmt == "sglang" and config.norm_before_residual:
         raise ExportRefused(
             "this head was trained with norm_before_residual: true, but SGLang 0.5.23 always uses the "
@@ -95,19 +100,23 @@ def head_keys(config: Eagle3Config) -> dict:
         "norm_before_fc": False,
         "fc_norm": False,
         "norm_output": False,
+        **({"parallel_drafting": True, "mask_token_id": config.mask_token_id} if config.parallel_drafting else {}),
     }
 
 
 def speculators_config(config: Eagle3Config, k: int, verifier: str, verifier_archs: list[str],
                        dtype: str) -> dict:
-    """docs/engines.md §2.3: no top-level model_type; layer keys in transformer_layer_config."""
+    """docs/engines.md §2.3: no top-level model_type; layer keys in transformer_layer_config.
+    P-EAGLE: type peagle (vLLM turns it into eagle3 + parallel_drafting) with mask_token_id."""
+    keys = head_keys(config)
+    keys.pop("parallel_drafting", None)
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        **head_keys(config),
+        "architectures": ["PEagleSpeculator" if config.parallel_drafting else "Eagle3Speculator"],
+        "speculators_model_type": "peagle" if config.parallel_drafting else "eagle3",
+        **keys,
         "transformer_layer_config": layer_keys(config, dtype),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": "peagle" if config.parallel_drafting else "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specheads.export.checkpoint import load_strict
-from specheads.export.contract import aux_ids, config_rope, layer_config, validate
+from specheads.export.contract import aux_ids, config_rope, is_parallel, layer_config, validate
 from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, Violation, contract_for, detect_format,
 )
@@ -111,7 +111,16 @@ def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> Eagl
         ttt_steps=trained.get("ttt_steps", k or 3),
         step_decay=trained.get("step_decay", 0.8),
         hidden_act=layer.get("hidden_act", "silu"),
+        **parallel_from_export(cfg, trained),
     )
+
+
+def parallel_from_export(cfg: dict, trained: dict) -> dict:
+    """P-EAGLE fields: parallel when speculators says peagle or the native config says so."""
+    if not is_parallel(cfg):
+        return {}
+    return {"parallel_drafting": True, "mask_token_id": cfg.get("mask_token_id", cfg.get("pard_token")),
+            **{k: trained[k] for k in ("cod_ratio", "cod_min_ratio") if k in trained}}
 
 
 def head_weights(weights: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:

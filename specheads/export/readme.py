@@ -59,9 +59,11 @@ def _architectures(local: str | None) -> list[str]:
         return []
 
 
-def vllm_command(target: str, folder: str, k: int) -> str:
-    """`vllm serve TARGET --speculative-config {...}`: works for every vLLM format and any target."""
-    spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": k}, separators=(",", ":"))
+def vllm_command(target: str, folder: str, k: int, parallel: bool = False) -> str:
+    """`vllm serve TARGET --speculative-config {...}`: works for every vLLM format and any target
+    (P-EAGLE heads add parallel_drafting, which vLLM takes from the speculative config)."""
+    spec = {"method": "eagle3", "model": folder, "num_speculative_tokens": k}
+    spec = json.dumps({**spec, "parallel_drafting": True} if parallel else spec, separators=(",", ":"))
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
@@ -83,10 +85,14 @@ KIND_FORMAT_TITLES = {  # (format, kind) -> title, where the format's own title 
     ("sglang", "mtp"): "SGLang 0.5.23, NEXTN",
     ("vllm", "draft"): "vLLM 0.33, method draft_model",
     ("sglang", "draft"): "SGLang 0.5.23, STANDALONE",
+    ("vllm", "dflash"): "vLLM 0.33, speculators dflash format",
+    ("vllm-native", "dflash"): "vLLM 0.33, method dflash (DFlashDraftModel)",
+    ("sglang", "dflash"): "SGLang 0.5.23, DFLASH (DFlashDraftModel)",
 }
 KIND_NAMES = {"eagle3": "EAGLE-3 draft", "eagle": "EAGLE-1 draft", "medusa": "Medusa heads",
               "medusa2": "Medusa-2 heads (trained with LoRA on the target)",
-              "mtp": "MTP modules inside the target checkpoint", "draft": "Draft model"}
+              "mtp": "MTP modules inside the target checkpoint", "draft": "Draft model",
+              "dflash": "DFlash block drafter"}
 
 
 def mtp_draft_commands(fmt: str, kind: str, folder: str, target: str, k: int) -> list[str]:
@@ -107,6 +113,14 @@ def mtp_draft_commands(fmt: str, kind: str, folder: str, target: str, k: int) ->
             f"--speculative-num-draft-tokens {k + 1}"]
 
 
+def dflash_commands(fmt: str, folder: str, target: str, k: int) -> list[str]:
+    """vLLM method dflash (k = block size - 1 drafts per step); SGLang DFLASH (block from config)."""
+    if fmt == "sglang":
+        return [f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm "
+                f"DFLASH --speculative-draft-model-path {shlex.quote(folder)}"]
+    return [vllm_command(target, folder, k).replace('"eagle3"', '"dflash"')]
+
+
 def other_kind_commands(fmt: str, kind: str, target: str, folder: str, k: int) -> list[str]:
     """Serve commands of the EAGLE-1 and Medusa formats."""
     if kind == "eagle" and fmt == "sglang":
@@ -118,18 +132,21 @@ def other_kind_commands(fmt: str, kind: str, target: str, folder: str, k: int) -
     return [f"python -m medusa.inference.cli --model {shlex.quote(folder)}"]
 
 
-def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str = "eagle3") -> list[str]:
+def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str = "eagle3",
+                   parallel: bool = False) -> list[str]:
     """The exact commands that serve the export, best first."""
     folder = str(folder)
     if kind in ("eagle", "medusa"):
         return other_kind_commands(fmt, kind, target.serve_as, folder, k)
     if kind in ("mtp", "draft"):
         return mtp_draft_commands(fmt, kind, folder, target.serve_as, k)
+    if kind == "dflash":
+        return dflash_commands(fmt, folder, target.serve_as, k)
     if fmt == "sglang":
         return [sglang_command(target.serve_as, folder, k)]
     if fmt == "vllm" and target.hub_id:
-        return [f"vllm serve {shlex.quote(folder)}", vllm_command(target.serve_as, folder, k)]
-    return [vllm_command(target.serve_as, folder, k)]
+        return [f"vllm serve {shlex.quote(folder)}", vllm_command(target.serve_as, folder, k, parallel)]
+    return [vllm_command(target.serve_as, folder, k, parallel)]
 
 
 def notes(fmt: str, target: TargetRef) -> list[str]:
@@ -171,13 +188,24 @@ def head_lines(kind: str, fmt: str, head: dict) -> list[str]:
         m = head["model_config"]
         return [f"- Llama draft: {m['num_hidden_layers']} layer(s), hidden size {m['hidden_size']}, "
                 f"the target's tokenizer and vocabulary ({head['vocab_size']} tokens)"]
+    if kind == "dflash":
+        return [f"- DFlash: {head['num_hidden_layers']} Qwen3-style layer(s) reading target layers "
+                f"{head['target_layer_ids']} (output of layer t) as context keys; blocks of {head['block_size']} "
+                f"(anchor + {head['block_size'] - 1} mask token id {head['mask_token_id']}), "
+                f"{'causal' if head['causal'] else 'bidirectional'} inside the block",
+                f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens"
+                + (" (the target's lm_head is shared)" if head['draft_vocab_size'] == head['vocab_size'] else ""),
+                f"- trained with {head['loss']} loss over {head['num_anchors']} anchors per sequence"]
     if kind == "eagle":
         bias = "trained with an fc bias" if head["fc_bias"] else (
             "no fc bias (SGLang gets an exact zero `fc.bias`)" if fmt == "sglang" else "no fc bias")
         return [f"- EAGLE-1: fc over [embedding ; final-normed target state], one decoder layer without "
                 f"input norm, the target's lm_head; {bias}",
                 f"- hidden size {head['hidden_size']}, trained for {head['ttt_steps']} draft step(s)"]
-    return [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
+    parallel = [f"- P-EAGLE: all {head['ttt_steps']} drafts in one forward (mask token id {head['mask_token_id']}, "
+                "learned `mask_hidden`); vLLM serves it with `parallel_drafting: true`, SGLang 0.5.23 cannot"
+                ] if head.get("parallel_drafting") else []
+    return parallel + [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
             f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
             f"- hidden size {head['hidden_size']}, norm_before_residual {str(head['norm_before_residual']).lower()},"
             f" trained for {head['ttt_steps']} draft steps"]

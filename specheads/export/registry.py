@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specheads.export import draft, eagle1, eagle3, medusa, medusa2, mtp
+from specheads.export import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.export.eagle3 import ExportRefused
 from specheads.export.folder import verify_export
 from specheads.export.load import ExportMeta, is_foreign, load_foreign, read_export_meta
@@ -20,6 +20,7 @@ WRITERS = {
     "eagle": eagle1,
     "mtp": mtp,
     "draft": draft,
+    "dflash": dflash,
 }
 LOADERS = {
     "eagle3": eagle3,
@@ -28,6 +29,7 @@ LOADERS = {
     "eagle": eagle1,
     "mtp": mtp,
     "draft": draft,
+    "dflash": dflash,
 }
 
 

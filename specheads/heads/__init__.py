@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specheads.heads.dflash import DFlashHead
 from specheads.heads.draft import DraftHead
 from specheads.heads.eagle import EagleHead
 from specheads.heads.eagle3 import Eagle3Head
@@ -17,6 +18,7 @@ HEADS = {
     "eagle": EagleHead,
     "mtp": MtpHead,
     "draft": DraftHead,
+    "dflash": DFlashHead,
 }
 
 

@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import (
 
 from specheads.bounds import bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
+from specheads.heads.peagle import parallel_train_forward
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
 
@@ -36,6 +37,11 @@ class Eagle3Options:
     draft_vocab_size: int | None = bounded(None, ge=1)  # None -> min(V, 32000)
     norm_before_residual: bool = False
     intermediate_size: int | None = None  # None -> the target's
+    # P-EAGLE (heads/peagle.py): all ttt_steps drafts in one forward from a learned mask_hidden
+    parallel_drafting: bool = False
+    mask_token_id: int | None = bounded(None, ge=0)  # parallel drafting: None -> vocab_size - 1
+    cod_ratio: float = bounded(0.7, gt=0, le=1)  # depth d trains on ~max(cod_ratio^d, cod_min_ratio) of rows
+    cod_min_ratio: float = bounded(0.2, gt=0, le=1)
 
 
 @dataclass
@@ -64,6 +70,10 @@ class Eagle3Config:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
     fc_norm: bool = False  # one RMSNorm per feature before the concatenation
     norm_output: bool = False  # carry norm(out) to the next step instead of the pre-norm out
+    parallel_drafting: bool = False  # P-EAGLE
+    mask_token_id: int | None = None
+    cod_ratio: float = 0.7
+    cod_min_ratio: float = 0.2
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
@@ -108,8 +118,21 @@ def build_config(options: Eagle3Options, target_config) -> Eagle3Config:
         aux_layers=aux, max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5), rope_parameters=dict(rope),
         norm_before_residual=options.norm_before_residual, ttt_steps=options.ttt_steps,
-        step_decay=options.step_decay,
+        step_decay=options.step_decay, **parallel_fields(options, V),
     )
+
+
+def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
+    """P-EAGLE's config fields (empty for sequential EAGLE-3); the mask token must be a target id."""
+    if not options.parallel_drafting:
+        return {}
+    mask = vocab_size - 1 if options.mask_token_id is None else options.mask_token_id
+    if not 0 <= mask < vocab_size:
+        raise ValueError(f"head.mask_token_id {mask} is outside the target vocabulary 0..{vocab_size - 1}")
+    if not 0 < options.cod_min_ratio <= options.cod_ratio <= 1:
+        raise ValueError("head.cod_min_ratio and head.cod_ratio need 0 < cod_min_ratio <= cod_ratio <= 1")
+    return {"parallel_drafting": True, "mask_token_id": mask, "cod_ratio": options.cod_ratio,
+            "cod_min_ratio": options.cod_min_ratio}
 
 
 class Eagle3Layer(nn.Module):
@@ -168,6 +191,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         # until a vocab map is set, the draft vocab is the first Vd target ids
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+        if config.parallel_drafting:  # P-EAGLE: the fused feature of every masked depth
+            self.mask_hidden = nn.Parameter(torch.randn(n_aux * config.target_hidden_size) * 0.02)
 
     @classmethod
     def for_target(cls, options: Eagle3Options, target_config, **kw) -> "Eagle3Head":
@@ -225,16 +250,20 @@ class Eagle3Head(nn.Module):
     def expand(self, target, feats: dict, batch: dict) -> dict:
         """Cached features + batch -> `train_forward` kwargs (embeddings and logits recomputed)."""
         final = feats["final"].to(target.dtype)
-        return {"aux": feats["aux"], "embeds": target.embed(batch["input_ids"]),
-                "target_logits": target.lm_head(final),  # [B, T, V]
-                "loss_mask": batch["loss_mask"], "attention_mask": batch["attention_mask"]}
+        inputs = {"aux": feats["aux"], "embeds": target.embed(batch["input_ids"]),
+                  "target_logits": target.lm_head(final),  # [B, T, V]
+                  "loss_mask": batch["loss_mask"], "attention_mask": batch["attention_mask"]}
+        if self.config.parallel_drafting:
+            mask_id = torch.tensor([self.config.mask_token_id], device=batch["input_ids"].device)
+            inputs["mask_embed"] = target.embed(mask_id)[0]  # [H]
+        return inputs
 
     def forward(self, **inputs) -> "HeadOutput":
         """Training forward (what DDP/FSDP wrappers call): see `train_forward`."""
         return self.train_forward(**inputs)
 
-    def train_forward(self, aux, embeds, target_logits, loss_mask, attention_mask) -> HeadOutput:
-        """Unrolled TTT over `ttt_steps` (docs/algorithms.md §5).
+    def train_forward(self, aux, embeds, target_logits, loss_mask, attention_mask, mask_embed=None) -> HeadOutput:
+        """Unrolled TTT over `ttt_steps` (docs/algorithms.md §5); P-EAGLE heads: heads/peagle.py.
 
         aux [B, T, n*Ht] target features at x_<=i; embeds [B, T, H] of x_i; target_logits
         [B, T, V] (position i predicts x_{i+1}); loss_mask, attention_mask [B, T].
@@ -242,6 +271,8 @@ class Eagle3Head(nn.Module):
         draft head and the loss run only on rows that count, which keeps the big [.., Vd]
         tensors small.
         """
+        if self.config.parallel_drafting:
+            return parallel_train_forward(self, aux, embeds, mask_embed, target_logits, loss_mask, attention_mask)
         B, T = loss_mask.shape
         valid = attention_mask.bool()
         target_argmax = target_logits.argmax(-1)  # [B, T]

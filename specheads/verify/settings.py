@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.verify import eagle1_proposers, eagle3_proposers, medusa_proposers, mtp_proposers
+from specheads.verify import dflash_proposers, eagle1_proposers, eagle3_proposers, medusa_proposers, mtp_proposers
 from specheads.verify.decode import generate
 from specheads.verify.sample_decode import sample_generate, sample_tree_generate
 from specheads.verify.tree_decode import tree_generate
@@ -125,6 +125,7 @@ PROPOSERS = {
     "eagle": eagle1_proposers,
     "mtp": mtp_proposers,
     "draft": mtp_proposers,
+    "dflash": dflash_proposers,
 }
 
 

@@ -1,0 +1,112 @@
+"""Block proposers: one DFlash forward drafts the whole chain (protocol: verify/proposers.py).
+
+The draft keeps one KV cache per layer holding only context rows: the keys/values projected
+from the target states of every verified position. A proposal appends the block [last verified
+token (the anchor), mask x k] at the positions after them, reads slots 1..k, and drops the block
+again, so every proposal is exactly the training computation for that anchor.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from specheads.target import TargetError, TargetOutput
+from specheads.verify.decode import positions, trim_cache
+from specheads.verify.sampling import expand_draft_logits, sample
+from specheads.verify.trees import SettingsError
+
+
+def check_dflash_fits(head, target) -> None:
+    """Refuse a head whose vocabulary / width / taps do not match the target it runs with."""
+    cfg, problems = head.config, []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} vs the target's {target.vocab_size}")
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} vs the target's {target.hidden_size}")
+    bad = [t for t in cfg.target_layer_ids if not 0 <= t <= target.num_layers - 2]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside 0..{target.num_layers - 2}")
+    if problems:
+        raise TargetError("the DFlash head does not fit this target: " + "; ".join(problems))
+
+
+class DFlashProposer:
+    """Greedy block drafts: k = min(asked, block_size - 1) tokens from one draft forward."""
+
+    def __init__(self, head, target):
+        check_dflash_fits(head, target)
+        self.head, self.target = head.eval(), target
+        self.layers = head.required_layers()
+        self.cache: DynamicCache | None = None
+        self.rows = 0  # context rows cached = position of the anchor
+        self.anchor = 0  # the last verified token
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.fc.weight.dtype
+
+    def _add_context(self, out: TargetOutput, n: int, start: int) -> None:
+        if start != self.rows:
+            raise RuntimeError(f"DFlash context out of step: have {self.rows} rows, asked to add at {start}")
+        aux = torch.cat([out.hidden[i][:, :n] for i in self.layers], dim=-1)  # [1, n, K*H]
+        self.head.add_context(self.cache, self.head.context(aux), positions(start, n, aux.device))
+        self.rows += n
+
+    @torch.no_grad()
+    def start(self, prompt_ids: torch.Tensor, first_token: int, out: TargetOutput) -> None:
+        self.cache, self.rows = DynamicCache(), 0
+        self._add_context(out, prompt_ids.numel(), 0)
+        self.anchor = int(first_token)
+
+    def _block_logits(self, k: int) -> torch.Tensor:
+        """Draft logits [k, Vd] of slots 1..k of the block at the anchor; the block is dropped."""
+        cfg, device = self.head.config, self.target.device
+        ids = torch.tensor([[self.anchor] + [cfg.mask_token_id] * k], device=device)
+        embeds = self.target.embed(ids)  # [1, k+1, H]
+        mask = torch.zeros(k + 1, self.rows + k + 1, dtype=self.dtype, device=device)
+        if cfg.causal:
+            mask[:, self.rows:] = torch.full((k + 1, k + 1), torch.finfo(self.dtype).min, device=device).triu(1)
+        out = self.head.block_forward(embeds, positions(self.rows, k + 1, device), mask[None, None], self.cache)
+        trim_cache(self.cache, self.rows)
+        return self.head.logits(out[0, 1:], self.target.lm_head.weight)
+
+    @torch.no_grad()
+    def propose(self, k: int) -> torch.Tensor:
+        """Up to k draft tokens [<= block_size - 1] (target ids) from one forward."""
+        k = min(k, self.head.config.block_size - 1)
+        if k < 1:
+            return torch.empty(0, dtype=torch.long)
+        return self.head.to_target_ids(self._block_logits(k).argmax(-1)).cpu()
+
+    @torch.no_grad()
+    def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput, start: int) -> None:
+        self._add_context(out, inputs.numel(), start)
+        self.anchor = int(following.reshape(-1)[-1])
+
+
+class SampledDFlashProposer(DFlashProposer):
+    """Block drafts sampled slot by slot from q_s = warp(slot s logits). The slots do not see
+    each other's samples, so each q_s depends on the verified context only: Leviathan's rule
+    stays lossless with these q."""
+
+    @torch.no_grad()
+    def propose_sampled(self, k: int, warper, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """k draft tokens [k] (target ids) and their distributions q [k, V]."""
+        k = min(k, self.head.config.block_size - 1)
+        V = self.target.vocab_size
+        if k < 1:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, V)
+        logits = self._block_logits(k)  # [k, Vd]
+        ids = self.head.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
+        q = warper(expand_draft_logits(logits, ids, V))  # [k, V]
+        return sample(q.to(gen.device), gen), q
+
+
+def make_proposer(spec, head, target, sampled: bool = False):
+    """Chains only: a block is drafted in parallel, so there is no per-node ranking to grow a
+    tree from (the engines verify DFlash blocks as chains too)."""
+    if spec.kind != "chain":
+        raise SettingsError(f"a DFlash head drafts one block per forward and is verified as a chain; "
+                            f"'{spec.kind}' trees are not supported: use --tree chain")
+    return SampledDFlashProposer(head, target) if sampled else DFlashProposer(head, target)
