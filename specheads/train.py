@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.atomic import write_text
+from specheads.atomic import OutputRefused, write_text
 from specheads.config import Recipe, TrainConfig, check_recipe_inputs, load_recipe, to_dict
 from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
@@ -31,7 +31,7 @@ from specheads.data.tokenize import collate
 from specheads.data.vocab_stats import load_vocab_stats
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
-    Checkpoint, latest_checkpoint, load_strict, resume_hint, save_checkpoint,
+    Checkpoint, latest_checkpoint, load_strict, mark_run, resume_hint, run_dir_refusal, save_checkpoint,
 )
 from specheads.heads import head_class
 from specheads.heads.losses import COUNT_KEYS
@@ -226,6 +226,18 @@ def state_digest(state: dict) -> str:
     return h.hexdigest()
 
 
+def check_output_dir(accelerator, out_dir: Path) -> None:
+    """Rank 0 decides whether train.output_dir may be written (absent, empty, or a run of ours);
+    every rank raises the same refusal, before the target loads."""
+    from accelerate.utils import broadcast_object_list
+
+    verdict = [run_dir_refusal(out_dir) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(verdict)
+    if verdict[0] is not None:
+        raise OutputRefused(verdict[0])
+
+
 def save(accelerator, model, optim, sched, out_dir: Path, step: int, recipe: Recipe, prov: dict,
          trainer_state: dict):
     """Checkpoint on all ranks: gathered full head weights, per-rank optimizer and RNG shards."""
@@ -318,6 +330,7 @@ def train(recipe: Recipe) -> Path:
     t = recipe.train
     out_dir = Path(t.output_dir)
     accelerator = build_accelerator(t, out_dir)
+    check_output_dir(accelerator, out_dir)  # a user's folder is refused before anything loads
     set_seed(t.seed)
     target = load_target(accelerator, recipe)
     samples = prepare_samples(recipe, target.tokenizer, report=accelerator.print)
@@ -346,7 +359,7 @@ def train(recipe: Recipe) -> Path:
     prov = provenance(target=target.fingerprint(), num_processes=accelerator.num_processes,
                       strategy=strategy(accelerator))
     if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        mark_run(out_dir)
         truncate_metrics(out_dir / "metrics.jsonl", start)
         accelerator.print(
             f"[specheads] training {recipe.head.kind} on {len(samples)} samples ({len(val_samples)} held out), "

@@ -2,8 +2,8 @@
 
 Layout of OUTPUT_DIR:  checkpoint-000100/{head.safetensors, head_config.json, recipe.json,
 provenance.json, trainer_state.json, scheduler.pt, optimizer[-rank{r}].pt, rng-rank{r}.pt},
-`latest` (a file naming the newest complete checkpoint) and `best` (the one with the highest
-validation tau). The last `keep_last` checkpoints plus the best are kept. Every checkpoint is
+`latest` (a file naming the newest complete checkpoint), `best` (the one with the highest
+validation tau), metrics.jsonl and specheads_run.json (marks the folder as a run we write into). The last `keep_last` checkpoints plus the best are kept. Every checkpoint is
 written to a temp folder and renamed; trainer_state.json, written last, records the sha256 of every
 other file, checked when the checkpoint is exported or resumed.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specheads.atomic import atomic_dir, remove_stale, write_text
+from specheads.atomic import OutputRefused, atomic_dir, describe_contents, is_empty_dir, remove_stale, write_json, write_text
 from specheads.heads import head_class
 from specheads.integrity import check_finite, file_hashes, read_safetensors, sha256_file, verify_files
 
@@ -26,6 +26,7 @@ HEAD_FILE = "head.safetensors"
 STATE_FILE = "trainer_state.json"
 SHA_KEY = "sha256"  # trainer_state.json: {file name: sha256} of every other file of the checkpoint
 REQUIRED = (HEAD_FILE, "head_config.json", "recipe.json", "provenance.json", STATE_FILE)
+RUN_FILE = "specheads_run.json"  # {"purpose": "train"}: the folder is a training run of ours
 CORRUPT_HINT = "use an earlier checkpoint (pass its checkpoint-NNNNNN folder) or re-run training"
 
 
@@ -74,6 +75,50 @@ def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, prove
 def is_checkpoint(folder: Path) -> bool:
     """A folder save_checkpoint wrote (what may be replaced by a checkpoint of the same step)."""
     return (folder / STATE_FILE).is_file() and (folder / "head_config.json").is_file()
+
+
+# --- the run folder: what train.output_dir may be -------------------------------------------
+def is_training_run(folder: Path) -> bool:
+    """A folder training wrote: marked by RUN_FILE, or (older versions) holding a checkpoint."""
+    try:
+        if json.loads((folder / RUN_FILE).read_text()).get("purpose") == "train":
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    return any(is_checkpoint(c) for c in folder.glob("checkpoint-[0-9]*"))
+
+
+def run_dir_refusal(folder: str | Path) -> str | None:
+    """Why `folder` may not be a train.output_dir (None: absent, empty, or a run of ours to resume).
+
+    Training writes latest, best, metrics.jsonl and checkpoint-NNNNNN/ there and prunes old
+    checkpoints, which would overwrite a user's files of those names."""
+    folder = Path(folder)
+    if not folder.exists() and not folder.is_symlink():
+        return None
+    if not folder.is_dir():
+        return f"train.output_dir {folder} exists and is not a folder. Nothing was changed: choose another train.output_dir"
+    if is_empty_dir(folder) or is_training_run(folder):
+        return None
+    return (f"train.output_dir {folder} is a non-empty folder that is not a specheads training run (no {RUN_FILE}, "
+            f"no checkpoint-NNNNNN); it holds {describe_contents(folder)}. Training writes latest, best, "
+            "metrics.jsonl and checkpoint-NNNNNN/ there and would overwrite files of those names. Nothing was "
+            "changed: set train.output_dir to a new or empty folder, or move those files away yourself")
+
+
+def check_run_dir(folder: str | Path) -> None:
+    """Refuse a train.output_dir that is not ours (OutputRefused), before anything is loaded."""
+    reason = run_dir_refusal(folder)
+    if reason is not None:
+        raise OutputRefused(reason)
+
+
+def mark_run(folder: str | Path) -> None:
+    """Create the run folder and mark it as ours (so a run killed before its first checkpoint resumes)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / RUN_FILE).is_file():
+        write_json(folder / RUN_FILE, {"purpose": "train"})
 
 
 def _dump(path: Path, obj) -> None:
