@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from specheads.atomic import write_json  # noqa: E402
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options  # noqa: E402
 from specheads.target import Target  # noqa: E402
 from specheads.verify.decode import generate, greedy_decode  # noqa: E402

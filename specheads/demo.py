@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from specheads.atomic import check_output, write_json, write_text
+from specheads.atomic import OutputRefused, check_output, write_json, write_text
 from specheads.builtin.stdlib import MAX_PROMPT_CHARS, write_demo_data
-from specheads.builtin.tiny_target import cached_tiny_target
+from specheads.builtin.tiny_target import cached_tiny_target, is_tiny_target
 from specheads.config import load_recipe
 from specheads.data.conversations import read_conversations
 from specheads.data.regenerate import regenerate_local
@@ -35,10 +35,12 @@ def link_target(run: Path, target: Path) -> Path:
     link = run / "target"
     if link.is_symlink() and link.resolve() == target.resolve():
         return link
-    if link.is_symlink() or link.is_file():
-        link.unlink()
-    if not link.exists():
-        link.symlink_to(target.resolve(), target_is_directory=True)
+    if link.exists() and not link.is_symlink():  # never ours: the demo only ever makes a link here
+        raise OutputRefused(f"{link} is not the link the demo makes to its target (it is a "
+                            f"{'folder' if link.is_dir() else 'file'}): move it away, or choose another --run")
+    if link.is_symlink():
+        link.unlink()  # a link to an older build: the link goes, what it pointed to stays
+    link.symlink_to(target.resolve(), target_is_directory=True)
     return link
 
 
@@ -79,9 +81,11 @@ def demo_recipe(recipe_path: Path, run: Path, train_file: Path, extra: list[str]
 
 
 def is_demo_run(run: Path) -> bool:
-    """A folder an earlier demo wrote (resumed: every stage reuses what is there)."""
-    return any(p.exists() or p.is_symlink() for p in (run / "demo_summary.json", run / "target",
-                                                      run / "data" / "heldout_prompts.jsonl"))
+    """A folder an earlier demo wrote (resumed: every stage reuses what is there): its summary, or
+    (a demo cut short) its link to a built target. A user's own `target` or `data/` is not a sign."""
+    link = run / "target"
+    cached = link.is_symlink() and (is_tiny_target(link) or Path(os.readlink(link)).name.startswith("tiny-target-"))
+    return (run / "demo_summary.json").is_file() or cached
 
 
 def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int = 96,

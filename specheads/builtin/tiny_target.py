@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specheads.atomic import atomic_dir
 from specheads.builtin import stdlib
 
 BUILDER_VERSION = "stdlib-llama-v4"
@@ -267,17 +266,6 @@ def save_folder(folder: Path, model, tokenizer, info: dict) -> None:
     (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
-def move_into_place(tmp: Path, dest: Path) -> None:
-    """Rename a finished temp folder onto `dest`, replacing any previous build there."""
-    trash = None
-    if dest.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
-        os.replace(dest, trash / "old")
-    os.replace(tmp, dest)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
 def load_corpus(preset: Preset):
     """(train sources, held-out sources, train conversations, held-out conversations)."""
     train, heldout = stdlib.split_sources(stdlib.read_sources(limit=preset.module_limit))
@@ -314,23 +302,32 @@ def build_into(folder: Path, preset_name: str, progress: bool) -> dict:
 
 def build_tiny_target(out_dir: str | os.PathLike, preset: str = "default",
                       progress: bool = True) -> Path:
-    """Build the tiny target into `out_dir` atomically (temp folder beside it, then rename)."""
+    """Build the tiny target into `out_dir` atomically (temp folder beside it, then rename); an
+    earlier build there is replaced, any other non-empty folder refused before building."""
     return _build_atomic(Path(out_dir).absolute(), preset, progress, overwrite=True)
+
+
+def is_tiny_target(folder: Path) -> bool:
+    """A folder this builder wrote (what a new build may replace)."""
+    return (folder / BUILD_INFO).is_file()
+
+
+class _BuiltMeanwhile(Exception):
+    """A concurrent builder finished `dest` first: keep its folder, drop ours."""
 
 
 def _build_atomic(dest: Path, preset: str, progress: bool, overwrite: bool) -> Path:
     """Build in a hidden sibling folder, then rename it onto `dest` (kept if not `overwrite`)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp.", dir=dest.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary shared folder
     try:
-        build_into(tmp, preset, progress)
-        if overwrite or not (dest / BUILD_INFO).is_file():  # a concurrent builder may have won
-            move_into_place(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_dir(dest, owned=is_tiny_target, what="a tiny target folder",
+                        hint="choose another --out, or move or remove it yourself") as tmp:
+            build_into(tmp, preset, progress)
+            if not overwrite and is_tiny_target(dest):
+                raise _BuiltMeanwhile
+    except _BuiltMeanwhile:
+        pass
     return dest
 
 

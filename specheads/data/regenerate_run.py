@@ -18,7 +18,7 @@ from specheads.atomic import write_json
 from specheads.data.conversations import read_conversations
 from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, Row, count_turns
-from specheads.data.resume import RowWriter
+from specheads.data.resume import RowWriter, check_resumable
 from specheads.progress import Progress
 from specheads.target import Target, default_dtype
 
@@ -159,9 +159,10 @@ def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
     about = backend.describe()
     meta = {"source": str(source), "options": asdict(opts), "target": about.get("target") or about.get("model"),
             "backend": about}
+    check_resumable(out)
     check_meta(out, meta)
+    writer = RowWriter(out)  # before the meta file: a refused --out gets nothing written beside it
     write_json(out.with_name(out.name + ".meta.json"), {**meta, "report": None})
-    writer = RowWriter(out)
     try:
         todo = [r for r in rows if r.id not in writer.done]
         report.resumed = len(rows) - len(todo)
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     check_options(a)
     opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
     read_rows(a.source, a.format, a.limit)  # a bad dataset fails before a target is loaded
+    check_resumable(a.out)  # before the target loads
     report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
                             a.concurrency, chunk=a.batch_size * 4, quiet=a.quiet)
     print(json.dumps(asdict(report), indent=2))

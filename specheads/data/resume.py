@@ -40,20 +40,30 @@ def read_index(out: Path) -> tuple[list[str], int]:
     return ids, end
 
 
+def check_resumable(out: str | Path) -> None:
+    """Refuse an OUT that is not a file this writer made: a folder, or a non-empty file without its
+    index (a user's file: resuming would cut it to nothing and append to it)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ResumeError(f"{out} is a folder: pass a file path (e.g. {out / 'regenerated.jsonl'}) as --out")
+    if out.exists() and out.stat().st_size and not index_path(out).exists():
+        raise ResumeError(f"{out} exists without {index_path(out).name}, so it is not an output of an earlier "
+                          "run and finished rows cannot be told apart: nothing was changed; pass a new --out "
+                          "or move the file away")
+
+
 class RowWriter:
     """Opens OUT for appending after repairing it to its index; `write(id, row)` is durable."""
 
     def __init__(self, out: str | Path):
         self.out = Path(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        check_resumable(self.out)
         ids, end = read_index(self.out)
         size = self.out.stat().st_size if self.out.exists() else 0
         if size < end:
             raise ResumeError(f"{self.out} is shorter ({size} bytes) than its index says ({end}); "
                               f"delete it and {index_path(self.out)} to start over")
-        if size and not index_path(self.out).exists():
-            raise ResumeError(f"{self.out} exists without {index_path(self.out).name}, so finished "
-                              "rows cannot be told apart: pass a new --out or delete the file")
         if size > end:
             os.truncate(self.out, end)  # rows written but never indexed: they are redone
         self._repair_index(ids)

@@ -120,10 +120,28 @@ def load_vocab_stats(path: str | Path, target) -> torch.Tensor:
     return counts
 
 
+def check_stats_output(out: str | Path) -> None:
+    """Refuse an `--out` that holds something other than an earlier vocab-stats file (it would be
+    replaced), before anything is counted."""
+    out = Path(out)
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() or out.is_symlink():
+        raise VocabStatsError(f"--out {out} is a {'folder' if out.is_dir() else 'link'}: pass a file path "
+                              f"(e.g. {out.name}.safetensors elsewhere); nothing was changed")
+    try:
+        read_vocab_stats(out)
+    except VocabStatsError:
+        raise VocabStatsError(f"--out {out} exists and is not a vocab-stats file ({out.stat().st_size} bytes); "
+                              "writing there would replace it. Nothing was changed: choose another --out, or move "
+                              "or remove it yourself") from None
+
+
 def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path:
-    """Count the recipe's supervised tokens and save them to `out`."""
+    """Count the recipe's supervised tokens and save them to `out` (replacing only an earlier count)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    check_stats_output(out)
     folder = resolve_target_path(recipe.target.path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     vocab_size = AutoConfig.from_pretrained(folder).vocab_size

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -306,8 +305,8 @@ def attach_to_export(export_dir: str | Path, eval_dir: str | Path) -> Path:
     dest = export_dir / "eval"
     dest.mkdir(exist_ok=True)
     for name in ["metrics.json", "report.md", *metrics.get("plots", {}).values()]:
-        if (eval_dir / name).is_file():
-            shutil.copyfile(eval_dir / name, dest / name)
+        if (eval_dir / name).is_file():  # each file whole or not at all, even if killed
+            write_bytes(dest / name, (eval_dir / name).read_bytes())
     readme = export_dir / "README.md"
     if metrics.get("advice") and readme.is_file():
         write_text(readme, with_recommendations(readme.read_text(), metrics["advice"]))

@@ -11,6 +11,7 @@ other file, checked when the checkpoint is exported or resumed.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -85,7 +86,7 @@ def is_training_run(folder: Path) -> bool:
             return True
     except (OSError, ValueError, AttributeError):
         pass
-    return any(is_checkpoint(c) for c in folder.glob("checkpoint-[0-9]*"))
+    return any(is_checkpoint(c) for c in checkpoints(folder))
 
 
 def run_dir_refusal(folder: str | Path) -> str | None:
@@ -132,16 +133,24 @@ def _val_tau(ckpt: Path) -> float | None:
         return None
 
 
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """The run's checkpoint-NNNNNN folders, oldest first: exactly that name (a user's copy such as
+    checkpoint-000010-backup is not one of ours, so never pruned nor made `best`)."""
+    found = [p for p in Path(output_dir).glob("checkpoint-[0-9]*")
+             if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
 def best_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint with the highest validation tau (earliest on ties); None without validation."""
-    scored = [(tau, c) for c in sorted(Path(output_dir).glob("checkpoint-[0-9]*"))
+    scored = [(tau, c) for c in checkpoints(output_dir)
               if (tau := _val_tau(c)) is not None]
     return max(scored, key=lambda tc: (tc[0], -int(tc[1].name.split("-")[1])))[1] if scored else None
 
 
 def prune(output_dir: str | Path, keep_last: int, keep: Path | None = None) -> None:
     """Delete all but the newest `keep_last` checkpoints, sparing `keep` (the best one)."""
-    ckpts = sorted(Path(output_dir).glob("checkpoint-[0-9]*"))
+    ckpts = checkpoints(output_dir)
     for old in ckpts[: max(0, len(ckpts) - keep_last)]:
         if keep is None or old.name != keep.name:
             shutil.rmtree(old, ignore_errors=True)
