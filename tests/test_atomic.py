@@ -6,7 +6,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -122,21 +121,21 @@ def test_hard_linked_files_keep_their_mode(tmp_path):
 
 
 KILLED_WRITER = """
-import sys, time, torch
+import sys, torch
 from specheads.atomic import atomic_dir, save_safetensors
 dest, what = sys.argv[1], sys.argv[2]
 if what == "dir":
     with atomic_dir(dest) as tmp:
         (tmp / "part").write_text("half")
         print("inside", flush=True)
-        time.sleep(60)
+        sys.stdin.read()  # held open by the test until it kills us (no timing involved)
 else:
     import safetensors.torch as st
     real = st.save_file
     def slow(tensors, path, metadata=None):
         real(tensors, path, metadata=metadata)
         print("inside", flush=True)
-        time.sleep(60)
+        sys.stdin.read()
     st.save_file = slow
     save_safetensors({"w": torch.zeros(1000)}, dest)
 """
@@ -148,11 +147,12 @@ def test_a_killed_writer_leaves_a_temporary_that_the_next_write_removes(tmp_path
     (tmp_path / ".export.tmp-keep").mkdir()  # a user's hidden folder of a similar name: not ours
     (tmp_path / ".tmp-notes").write_text("mine")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dest), what], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dest), what], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "inside"
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.wait(timeout=120)
+    proc.stdin.close()
     left = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{dest.name}.tmp-{proc.pid}-")]
     assert len(left) == 1 and not dest.exists()  # what a kill leaves
     if what == "dir":
@@ -170,6 +170,5 @@ def test_a_live_writers_temporary_is_kept(tmp_path):
     dead.wait()
     gone = tmp_path / f".out.tmp-{dead.pid}-abcdefgh"
     gone.mkdir()
-    time.sleep(0.01)
     assert remove_stale(tmp_path, "out") == [gone]
     assert live.is_dir()

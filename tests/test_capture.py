@@ -3,12 +3,14 @@ refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -204,9 +206,9 @@ def test_a_duplicated_shard_is_refused_when_merging(setup, captures, tmp_path):
 
 
 LAUNCH = {  # real 2-process gloo groups on a CPU, the two ways users launch them
-    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29527"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"],  # free ports:
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "29528"],
+                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "0"],  # concurrent sessions never collide
 }
 
 
@@ -217,12 +219,32 @@ def _launch(launcher: str, args: list[str], out: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
 
 
+def _children(pid: int) -> list[int]:
+    """Every child of `pid`, whichever of its threads started it."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie: it runs no more code and writes nothing more."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def _sigkill_with_workers(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and its workers (which it starts in their own sessions)."""
-    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    """SIGKILL the launcher and its workers (which it starts in their own sessions), and wait until
+    they are all dead, so nothing of the killed run can write while the resumed run starts."""
+    workers = _children(proc.pid)
+    assert workers, "the launcher has no worker processes to kill"
     proc.send_signal(signal.SIGKILL)
     for pid in workers:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120  # generous: the machine may be loaded
+    while not all(_dead(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} still alive 120 s after SIGKILL"
+        time.sleep(0.05)
 
 
 @pytest.mark.slow

@@ -31,7 +31,6 @@ STEPS = 3
 CONFIGS = {  # launch config -> the strategy the run must report
     "ddp": "multi_cpu", "fsdp": "fsdp2-cpu", "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3",
 }
-PORTS = {name: 29620 + i for i, name in enumerate(CONFIGS)}
 
 
 def _overrides(target, data, out, **extra) -> list[str]:
@@ -72,7 +71,7 @@ def test_launch_config_matches_single_process(config, reference, tiny_target_dir
     out = tmp_path / config
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"), "--num_processes", "2",
-              "--main_process_port", str(PORTS[config])]
+              "--main_process_port", "0"]  # 0: a free port (concurrent sessions never collide)
     cmd = [*launch, "-m", "specheads.train", str(RECIPE), *_overrides(tiny_target_dir, demo_data_dir, out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -111,7 +110,7 @@ def test_sharded_target_matches_single_process(tiny_target_dir, demo_data_dir, t
     train(load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, single, **extra, **{"train.grad_accum": 2})))
     out = tmp_path / "sharded"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "29631",
+           str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "0",
            "-m", "specheads.train", str(RECIPE),
            *_overrides(tiny_target_dir, demo_data_dir, out, **extra, **{"train.shard_target": "true"})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,

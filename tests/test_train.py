@@ -80,11 +80,11 @@ def test_sglang_export_refuses_norm_before_residual(tiny_target_dir, demo_data_d
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                 "--master_port", "29517"],
+                 "--standalone"],  # a free port: concurrent sessions on one machine never collide
     # `accelerate launch --cpu --num_processes 2` silently runs one process; the CPU launch config
     # (MULTI_GPU on a CPU-only machine) gives a real 2-process gloo group (Accelerator(cpu=True))
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "29518"],
+                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "0"],  # 0: a free port
 }
 
 
