@@ -33,17 +33,17 @@ def users_run_like_folder(root: Path) -> Path:
 
 def test_a_users_folder_is_refused_naming_what_it_holds(tmp_path):
     mine = users_run_like_folder(tmp_path / "mine")
+    (tmp_path / "afile").write_text("x")
     before = tree_state(tmp_path)
     with pytest.raises(OutputRefused, match=r"train\.output_dir .*mine is a non-empty folder that is not a specheads "
                                             r"training run.*6 file\(s\).*best.*latest.*Nothing was changed"):
         check_run_dir(mine)
-    (tmp_path / "afile").write_text("x")
     with pytest.raises(OutputRefused, match=r"afile exists and is not a folder"):
         check_run_dir(tmp_path / "afile")
-    assert tree_state(tmp_path).items() >= before.items()
-    for ok in (tmp_path / "absent", tmp_path / "empty"):
-        check_run_dir(ok)
-        (tmp_path / "empty").mkdir(exist_ok=True)
+    assert tree_state(tmp_path) == before
+    check_run_dir(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    check_run_dir(tmp_path / "empty")
 
 
 def test_runs_of_this_and_older_versions_are_ours(tmp_path):
