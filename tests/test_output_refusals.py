@@ -77,16 +77,17 @@ def test_regenerate_refuses_a_users_file_before_loading_and_writes_nothing_besid
     assert tree_state(tmp_path) == before  # no answers.jsonl.meta.json either
 
 
-def test_vocab_stats_replaces_only_an_earlier_count(tmp_path, tiny_target_dir):
+def test_vocab_stats_replaces_only_an_earlier_count(tmp_path, tiny_target_dir, demo_data_dir):
     from specheads.data.vocab_stats import check_stats_output, save_vocab_stats
 
     mine = tmp_path / "model.safetensors"
     mine.write_bytes(b"the user's weights")
     before = tree_state(tmp_path)
-    refused(["vocab-stats", "recipes/demo/eagle3.yaml", f"target.path={tiny_target_dir}", "--out", str(mine)],
-            tmp_path, str(mine), "not a vocab-stats file", "Nothing was changed")
-    refused(["vocab-stats", "recipes/demo/eagle3.yaml", f"target.path={tiny_target_dir}", "--out", str(tmp_path)],
-            tmp_path, "is a folder")
+    recipe = ["recipes/demo/eagle3.yaml", f"target.path={tiny_target_dir}",
+              f"data.train=[{demo_data_dir / 'train.jsonl'}]", "data.max_length=96"]
+    refused(["vocab-stats", *recipe, "--out", str(mine)], tmp_path, str(mine), "not a vocab-stats file",
+            "Nothing was changed")
+    refused(["vocab-stats", *recipe, "--out", str(tmp_path)], tmp_path, "is a folder")
     assert tree_state(tmp_path) == before
     earlier = save_vocab_stats(tmp_path / "stats.safetensors", torch.ones(8, dtype=torch.int64), {"n": 1})
     check_stats_output(earlier)  # ours: may be replaced
