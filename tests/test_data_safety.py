@@ -105,14 +105,15 @@ def test_an_export_by_an_older_version_is_replaced(ckpt, tmp_path):
     assert json.loads((out / "specheads.json").read_text())["purpose"] == "export"
 
 
-def test_eval_and_capture_refuse_a_users_folder_before_loading_anything(tmp_path, tiny_target_dir):
+def test_eval_and_capture_refuse_a_users_folder_before_loading_anything(tmp_path, tiny_target_dir, demo_data_dir):
     mine = user_tree(tmp_path / "mine")
     (mine / "metrics.json").write_text('{"mine": true}')  # a name eval would write
     before = tree_state(tmp_path)
     refused(["eval", "--target", str(tmp_path / "absent"), "--draft", str(tmp_path / "absent"),
              "--prompts", str(tmp_path / "absent.jsonl"), "--out", str(mine)], tmp_path, str(mine), "metrics.json")
-    refused(["capture", "recipes/demo/eagle3.yaml", f"target.path={tiny_target_dir}", "--out", str(mine)],
-            tmp_path, str(mine), "not a feature capture")
+    refused(["capture", "recipes/demo/eagle3.yaml", f"target.path={tiny_target_dir}", "data.max_length=96",
+             f"data.train=[{demo_data_dir / 'train.jsonl'}]", "--out", str(mine)], tmp_path, str(mine),
+            "not a feature capture")
     assert tree_state(tmp_path) == before
 
 
