@@ -77,9 +77,9 @@ def test_eval_refuses_a_draft_for_another_target(target_dir, export_dir, prompts
     other = tmp_path / "export"
     shutil.copytree(export_dir, other)
     meta = json.loads((other / "specheads.json").read_text())
-    meta["target"]["embedding_sha256"] = "0" * 64
+    meta["target"]["embedding_sketch"] = [[-v for v in row] for row in meta["target"]["embedding_sketch"]]
     (other / "specheads.json").write_text(json.dumps(meta))
-    with pytest.raises(TargetError, match="embedding_sha256"):
+    with pytest.raises(TargetError, match="embedding_sketch"):
         evaluate(str(target_dir), str(other), str(prompts_file), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
