@@ -136,6 +136,15 @@ def _tiny_target(argv: list[str]) -> int:
     return 0
 
 
+def _target(argv: list[str]) -> int:
+    if not argv or argv[0] != "from-gguf":
+        print("usage: specheads target from-gguf FILE.gguf --out DIR [--name HUB_ID]")
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from specheads.from_gguf import main
+
+    return main(argv[1:])
+
+
 def _demo(argv: list[str]) -> int:
     from specheads.demo import main
 
@@ -186,6 +195,7 @@ VERBS = {
     "eval": (_eval, "measure acceptance on prompts with the built-in verifier"),
     "generate": (_generate, "stream one prompt's answer with a draft; compare with plain decoding"),
     "tiny-target": (_tiny_target, "build the embedded tiny target"),
+    "target": (_target, "from-gguf: convert a GGUF chat model into a HF target folder"),
     "demo": (_demo, "the whole pipeline on the embedded target"),
     "push": (_push, "publish an export folder to the Hugging Face hub with a model card"),
     "serve": (_serve, "OpenAI-compatible server (target + optional draft) with /metrics"),
