@@ -35,23 +35,33 @@ def offline_acceptance(target, head, samples: list[TokenizedSample], batch_size:
     """Teacher-forced acceptance per draft step, counts summed over batches before any ratio."""
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     head = head.to(target.device, target.dtype).eval()
-    totals = None
+    totals, ranks = None, None
     for b in range(0, len(samples), batch_size):
         batch = {k: v.to(target.device) for k, v in collate(samples[b:b + batch_size], pad).items()}
         res = head.train_forward(**head.expand(target, head.collect(target, batch), batch))
         counts = torch.stack([res.counts[k] for k in COUNT_KEYS])
         totals = counts if totals is None else totals + counts
+        if "rank_hits" in res.counts:  # [S, W]: heads that measure sibling ranks
+            ranks = res.counts["rank_hits"] if ranks is None else ranks + res.counts["rank_hits"]
     if totals is None:
         raise ValueError("offline acceptance needs at least one sample")
     rows, reached, cond_rows = totals.tolist()
-    return {**ttt_summary(rows, reached, cond_rows), "rows": rows, "samples": len(samples)}
+    out = {**ttt_summary(rows, reached, cond_rows), "rows": rows, "samples": len(samples)}
+    if ranks is not None:
+        out["rank_acceptance"] = [[h / c if c else 0.0 for h in hits] for hits, c in zip(ranks.tolist(), cond_rows)]
+    return out
 
 
 def samples_from_outputs(tokenizer, outputs_path: str | Path) -> list[TokenizedSample]:
     """First turns of an eval's outputs.jsonl: chat-rendered prompt + the target's greedy answer."""
+    rows = [json.loads(line) for line in Path(outputs_path).read_text().splitlines()]
+    return samples_from_rows(tokenizer, rows)
+
+
+def samples_from_rows(tokenizer, rows: list[dict]) -> list[TokenizedSample]:
+    """First turns of eval output rows: chat-rendered prompt + the target's greedy answer."""
     samples = []
-    for line in Path(outputs_path).read_text().splitlines():
-        row = json.loads(line)
+    for row in rows:
         if row.get("turn", 0) != 0 or not row.get("plain_ids"):
             continue
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
@@ -95,7 +105,7 @@ def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: 
     samples = tokenize_all(target.tokenizer, convs[:limit], max_length)
     acc = offline_acceptance(target, head, samples)
     metrics = {"mode": "offline", "tau_est": acc["tau_est"], "offline": acc,
-               "simulated_tau": simulated_tau(acc["acc_cond"]),
+               "simulated_tau": simulated_tau(acc["acc_cond"], rank_q=acc.get("rank_acceptance")),
                "provenance": provenance(target=target.fingerprint(), draft=str(draft_dir), data=str(data_file),
                                         limit=limit, fingerprint_checked=checked)}
     return write_report(out_dir, metrics)

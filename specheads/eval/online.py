@@ -268,6 +268,17 @@ def _evaluate_row(target, head, row: PromptRow, max_new_tokens, k, ngram_sizes, 
         bar.update(1)
 
 
+def measured_rank_acceptance(target, head, outputs: list[dict]) -> list[list[float]] | None:
+    """Per-rank acceptance of the head on the target's own greedy answers (teacher-forced, one
+    target forward per prompt): what tree predictions use; None for heads that do not count ranks."""
+    from specheads.eval.offline import offline_acceptance, samples_from_rows
+
+    if not getattr(head, "counts_ranks", False):
+        return None
+    samples = samples_from_rows(target.tokenizer, outputs)
+    return offline_acceptance(target, head, samples).get("rank_acceptance") if samples else None
+
+
 def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
     """A short untimed generation so first-call overheads do not land in the first prompt."""
     ids = [0, 1, 2, 3]
@@ -359,7 +370,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             print("[specheads] eval: timing target and draft steps for the speed-up prediction",
                   file=sys.stderr, flush=True)
         prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"],
-                                        k_max=max(8, k))
+                                        k_max=max(8, k),
+                                        rank_q=measured_rank_acceptance(target, head, outputs))
         if not prediction:
             log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
         metrics.update(prediction)
