@@ -27,15 +27,15 @@ def _tokenizer_fields(tokenizer_dir: Path) -> dict:
             "pad": special[cfg["pad_token"]], "template": template}
 
 
-def write_tiny_gguf(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama with tied embeddings as an F32 GGUF file at `path`."""
+def write_tiny_gguf(path: Path, tokenizer_dir: Path, seed: int = 0, layers: int = LAYERS) -> Path:
+    """A small Llama (`layers` decoder layers) with tied embeddings as an F32 GGUF file at `path`."""
     import gguf
 
     t = _tokenizer_fields(tokenizer_dir)
     vocab, rng = len(t["tokens"]), np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny llama")
-    w.add_block_count(LAYERS)
+    w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
@@ -62,7 +62,7 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     add("token_embd.weight", vocab, HIDDEN, scale=1.0)
     add("output_norm.weight", HIDDEN, scale=0.1)
     kv = HIDDEN // HEADS * KV_HEADS
-    for i in range(LAYERS):
+    for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", HIDDEN)
         add(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
         add(f"blk.{i}.attn_k.weight", kv, HIDDEN)
