@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -320,7 +321,7 @@ def run(a, overrides: list[str]) -> dict:
     par = st.run("parity", parity, target, final, out / "eval" / "mt_bench_k3")
     report = {
         "title": a.title, "label": a.label, "target": str(target.name),
-        "commands": [" ".join(["python", "bench/real_model.py", *sys.argv[1:]])] if a.command is None else [a.command],
+        "commands": [shlex.join(["python", "bench/real_model.py", *sys.argv[1:]])] if a.command is None else [a.command],
         "settings": {k: v for k, v in vars(a).items() if k not in ("command",)}, "overrides": overrides,
         "stages": {k: {"wall_s": v["wall_s"]} for k, v in st.done.items()},
         "data": {"prompts": prompts, "mt_bench": mt, "regen_train": regen_train, "regen_heldout": regen_heldout,
