@@ -132,7 +132,7 @@ def test_eval_loads_the_target_in_the_dtype_asked(target_dir, export_dir, tmp_pa
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "p1", "prompt": "def add(a, b):"}) + "\n")
     out = tmp_path / "bf16"
-    rc = main(["--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts),
+    rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts),
                "--out", str(out), "--max-new-tokens", "4", "--k", "2", "--no-predict",
                "--dtype", "bfloat16", "--device", "cpu"])
     assert rc == 0, capsys.readouterr().err
