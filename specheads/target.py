@@ -207,14 +207,14 @@ class Target:
 
     # --- identity --------------------------------------------------------------------------
     def fingerprint(self) -> dict:
-        """Name + hashes of the tokenizer vocabulary and of sampled embedding rows."""
+        """Name, tokenizer hash and a load-dtype-independent sketch of the embedding."""
         return {
             "name": _target_name(self.path),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_layers": self.num_layers,
             "tokenizer_sha256": tokenizer_hash(self.tokenizer),
-            "embedding_sha256": embedding_hash(self.embed_tokens.weight),
+            "embedding_sketch": embedding_sketch(self.embed_tokens.weight),
         }
 
 
@@ -242,7 +242,8 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def embedding_hash(weight: torch.Tensor, rows: int = 64) -> str:
-    """Hash of the shape and `rows` evenly spaced embedding rows in fp32 (cheap for any size)."""
+    """Hash of the shape and `rows` evenly spaced embedding rows in fp32 (the older fingerprint:
+    dtype-dependent, kept only to read older artifacts' `embedding_sha256`)."""
     idx = torch.linspace(0, weight.shape[0] - 1, steps=min(rows, weight.shape[0])).long()
     sample = weight.detach()[idx.to(weight.device)].float().cpu().contiguous()
     h = hashlib.sha256(str(tuple(weight.shape)).encode())
@@ -250,13 +251,72 @@ def embedding_hash(weight: torch.Tensor, rows: int = 64) -> str:
     return h.hexdigest()
 
 
+SKETCH_ROWS = 32
+SKETCH_PROJECTIONS = 4
+SKETCH_TOLERANCE = 0.02  # of a row's norm: bf16 rounding moves a projection by ~0.002 of it
+
+
+def embedding_sketch(weight: torch.Tensor) -> list[list[float]]:
+    """Per sampled row: its L2 norm and its dot with fixed +-1 vectors (divided by sqrt(H)), fp64.
+
+    Loading the same folder in fp32, bf16 or fp16 moves each value by well under
+    SKETCH_TOLERANCE of the row norm, while another target's rows differ by O(norm): compared
+    with a tolerance (`sketches_match`), not hashed, because rounding never lands on a fixed grid.
+    weight: [V, H] -> SKETCH_ROWS x (1 + SKETCH_PROJECTIONS) floats (6 significant digits).
+    """
+    vocab, hidden = weight.shape
+    idx = torch.linspace(0, vocab - 1, steps=min(SKETCH_ROWS, vocab)).long()
+    rows = weight.detach()[idx.to(weight.device)].double().cpu()  # [R, H]
+    gen = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (hidden, SKETCH_PROJECTIONS), generator=gen).double() * 2 - 1  # [H, P]
+    proj = rows @ signs / hidden ** 0.5  # [R, P]
+    norms = rows.norm(dim=1, keepdim=True)  # [R, 1]
+    return [[float(f"{v:.6g}") for v in row] for row in torch.cat([norms, proj], dim=1).tolist()]
+
+
+def sketches_match(a: list, b: list) -> bool:
+    """Same shape and every value within SKETCH_TOLERANCE of its row's norm (see embedding_sketch)."""
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
+        return False
+    for x, y in zip(a, b):
+        scale = max(abs(x[0]), abs(y[0]), 1e-12)
+        if any(abs(u - v) > SKETCH_TOLERANCE * scale for u, v in zip(x, y)):
+            return False
+    return True
+
+
+def _legacy_embedding_match(expected: str, weight: torch.Tensor) -> bool:
+    """An older artifact's `embedding_sha256` (hashed in its training load dtype): equal to the
+    loaded embedding's hash cast to any of fp32 / bf16 / fp16, i.e. what it recorded if it was
+    trained from this folder in that dtype (exact when the target is loaded at least as precise)."""
+    candidates = {embedding_hash(weight)}
+    candidates |= {embedding_hash(weight.to(d)) for d in (torch.bfloat16, torch.float16) if d != weight.dtype}
+    return expected in candidates
+
+
 def check_fingerprint(expected: dict, target: Target, what: str) -> None:
     """Refuse a target whose vocabulary or embedding differs from the one a head was trained on."""
     got = target.fingerprint()
-    for key in ("vocab_size", "hidden_size", "tokenizer_sha256", "embedding_sha256"):
+    for key in ("vocab_size", "hidden_size", "tokenizer_sha256"):
         if key in expected and expected[key] != got[key]:
-            raise TargetError(
-                f"{what} was trained for a different target: {key} is {expected[key]!r} there "
-                f"but {got[key]!r} for '{target.path}'. Use the target it was trained on "
-                f"({expected.get('name', '?')}) or retrain the head."
-            )
+            _refuse(what, key, expected[key], got[key], expected, target)
+    if "embedding_sketch" in expected:
+        if not sketches_match(expected["embedding_sketch"], got["embedding_sketch"]):
+            _refuse(what, "embedding_sketch", _short(expected["embedding_sketch"]),
+                    _short(got["embedding_sketch"]), expected, target)
+    elif "embedding_sha256" in expected:
+        if not _legacy_embedding_match(expected["embedding_sha256"], target.embed_tokens.weight):
+            _refuse(what, "embedding_sha256", expected["embedding_sha256"],
+                    f"none of the fp32/bf16/fp16 hashes of its {target.dtype} embedding", expected, target)
+
+
+def _short(sketch: list) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in sketch[0][:3]) + ", ...]" if sketch else "[]"
+
+
+def _refuse(what: str, key: str, there, here, expected: dict, target: Target):
+    raise TargetError(
+        f"{what} was trained for a different target: {key} is {there!r} there "
+        f"but {here!r} for '{target.path}'. Use the target it was trained on "
+        f"({expected.get('name', '?')}) or retrain the head."
+    )

@@ -77,9 +77,9 @@ def test_eval_refuses_a_draft_for_another_target(target_dir, export_dir, prompts
     other = tmp_path / "export"
     shutil.copytree(export_dir, other)
     meta = json.loads((other / "specheads.json").read_text())
-    meta["target"]["embedding_sha256"] = "0" * 64
+    meta["target"]["embedding_sketch"] = [[-v for v in row] for row in meta["target"]["embedding_sketch"]]
     (other / "specheads.json").write_text(json.dumps(meta))
-    with pytest.raises(TargetError, match="embedding_sha256"):
+    with pytest.raises(TargetError, match="embedding_sketch"):
         evaluate(str(target_dir), str(other), str(prompts_file), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
@@ -124,3 +124,18 @@ def test_eval_samples_losslessly_and_reproducibly(target_dir, export_dir, prompt
         assert metrics["speculative"]["tau"] >= 1.0 and metrics["speculative"]["tokens"] > 0
         runs.append((tmp_path / name / "outputs.jsonl").read_text())
     assert runs[0] == runs[1]  # same seed, same samples
+
+
+def test_eval_loads_the_target_in_the_dtype_asked(target_dir, export_dir, tmp_path, capsys):
+    """--dtype bfloat16 --device cpu: the fp32-trained head is accepted (same target, other dtype),
+    the draft follows the target's dtype, and the provenance says what ran."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "p1", "prompt": "def add(a, b):"}) + "\n")
+    out = tmp_path / "bf16"
+    rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts),
+               "--out", str(out), "--max-new-tokens", "4", "--k", "2", "--no-predict",
+               "--dtype", "bfloat16", "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["provenance"]["dtype"] == "bfloat16" and m["provenance"]["device"] == "cpu"
+    assert m["provenance"]["fingerprint_checked"] is True and m["greedy_equal"] is True

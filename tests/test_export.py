@@ -80,6 +80,23 @@ def test_export_passes_contract_and_round_trips(trained, tmp_path, fmt):
     assert not list(tmp_path.glob(f".{fmt}.tmp-*"))
 
 
+def test_speculators_verifier_is_never_a_bare_folder_name(tmp_path):
+    """No hub id anywhere: the config names the local target folder by its absolute path (an engine
+    would look a bare basename such as "smollm2" up on the hub); a recorded hub id wins."""
+    head = make_head()
+    folder = tmp_path / "models" / "smollm2"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    ckpt = save(tmp_path, head, target=dict(FINGERPRINT, name="smollm2"), recipe={"target": {"path": str(folder)}})
+    cfg = json.loads((export(ckpt, "vllm", tmp_path / "v") / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(folder.resolve())
+    assert cfg["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    ckpt = save(tmp_path / "b", head, target=dict(FINGERPRINT, name="HuggingFaceTB/SmolLM2-135M-Instruct"),
+                recipe={"target": {"path": str(folder)}})
+    cfg = json.loads((export(ckpt, "vllm", tmp_path / "w") / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 def test_vllm_speculators_config(trained, tmp_path):
     head, ckpt = trained
     out = export(ckpt, "vllm", tmp_path / "v", num_speculative_tokens=4, verifier="acme/tiny-chat")

@@ -130,7 +130,7 @@ def test_generate_errors(tiny_target_dir, export_dir, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(export_dir, other)
     meta = json.loads((other / "specheads.json").read_text())
-    meta["target"]["embedding_sha256"] = "0" * 64
+    meta["target"]["embedding_sketch"] = [[-v for v in row] for row in meta["target"]["embedding_sketch"]]
     (other / "specheads.json").write_text(json.dumps(meta))
     assert cli(base + ["--draft", str(other), "--prompt", PROMPT]) == 1
     assert "different target" in capsys.readouterr().err

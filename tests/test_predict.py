@@ -35,8 +35,10 @@ def test_chain_uses_position_dependent_acceptance():
 
 
 def test_tree_expectation_sums_path_probabilities():
-    q = rank_acceptance([0.6, 0.5], depth=2, width=3, sibling_decay=0.5)
-    assert q[0] == pytest.approx([0.6, 0.2, 0.1])  # the rejected mass split geometrically
+    q = rank_acceptance([[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]], depth=2)
+    assert [v for row in rank_acceptance([[0.6, 0.1, 0.2]], depth=3) for v in row] == pytest.approx([0.6, 0.15, 0.15] * 3)
+    with pytest.raises(PredictError, match="per-rank"):
+        rank_acceptance([], depth=2)
     choices = [(0,), (1,), (0, 0)]
     assert expected_tokens_tree(choices, q) == pytest.approx(1 + 0.6 + 0.2 + 0.6 * 0.5)
     # a chain written as a tree gives the chain's number
@@ -57,7 +59,7 @@ def _brute_force_best(q, budget):
 
 @pytest.mark.parametrize("budget", [2, 4, 6])
 def test_greedy_tree_is_optimal(budget):
-    q = rank_acceptance([0.7, 0.4, 0.6], depth=3, width=2, sibling_decay=0.6)
+    q = rank_acceptance([[0.7, 0.18], [0.4, 0.36], [0.6, 0.24]], depth=3)
     paths, value = best_tree(q, budget)
     assert len(paths) == budget - 1
     assert value == pytest.approx(expected_tokens_tree(paths, q))
@@ -69,7 +71,8 @@ def test_cost_model_interpolates_and_prefers_the_cheap_length():
     assert costs.target(3) == pytest.approx(1.5)
     assert costs.target(13) == pytest.approx(10.0)  # linear past the last measured count
     assert costs.step(4, 3) == pytest.approx(1.75 + 0.1 + 0.15)
-    pred = predict([0.9], costs, ks=range(1, 9), budgets=(8,))
+    pred = predict([0.9], costs, ks=range(1, 9), budgets=(8,), rank_q=[[0.9, 0.05]])
+    assert pred.trees and predict([0.9], costs, ks=range(1, 9), budgets=(8,)).trees == []  # none unmeasured
     # verification gets expensive past 5 tokens: the best chain stops before it
     assert pred.best_chain()["k"] == 4
     adv = advice(pred)
@@ -84,7 +87,9 @@ def test_monotone_fit_removes_timing_noise():
 
 
 def test_simulated_tau_grows_with_k_and_budget():
-    sim = simulated_tau([0.7, 0.6, 0.5], ks=range(1, 5), budgets=(4, 16))
+    sim = simulated_tau([0.7, 0.6, 0.5], ks=range(1, 5), budgets=(4, 16),
+                        rank_q=[[0.7, 0.15, 0.05], [0.6, 0.2, 0.1], [0.5, 0.2, 0.1]])
+    assert simulated_tau([0.7], ks=range(1, 5), budgets=(4,))["tree"] == {}
     chain = [sim["chain"][str(k)] for k in range(1, 5)]
     assert chain == sorted(chain) and chain[0] == pytest.approx(1.7)
     assert sim["tree"]["4"] >= chain[2] - 1e-9  # the best 4-token tree is at least the chain of 3
@@ -189,3 +194,26 @@ def test_eval_headline_uses_the_one_prediction():
                "prediction": pred.to_dict()}
     use_prediction(metrics)
     assert metrics["predicted_speedup"] == metrics["speculative"]["predicted_speedup"] == 1.35
+def test_rank_acceptance_is_measured_by_the_offline_pass():
+    """The EAGLE-3 head counts, per draft step, the rank of the target's token among its
+    candidates; rank 0 is exactly the chain's conditional acceptance, ranks sum to at most 1,
+    and the counts equal a direct recount from the head's own step logits."""
+    import torch
+    from random_models import make_head, make_target
+
+    from specheads.data.tokenize import TokenizedSample
+    from specheads.eval.offline import offline_acceptance
+
+    import types
+
+    target = make_target()
+    target.tokenizer = types.SimpleNamespace(pad_token_id=0)  # the random target has ids only
+    head = make_head(target)
+    torch.manual_seed(0)
+    samples = [TokenizedSample(str(n), torch.randint(3, 60, (24,)).tolist(), [0] * 6 + [1] * 18) for n in range(3)]
+    acc = offline_acceptance(target, head, samples)
+    q = acc["rank_acceptance"]
+    assert len(q) == head.config.ttt_steps and all(len(row) == 8 for row in q)
+    for row, cond in zip(q, acc["acc_cond"]):
+        assert row[0] == pytest.approx(cond) and sum(row) <= 1 + 1e-9
+    assert sum(q[0][1:]) > 0  # siblings do get accepted: the measurement is not the top-1 alone

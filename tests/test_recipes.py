@@ -22,6 +22,7 @@ FAMILIES = {  # recipe -> (transformers config class, extra tiny-size kwargs)
     "eagle3/qwen3-8b.yaml": ("Qwen3Config", {"head_dim": 16}),
     "eagle3/qwen3-30b-a3b.yaml": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                                                      "moe_intermediate_size": 32}),
+    "eagle3/smollm2-135m-cpu.yaml": ("LlamaConfig", {}),
     "eagle3/gpt-oss-20b.yaml": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                                                  "sliding_window": 16}),
     "medusa/vicuna-7b.yaml": ("LlamaConfig", {}),
@@ -49,6 +50,10 @@ def test_recipe_validates_and_names_its_launch_command(name):
     path = ROOT / "recipes" / name
     recipe = load_recipe(path)
     header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    if name.endswith("-cpu.yaml"):  # CPU recipes: a single-process launch, fp32, the choices explained
+        assert f"specheads train recipes/{name}" in header and "Choices" in header
+        assert recipe.target.dtype == "float32" and recipe.train.mixed_precision == "no"
+        return
     assert f"-m specheads.train \\\n#       recipes/{name}" in header, "launch command missing from the header"
     config_file = header.split("--config_file ")[1].split()[0]
     assert (ROOT / config_file).is_file()

@@ -180,3 +180,33 @@ def test_regenerate_public_sharegpt_sample(tiny_target_dir, tmp_path):
     source = {r.id: r for r in read_rows(src, limit=12)}
     for row in read_out(tmp_path / "out.jsonl"):
         assert [m["role"] for m in row["messages"]] == [m["role"] for m in source[row["id"]].messages]
+
+
+def test_local_rows_are_yielded_per_batch_and_resume_counts_all_runs(tiny_target_dir, tmp_path):
+    """A finished row leaves the local backend after its own batch (so it is written before the
+    next batch runs); after a resume meta.json's `all_runs` counts every run's truncations."""
+    import specheads.data.regenerate as regen
+
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    opts = RegenOptions(max_new_tokens=3)  # every answer is cut: every row counts as truncated
+    rows = read_rows(SLICE)
+    single = [r for r in rows if sum(m["role"] == "assistant" for m in r.messages) == 1][:6]
+    calls = []
+    real = regen._generate_batch
+    regen._generate_batch = lambda *a: calls.append(len(a[1])) or real(*a)
+    try:
+        it = LocalBackend(target, opts, batch_size=2).run_iter(single)
+        first = [next(it), next(it)]
+        assert calls == [2], calls  # two rows out after the first batch of two, nothing else run
+        assert all(r["regenerated"]["truncated_turns"] == 1 for r in first)
+        assert len(single) == 6 and len(list(it)) == 4 and calls == [2, 2, 2]
+    finally:
+        regen._generate_batch = real
+    out = tmp_path / "regen.jsonl"
+    first_run = run_regenerate(SLICE, out, LocalBackend(target, opts, 4), opts, limit=5)
+    second = run_regenerate(SLICE, out, LocalBackend(target, opts, 4), opts, limit=12)
+    meta = json.loads(Path(str(out) + ".meta.json").read_text())
+    assert (first_run.finished, second.resumed, second.finished) == (5, 5, 7)
+    assert meta["report"]["truncated"] == second.truncated == 7  # this run only
+    assert meta["all_runs"]["rows"] == 12 and meta["all_runs"]["truncated"] == 12
+    assert meta["all_runs"]["turns"] == sum(r["regenerated"]["turns"] for r in read_out(out))

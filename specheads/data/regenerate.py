@@ -148,20 +148,35 @@ class LocalBackend:
     def run(self, rows: list[Row], progress=None) -> list[dict]:
         """Rows -> output rows (in order), every regenerable assistant turn rewritten; `progress`
         (specheads.progress.Progress) counts the turns answered."""
+        done = {r["id"]: r for r in self.run_iter(rows, progress)}
+        return [done[r.id] for r in rows]
+
+    def run_iter(self, rows: list[Row], progress=None):
+        """Yield each output row as soon as its last turn is answered (so a caller can write it
+        before the next batch runs: a kill loses only the batch in flight)."""
         states = [TurnState(r, self.opts) for r in rows]
-        pending = [s for s in states if s.advance()]
+        pending = []
+        for s in states:
+            if s.advance():
+                pending.append(s)
+            else:
+                yield s.result()  # nothing to regenerate
         while pending:
             prompts = {id(s): self._render(s) for s in pending}
             pending.sort(key=lambda s: len(prompts[id(s)]))  # similar lengths: little padding
+            later = []
             for b in range(0, len(pending), self.batch_size):
                 chunk = pending[b:b + self.batch_size]
                 answers = _generate_batch(self.target, [prompts[id(s)] for s in chunk], self.opts)
                 for s, (text, cut) in zip(chunk, answers):
                     s.answer(text, None, "length" if cut else "stop")
+                    if s.advance():
+                        later.append(s)
+                    else:
+                        yield s.result()
                 if progress is not None:
                     progress.update(len(chunk))
-            pending = [s for s in pending if s.advance()]
-        return [s.result() for s in states]
+            pending = later
 
 
 def _generate_batch(target, prompts: list[str], opts: RegenOptions) -> list[tuple[str, bool]]:

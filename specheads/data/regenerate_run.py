@@ -115,7 +115,7 @@ def check_meta(out: Path, meta: dict) -> None:
 
 def _run_local(backend, rows, writer, report, chunk: int, progress) -> None:
     for b in range(0, len(rows), chunk):
-        for row in backend.run(rows[b:b + chunk], progress):
+        for row in backend.run_iter(rows[b:b + chunk], progress):  # each row written as soon as it is finished
             writer.write(row["id"], row)
             report.add(row)
 
@@ -173,7 +173,8 @@ def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
                 _run_openai(backend, todo, writer, report, concurrency, progress)
     finally:
         writer.close()
-    write_json(out.with_name(out.name + ".meta.json"), {**meta, "report": asdict(report)})
+    write_json(out.with_name(out.name + ".meta.json"), {**meta, "report": asdict(report),
+                                                        "all_runs": count_rows(out)})
     return report
 
 
@@ -193,6 +194,20 @@ def check_options(a: argparse.Namespace) -> None:
         raise RegenerateError(f"dataset '{a.source}' does not exist")
     if Path(a.out).is_dir():
         raise RegenerateError(f"--out '{a.out}' is a folder: pass a file path for the JSON lines")
+
+
+def count_rows(out: Path) -> dict:
+    """Totals over every finished row of OUT, this run's and earlier (killed or not) runs': read
+    from the rows themselves, so a resume counts all runs' truncations."""
+    totals = {"rows": 0, "turns": 0, "truncated": 0, "truncated_turns": 0}
+    with open(out, encoding="utf-8") as f:
+        for line in f:
+            regen = json.loads(line).get("regenerated") or {}
+            totals["rows"] += 1
+            totals["turns"] += regen.get("turns", 0)
+            totals["truncated_turns"] += regen.get("truncated_turns", 0)
+            totals["truncated"] += regen.get("truncated_turns", 0) > 0
+    return totals
 
 
 def make_backend(a: argparse.Namespace, opts: RegenOptions):

@@ -15,13 +15,12 @@ import torch
 
 from specheads.data.conversations import read_conversations
 from specheads.data.tokenize import TokenizedSample, collate, tokenize_all
-from specheads.eval.online import load_draft
+from specheads.eval.online import load_draft, load_target
 from specheads.eval.predict import simulated_tau
 from specheads.eval.report import check_report_folder, write_report
 from specheads.heads.losses import COUNT_KEYS
 from specheads.metrics import ttt_summary
 from specheads.provenance import provenance
-from specheads.target import Target
 
 LIKELY_CAUSES = [
     "vocabulary map: d2t/t2d in the export differ from training (draft ids land on wrong target ids)",
@@ -36,23 +35,33 @@ def offline_acceptance(target, head, samples: list[TokenizedSample], batch_size:
     """Teacher-forced acceptance per draft step, counts summed over batches before any ratio."""
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     head = head.to(target.device, target.dtype).eval()
-    totals = None
+    totals, ranks = None, None
     for b in range(0, len(samples), batch_size):
         batch = {k: v.to(target.device) for k, v in collate(samples[b:b + batch_size], pad).items()}
         res = head.train_forward(**head.expand(target, head.collect(target, batch), batch))
         counts = torch.stack([res.counts[k] for k in COUNT_KEYS])
         totals = counts if totals is None else totals + counts
+        if "rank_hits" in res.counts:  # [S, W]: heads that measure sibling ranks
+            ranks = res.counts["rank_hits"] if ranks is None else ranks + res.counts["rank_hits"]
     if totals is None:
         raise ValueError("offline acceptance needs at least one sample")
     rows, reached, cond_rows = totals.tolist()
-    return {**ttt_summary(rows, reached, cond_rows), "rows": rows, "samples": len(samples)}
+    out = {**ttt_summary(rows, reached, cond_rows), "rows": rows, "samples": len(samples)}
+    if ranks is not None:
+        out["rank_acceptance"] = [[h / c if c else 0.0 for h in hits] for hits, c in zip(ranks.tolist(), cond_rows)]
+    return out
 
 
 def samples_from_outputs(tokenizer, outputs_path: str | Path) -> list[TokenizedSample]:
     """First turns of an eval's outputs.jsonl: chat-rendered prompt + the target's greedy answer."""
+    rows = [json.loads(line) for line in Path(outputs_path).read_text().splitlines()]
+    return samples_from_rows(tokenizer, rows)
+
+
+def samples_from_rows(tokenizer, rows: list[dict]) -> list[TokenizedSample]:
+    """First turns of eval output rows: chat-rendered prompt + the target's greedy answer."""
     samples = []
-    for line in Path(outputs_path).read_text().splitlines():
-        row = json.loads(line)
+    for row in rows:
         if row.get("turn", 0) != 0 or not row.get("plain_ids"):
             continue
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
@@ -85,17 +94,18 @@ def check_parity(target, head, eval_dir: str | Path, tolerance: float = 0.15) ->
 
 
 def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: str,
-                     limit: int | None = None, max_length: int = 2048) -> dict:
+                     limit: int | None = None, max_length: int = 2048, dtype: str | None = None,
+                     device: str = "auto") -> dict:
     """`specheads eval --offline`: teacher-forced acceptance of an export on held-out
     conversations, the simulated tau of chains and trees, metrics.json + report + plots."""
     check_report_folder(out_dir)
-    target = Target.load(target_path)
+    target = load_target(target_path, dtype, device)
     head, _, checked = load_draft(draft_dir, target)
     convs, _ = read_conversations(data_file)
     samples = tokenize_all(target.tokenizer, convs[:limit], max_length)
     acc = offline_acceptance(target, head, samples)
     metrics = {"mode": "offline", "tau_est": acc["tau_est"], "offline": acc,
-               "simulated_tau": simulated_tau(acc["acc_cond"]),
+               "simulated_tau": simulated_tau(acc["acc_cond"], rank_q=acc.get("rank_acceptance")),
                "provenance": provenance(target=target.fingerprint(), draft=str(draft_dir), data=str(data_file),
                                         limit=limit, fingerprint_checked=checked)}
     return write_report(out_dir, metrics)

@@ -115,6 +115,14 @@ def _meta_value(meta, key: str):
     return meta.get(key) if isinstance(meta, dict) else getattr(meta, key, None)
 
 
+def load_target(path: str, dtype: str | None = None, device: str = "auto") -> Target:
+    """The target for an eval: `dtype` None = bfloat16 on a GPU, float32 elsewhere; the draft
+    then follows the target's device and dtype."""
+    from specheads.generate import default_dtype
+
+    return Target.load(path, dtype=dtype or default_dtype(device), device=device)
+
+
 def load_draft(draft_dir: str | Path, target):
     """The exported head (moved to the target's device and dtype), its meta, fingerprint checked."""
     head, meta = load_with_meta(draft_dir)
@@ -260,6 +268,17 @@ def _evaluate_row(target, head, row: PromptRow, max_new_tokens, k, ngram_sizes, 
         bar.update(1)
 
 
+def measured_rank_acceptance(target, head, outputs: list[dict]) -> list[list[float]] | None:
+    """Per-rank acceptance of the head on the target's own greedy answers (teacher-forced, one
+    target forward per prompt): what tree predictions use; None for heads that do not count ranks."""
+    from specheads.eval.offline import offline_acceptance, samples_from_rows
+
+    if not getattr(head, "counts_ranks", False):
+        return None
+    samples = samples_from_rows(target.tokenizer, outputs)
+    return offline_acceptance(target, head, samples).get("rank_acceptance") if samples else None
+
+
 def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
     """A short untimed generation so first-call overheads do not land in the first prompt."""
     ids = [0, 1, 2, 3]
@@ -273,7 +292,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              max_new_tokens: int = 128, k: int | None = None, limit: int | None = None,
              tree: TreeSpec | None = None, sampling: Sampling | None = None,
              predict: bool = True, verifier_json: str | None = None, bench_json: str | None = None,
-             attach: bool = False, quiet: bool = False) -> dict:
+             attach: bool = False, quiet: bool = False, dtype: str | None = None,
+             device: str = "auto") -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
     Greedy chains also get the predicted speed-up per k and serving advice (`predict`), and a
@@ -295,7 +315,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
                                 "written by `specheads export`")
-    target = Target.load(target_path)
+    target = load_target(target_path, dtype, device)
     head, meta, checked = load_draft(draft_dir, target)
     if k is None:
         k = _meta_value(meta, "num_speculative_tokens") or head.config.ttt_steps
@@ -350,7 +370,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             print("[specheads] eval: timing target and draft steps for the speed-up prediction",
                   file=sys.stderr, flush=True)
         prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"],
-                                        k_max=max(8, k))
+                                        k_max=max(8, k),
+                                        rank_q=measured_rank_acceptance(target, head, outputs))
         if not prediction:
             log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
         metrics.update(prediction)

@@ -10,9 +10,11 @@ target forward whose cost does not depend on how many tokens it verifies. Here b
 
 Expected tokens per step (bonus included) of a chain of k: 1 + sum_p prod_{j<=p} cond[j]. For a
 tree, node (r_1..r_d) (sibling ranks along its path) is accepted with prob. prod_i q[i][r_i];
-expected tokens = 1 + sum over nodes. Only top-1 acceptance is measured, so ranks r >= 1 share
-the rejected mass geometrically (`sibling_decay` of what is left per rank): an assumption, so
-tree predictions are rougher than chain ones. Speed-up = E * plain_step_s / step_s.
+expected tokens = 1 + sum over nodes. q[d][r] is measured, teacher-forced, by the offline
+acceptance pass (`rank_acceptance`: how often the target's token is the draft's rank-r candidate
+at step d, over rows whose drafts 0..d-1 matched); a node under a rank>0 parent is assumed to
+behave like one under the top-1 parent. Without a measurement no tree is predicted (there is no
+assumed sibling acceptance). Speed-up = E * plain_step_s / step_s.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from specheads.verify.settings import TreeSpec, make_proposer
 
 CHAIN_KS = tuple(range(1, 9))
 TREE_BUDGETS = (8, 16, 32, 48, 64)  # verified tokens per step, root included (SGLang draft tokens)
-SIBLING_DECAY = 0.5
 # timing noise moves the arg-max between two evals of the same export: chains within NEAR_TIE of
 # the top predicted speed-up count as tied and the shortest of them is recommended
 NEAR_TIE = 0.03
@@ -103,17 +104,19 @@ def expected_tokens_chain(cond: list[float], k: int) -> float:
     return 1.0 + sum(unconditional(extend(cond, k))) if k > 0 else 1.0
 
 
-def rank_acceptance(cond: list[float], depth: int, width: int,
-                    sibling_decay: float = SIBLING_DECAY) -> list[list[float]]:
-    """q[d][r]: P(the draft's rank-r candidate at depth d+1 is accepted | its parent accepted)."""
-    out = []
-    for c in extend(cond, depth):
-        left, row = 1.0 - c, [c]
-        for _ in range(width - 1):
-            row.append(left * sibling_decay)
-            left -= row[-1]
-        out.append(row)
-    return out
+def rank_acceptance(measured: list[list[float]], depth: int) -> list[list[float]]:
+    """q[d][r]: P(the draft's rank-r candidate at depth d+1 is accepted | its parent accepted),
+    from measured per-rank rows (offline `rank_acceptance`); deeper rows repeat the last one.
+    Ranks are kept in decreasing order (a measured inversion is sampling noise)."""
+    if not measured or not measured[0]:
+        raise PredictError("no per-rank acceptance measured: run the offline acceptance pass first")
+    rows = [monotone_down([min(max(float(v), 0.0), 1.0) for v in row]) for row in measured]
+    return (rows + [rows[-1]] * depth)[:depth]
+
+
+def monotone_down(values: list[float]) -> list[float]:
+    """The closest non-increasing sequence (pool adjacent violators on the reversed list)."""
+    return monotone(values[::-1])[::-1]
 
 
 def expected_tokens_tree(choices, q: list[list[float]]) -> float:
@@ -160,7 +163,7 @@ class Prediction:
     trees: list[dict] = field(default_factory=list)  # {budget, depth, top_k, expected_tokens, ...}
     cond_acceptance: list[float] = field(default_factory=list)
     costs: dict = field(default_factory=dict)
-    sibling_decay: float = SIBLING_DECAY
+    rank_acceptance: list[list[float]] | None = None  # measured q[d][r]; None: no tree predicted
 
     def best_chain(self) -> dict:
         """The recommended chain: the shortest k predicted within NEAR_TIE of the top speed-up
@@ -185,18 +188,21 @@ class Prediction:
 
 
 def predict(cond: list[float], costs: StepCosts, ks=CHAIN_KS, budgets=TREE_BUDGETS,
-            max_depth: int = 8, sibling_decay: float = SIBLING_DECAY) -> Prediction:
-    """Predicted tokens per step and speed-up for chains of each k and the best tree per budget."""
+            max_depth: int = 8, rank_q: list[list[float]] | None = None) -> Prediction:
+    """Predicted tokens per step and speed-up for chains of each k, and for the best tree per
+    budget when the per-rank acceptance `rank_q` was measured."""
     if not ks:
         raise PredictError("predict needs at least one chain length k")
     plain = costs.plain()
     pred = Prediction(cond_acceptance=extend(cond, max(max(ks), max_depth)), costs=costs.to_dict(),
-                      sibling_decay=sibling_decay)
+                      rank_acceptance=rank_q)
     for k in ks:
         e, step = expected_tokens_chain(cond, k), costs.step(k + 1, k)
         pred.chains.append({"k": k, "nodes": k + 1, "expected_tokens": e, "step_s": step,
                             "speedup": e * plain / step})
-    q = rank_acceptance(cond, max_depth, width=8, sibling_decay=sibling_decay)
+    if not rank_q:
+        return pred
+    q = rank_acceptance(rank_q, max_depth)
     for n in budgets:
         paths, e = best_tree(q, n)
         depth = max(len(p) for p in paths) if paths else 0
@@ -212,7 +218,7 @@ def advice(pred: Prediction) -> dict:
     """Recommended vLLM / SGLang settings (the best chain), plus SGLang's best tree to try; or,
     when no chain is predicted to beat plain decoding by MIN_GAIN, no speculation (`speculate`).
 
-    Tree predictions rest on an assumed sibling acceptance and the chain's drafter cost per
+    Tree predictions rest on teacher-forced per-rank acceptance and the chain's drafter cost per
     level, so a tree is offered to measure (bench/verifier.py), not recommended.
     """
     chain = pred.best_chain()
@@ -357,7 +363,8 @@ def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal:
                      overhead_s=_loop_overhead(chain), plain_step_s=target_s[1] + _loop_overhead(plain))
 
 
-def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float], k_max: int = 8) -> dict:
+def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float], k_max: int = 8,
+                       rank_q: list[list[float]] | None = None) -> dict:
     """metrics.json's `prediction` and `advice`: step costs measured on up to 4 prompts that leave
     room in the context for the timed forwards (max(TARGET_COUNTS) tokens); {} when none does."""
     ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
@@ -365,13 +372,15 @@ def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float]
     if not prompts:
         return {}
     costs = measure_costs(target, head, prompts[:4], k_max=k_max)
-    pred = predict(cond, costs, ks=range(1, k_max + 1))
+    pred = predict(cond, costs, ks=range(1, k_max + 1), rank_q=rank_q)
     return {"prediction": pred.to_dict(), "advice": advice(pred)}
 
 
 def simulated_tau(cond: list[float], ks=CHAIN_KS, budgets=TREE_BUDGETS,
-                  sibling_decay: float = SIBLING_DECAY) -> dict:
-    """tau of a chain of each k and of the best tree per budget from conditional acceptance."""
-    q = rank_acceptance(cond, max(ks), width=8, sibling_decay=sibling_decay)
+                  rank_q: list[list[float]] | None = None) -> dict:
+    """tau of a chain of each k from conditional acceptance, and of the best tree per budget from
+    the measured per-rank acceptance (no trees without it)."""
+    q = rank_acceptance(rank_q, max(ks)) if rank_q else None
     return {"chain": {str(k): expected_tokens_chain(cond, k) for k in ks},
-            "tree": {str(n): best_tree(q, n)[1] for n in budgets}, "sibling_decay": sibling_decay}
+            "tree": {str(n): best_tree(q, n)[1] for n in budgets} if q else {},
+            "rank_acceptance": rank_q}

@@ -193,7 +193,8 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
     if metrics.get("simulated_tau"):
         sim = metrics["simulated_tau"]
         lines.append("- simulated tau, chain of k: " + ", ".join(f"k={k}: {t:.2f}" for k, t in sim["chain"].items()))
-        lines.append("- simulated tau, best tree: " + ", ".join(f"{n} tokens: {t:.2f}" for n, t in sim["tree"].items()))
+        if sim["tree"]:
+            lines.append("- simulated tau, best tree: " + ", ".join(f"{n} tokens: {t:.2f}" for n, t in sim["tree"].items()))
     pred, adv = metrics.get("prediction"), metrics.get("advice")
     if pred:
         lines += ["", "## Predicted speed-up", "",

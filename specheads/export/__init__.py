@@ -64,7 +64,7 @@ def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: in
     record = export_record(ckpt, head.config, fmt, k, target, float_dtype(tensors))
     record["serve_commands"] = serve_commands(fmt, out_dir, target, k, ckpt.kind,
                                               parallel=getattr(head.config, "parallel_drafting", False))
-    config = writer.config_json(head.config, fmt, k, target.hub_id or target.name or "unknown",
+    config = writer.config_json(head.config, fmt, k, target.config_name,
                                 target.architectures, record["dtype"])
     with export_dir(out_dir, ident, overwrite) as tmp:
         weights_file = getattr(writer, "WEIGHTS_FILES", {}).get(fmt, WEIGHTS_FILE)

@@ -34,6 +34,16 @@ class TargetRef:
     def serve_as(self) -> str:
         return self.hub_id or self.local or f"/path/to/{self.name or 'target'}"
 
+    @property
+    def config_name(self) -> str:
+        """The verifier's `name_or_path` in an engine config: the hub id, else the local folder as
+        an absolute path (never its bare basename, which an engine would look up on the hub)."""
+        if self.hub_id:
+            return self.hub_id
+        if self.local and Path(self.local).expanduser().is_dir():
+            return str(Path(self.local).expanduser().resolve())
+        return self.serve_as
+
 
 def looks_like_hub_id(name: str | None) -> bool:
     """'org/name' that is not an existing local path."""

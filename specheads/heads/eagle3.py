@@ -167,6 +167,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     """EAGLE-3 drafter. State-dict names are the ones vLLM reads (fc, layers.0.*, norm, lm_head, d2t, t2d)."""
 
+    counts_ranks = True  # train_forward counts sibling ranks (HeadOutput.counts['rank_hits'])
+
     kind = "eagle3"
     Options = Eagle3Options
     Config = Eagle3Config
@@ -231,6 +233,10 @@ class Eagle3Head(nn.Module):
         """Step output [B, T, H] -> draft-vocab logits [B, T, Vd] (normed here unless already)."""
         return self.lm_head(out if self.config.norm_output else self.norm(out))
 
+    def draft_index(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids that are in the draft vocabulary -> their draft ids (t2d is sorted)."""
+        return torch.cumsum(self.t2d.long(), 0)[target_ids] - 1
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
 
@@ -291,9 +297,16 @@ class Eagle3Head(nn.Module):
             logits = self.logits(out[b, i])  # [N, Vd]
             src = target_logits[b, i + j + 1]  # [N, V]: target at the position predicting x_{i+j+2}
             losses.append(forward_kl(logits, torch.softmax(src[:, self.t2d].float(), dim=-1)))
-            counts.step(rows, b, i, self.to_target_ids(logits.argmax(-1)) == target_argmax[b, i + j + 1])
+            wanted = target_argmax[b, i + j + 1]  # [N], in the draft vocabulary (rows says so)
+            counts.step(rows, b, i, self.to_target_ids(logits.argmax(-1)) == wanted,
+                        ranks=draft_rank(logits, self.draft_index(wanted)))
             hidden = out
         return decayed_output(losses, self.config.step_decay, counts)
+
+
+def draft_rank(logits: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+    """logits [N, Vd], wanted [N] draft ids -> [N] how many draft tokens score strictly higher."""
+    return (logits > logits.gather(1, wanted[:, None])).sum(-1)
 
 
 def ttt_attention_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 COUNT_KEYS = ("rows", "reached", "cond_rows")
+RANK_WIDTH = 8  # sibling ranks counted per draft step (0 = the draft's top-1)
 
 
 @dataclass
@@ -52,17 +53,30 @@ class ChainCounts:
         self.reached = torch.ones(like.shape[:2], dtype=torch.bool, device=like.device)  # [B, T]
         self.counts: dict[str, list[torch.Tensor]] = {k: [] for k in COUNT_KEYS}
 
-    def step(self, rows: torch.Tensor, b: torch.Tensor, i: torch.Tensor, correct_rows: torch.Tensor) -> None:
-        """rows [B, T] scored at this step, (b, i) = rows.nonzero(); correct_rows [N]: draft == target."""
+    def step(self, rows: torch.Tensor, b: torch.Tensor, i: torch.Tensor, correct_rows: torch.Tensor,
+             ranks: torch.Tensor | None = None) -> None:
+        """rows [B, T] scored at this step, (b, i) = rows.nonzero(); correct_rows [N]: draft == target.
+
+        ranks [N] (optional): the target token's rank in the draft's distribution. Counted into
+        `rank_hits[r]` (r < RANK_WIDTH) over the rows where drafts 0..j-1 matched: the measured
+        acceptance of a tree's rank-r sibling (tree predictions use it, see eval/predict.py).
+        """
         correct = torch.zeros_like(self.reached)
         correct[b, i] = correct_rows
+        if ranks is not None:
+            live = self.reached[b, i]  # [N]
+            hits = torch.bincount(ranks[live].clamp(max=RANK_WIDTH), minlength=RANK_WIDTH + 1)
+            self.counts.setdefault("rank_hits", []).append(hits[:RANK_WIDTH])
         self.counts["cond_rows"].append((self.reached & rows).sum())
         self.reached = self.reached & correct
         self.counts["rows"].append(rows.sum())
         self.counts["reached"].append((self.reached & rows).sum())
 
     def stacked(self) -> dict[str, torch.Tensor]:
-        return stack_counts(self.counts)
+        out = stack_counts(self.counts)
+        if self.counts.get("rank_hits"):
+            out["rank_hits"] = torch.stack(self.counts["rank_hits"]).float()  # [S, RANK_WIDTH]
+        return out
 
 
 def decayed_output(losses: list[torch.Tensor], decay: float, counts: ChainCounts) -> HeadOutput:

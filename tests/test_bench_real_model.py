@@ -1,0 +1,65 @@
+"""bench/real_model.py end to end on a tiny stand-in: a GGUF written in the test is converted,
+its own answers regenerated, features captured, two data shares trained for two epochs, exported,
+evaluated on MT-bench-style first turns and held-out prompts, and reported with stage times."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from gguf_files import write_tiny_gguf  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "real_model.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_real_model", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_target_dir, layers=8)
+    prompts = tmp_path / "alpaca.json"
+    prompts.write_text(json.dumps([{"instruction": f"Write a function number {i}", "input": "def f(x):",
+                                    "output": "return x"} for i in range(30)]))
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text("".join(json.dumps({"question_id": 81 + i, "category": c, "turns": [f"import {m}", "more?"]}) + "\n"
+                          for i, (c, m) in enumerate([("writing", "os"), ("writing", "re"), ("coding", "sys")])))
+    out, results = tmp_path / "out", tmp_path / "results"
+    args = ["--gguf", str(gguf), "--prompts", str(prompts), "--mt-bench", str(mt), "--out", str(out),
+            "--results", str(results), "--train-prompts", "12", "--heldout-prompts", "2", "--max-new-tokens", "8",
+            "--regen-batch-size", "4", "--draft-vocab", "64", "--max-length", "64", "--epochs", "2",
+            "--batch-size", "4", "--fractions", "0.5,1", "--mt-bench-per-category", "1", "--eval-new-tokens", "6",
+            "--skip-recommended", "train.log_every=1"]
+    bench = load_script()
+    assert bench.main(args) == 0
+    report = json.loads((results / "real_model.json").read_text())
+    assert (results / "real_model.md").read_text().startswith("# EAGLE-3 on a real chat model")
+    assert report["data"]["prompts"] == {"source": str(prompts), "train": 12, "heldout": 2}
+    assert report["data"]["regen_train"]["rows"] == 12 and report["data"]["mt_bench"]["prompts"] == 2
+    assert 0 < report["data"]["vocab"]["covered"] <= 1 and report["data"]["capture"]["storage"] == "int8"
+    stages = report["stages"]
+    for name in ("target", "regenerate_train", "capture_1", "train_0.5", "train_1", "table", "export",
+                 "eval_mt_bench_k3", "eval_heldout_k3", "parity"):
+        assert stages[name]["wall_s"] > 0, name
+    # the table: both data shares, one row per epoch checkpoint
+    assert [(t["fraction"], t["epoch"]) for t in report["table"]] == [("0.5", 1), ("0.5", 2), ("1", 1), ("1", 2)]
+    assert all(1.0 <= t["tau"] <= 4.0 for t in report["table"])
+    mt_eval = report["evals"]["MT-bench k=3"]
+    assert mt_eval["greedy_equal"] is True and mt_eval["prompts"] == 2 and mt_eval["k"] == 3
+    assert set(mt_eval["per_category"]) == {"writing", "coding"}
+    assert report["evals"]["held-out regenerated k=3"]["prompts"] == 2
+    assert abs(report["parity"]["online_tau"] - mt_eval["tau"]) < 1e-9
+    # a second run reuses every finished stage
+    assert bench.main(args) == 0
+    again = json.loads((results / "real_model.json").read_text())
+    assert again["stages"] == report["stages"] and again["table"] == report["table"]
