@@ -15,7 +15,7 @@ import torch
 
 from specheads.data.conversations import read_conversations
 from specheads.data.tokenize import TokenizedSample, collate, tokenize_all
-from specheads.eval.online import load_draft, load_target
+from specheads.eval.drafts import load_draft, load_target
 from specheads.eval.predict import simulated_tau
 from specheads.eval.report import check_report_folder, write_report
 from specheads.heads.losses import COUNT_KEYS

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
+from specheads.eval.drafts import load_draft, load_target, meta_value
+from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
-from specheads.export import load_with_meta
 from specheads.metrics import broken_draft_warning, predicted_speedup
 from specheads.provenance import provenance
-from specheads.target import Target, check_fingerprint
 from specheads.verify.decode import DecodeStats, generate
 from specheads.verify.proposers import NgramProposer
 from specheads.verify.settings import (
@@ -39,13 +39,11 @@ log = logging.getLogger(__name__)
 class PromptsError(ValueError):
     """The prompts file is missing or a row is not a usable prompt (the message names the line)."""
 
-
 @dataclass
 class PromptRow:
     id: str
     turns: list[str]
     category: str | None = None
-
 
 @dataclass
 class Totals:
@@ -58,9 +56,7 @@ class Totals:
     ngram_mismatches: list[str] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # turns whose prompt fills the context
 
-
 # --- inputs ------------------------------------------------------------------------------------
-
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
     """jsonl rows with `prompt` (one user message) or `turns` (MT-bench / Spec-Bench style)."""
@@ -90,7 +86,6 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
         raise PromptsError(f"prompts file '{path}' holds no prompts")
     return rows
 
-
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Render the conversation with the tokenizer's chat template, ready for the assistant turn."""
     if not getattr(tokenizer, "chat_template", None):
@@ -98,7 +93,6 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
                            "prompts as chat turns and needs one")
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
-
 
 def eos_ids(target) -> list[int]:
     """The tokenizer's eos id plus any the target's generation config names."""
@@ -110,32 +104,7 @@ def eos_ids(target) -> list[int]:
     ids.update(int(i) for i in (extra if isinstance(extra, (list, tuple)) else [extra]) if i is not None)
     return sorted(ids)
 
-
-def _meta_value(meta, key: str):
-    return meta.get(key) if isinstance(meta, dict) else getattr(meta, key, None)
-
-
-def load_target(path: str, dtype: str | None = None, device: str = "auto") -> Target:
-    """The target for an eval: `dtype` None = bfloat16 on a GPU, float32 elsewhere; the draft
-    then follows the target's device and dtype."""
-    from specheads.generate import default_dtype
-
-    return Target.load(path, dtype=dtype or default_dtype(device), device=device)
-
-
-def load_draft(draft_dir: str | Path, target):
-    """The exported head (moved to the target's device and dtype), its meta, fingerprint checked."""
-    head, meta = load_with_meta(draft_dir)
-    expected = _meta_value(meta, "target")
-    if expected:
-        check_fingerprint(expected, target, f"draft '{draft_dir}'")
-    else:
-        log.warning("draft '%s' records no target fingerprint; cannot check it matches", draft_dir)
-    return head.to(device=target.device, dtype=target.dtype).eval(), meta, bool(expected)
-
-
 # --- metrics -----------------------------------------------------------------------------------
-
 
 def alpha_from_tau(mean_len: float, k: int) -> float:
     """i.i.d. per-token acceptance a with (1 - a^(k+1)) / (1 - a) = mean_len (bisection)."""
@@ -152,14 +121,12 @@ def alpha_from_tau(mean_len: float, k: int) -> float:
             hi = mid
     return (lo + hi) / 2
 
-
 def cost_ratio(stats: DecodeStats) -> float:
     """c = mean proposer seconds per draft token / mean target decode-forward seconds."""
     if not stats.proposed_tokens or not stats.decode_forwards or not stats.target_decode_s:
         return 0.0
     per_token = stats.proposer_s / stats.proposed_tokens
     return per_token / (stats.target_decode_s / stats.decode_forwards)
-
 
 def method_metrics(stats: DecodeStats, plain: DecodeStats, k: int) -> dict:
     """chain_summary + alpha, c, predicted and measured speed-up, timings for one method."""
@@ -182,9 +149,7 @@ def method_metrics(stats: DecodeStats, plain: DecodeStats, k: int) -> dict:
         "proposer_start_s": stats.proposer_start_s,
     }
 
-
 # --- the run -----------------------------------------------------------------------------------
-
 
 def run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree: TreeSpec | None = None,
              sampling: Sampling | None = None):
@@ -200,7 +165,6 @@ def run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree: TreeS
     ngram = generate(target, NgramProposer(*ngram_sizes), ids, max_new_tokens, k, eos)
     return plain, draft, ngram
 
-
 def sampled_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree, sampling: Sampling):
     """The same three runs with lossless speculative sampling (same seed for each run)."""
     tree = tree or TreeSpec("chain", k=k)
@@ -210,7 +174,6 @@ def sampled_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree, s
     ngram = sampled_decode(TreeSpec("chain", k=k), target, NgramProposer(*ngram_sizes), ids,
                            max_new_tokens, eos, sampling)
     return plain, draft, ngram
-
 
 def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: int,
                   ngram_sizes=(3, 1), tree: TreeSpec | None = None,
@@ -226,7 +189,6 @@ def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: i
             _evaluate_row(target, head, row, max_new_tokens, k, ngram_sizes, tree, sampling, eos,
                           totals, outputs, bar)
     return totals, outputs
-
 
 def _evaluate_row(target, head, row: PromptRow, max_new_tokens, k, ngram_sizes, tree, sampling, eos,
                   totals: Totals, outputs: list[dict], bar) -> None:
@@ -267,17 +229,13 @@ def _evaluate_row(target, head, row: PromptRow, max_new_tokens, k, ngram_sizes, 
         })
         bar.update(1)
 
-
 def measured_rank_acceptance(target, head, outputs: list[dict]) -> list[list[float]] | None:
     """Per-rank acceptance of the head on the target's own greedy answers (teacher-forced, one
     target forward per prompt): what tree predictions use; None for heads that do not count ranks."""
-    from specheads.eval.offline import offline_acceptance, samples_from_rows
-
     if not getattr(head, "counts_ranks", False):
         return None
     samples = samples_from_rows(target.tokenizer, outputs)
     return offline_acceptance(target, head, samples).get("rank_acceptance") if samples else None
-
 
 def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
     """A short untimed generation so first-call overheads do not land in the first prompt."""
@@ -286,7 +244,6 @@ def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
     generate(target, make_proposer(TreeSpec("chain", k=k), head, target), ids, 4, k)
     if tree is not None and tree.kind != "chain":
         speculative_decode(tree, target, make_proposer(tree, head, target), ids, 4, [])
-
 
 def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              max_new_tokens: int = 128, k: int | None = None, limit: int | None = None,
@@ -318,7 +275,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     target = load_target(target_path, dtype, device)
     head, meta, checked = load_draft(draft_dir, target)
     if k is None:
-        k = _meta_value(meta, "num_speculative_tokens") or head.config.ttt_steps
+        k = meta_value(meta, "num_speculative_tokens") or head.config.ttt_steps
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
     tree = TreeSpec("chain", k=k) if tree is None or tree.kind == "chain" else tree
@@ -359,7 +316,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         "eval_wall_s": time.perf_counter() - t0,
         "provenance": provenance(
             target=target.fingerprint(), target_path=str(target.path), draft=str(draft_dir),
-            draft_format=_meta_value(meta, "format"), fingerprint_checked=checked,
+            draft_format=meta_value(meta, "format"), fingerprint_checked=checked,
             prompts_file=str(prompts_file), limit=limit, device=str(target.device),
             dtype=str(target.dtype).replace("torch.", ""),
         ),
@@ -382,7 +339,6 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if attach:
         attach_to_export(draft_dir, out)
     return metrics
-
 
 def use_prediction(metrics: dict) -> None:
     """One predicted speed-up per setting: with a step-cost prediction, the evaluated k's number
