@@ -18,7 +18,8 @@ Probe protocol (every engine):
            token after it, computed here, so both sides draft from the same token)
   result   OUT/result.json: engine, version, config {method, num_speculative_tokens,
            draft_architecture, vocab_size, draft_vocab_size, aux_layer_ids (the engine's own
-           numbering), ...}, weights {created, loaded, never_written, dropped, shape_mismatch},
+           numbering), ...}, weights {created, loaded, never_written, dropped, shape_mismatch, warnings
+           (the engine's own warnings while loading the draft)},
            layers / forward ("ok" | "not_run: why" | "failed: ..."), replaced_kernels, error
            (null | {stage, type, message: the engine's own exception text})
   tensors  OUT/tensors.safetensors: aux_hidden [T, n_aux*H] (the states the engine feeds the draft,
@@ -289,6 +290,8 @@ def judge_weights(result: dict, ours: Ours, engine: str) -> Stage:
     problems = []
     if w.get("never_written"):
         problems.append(f"parameters the loader never wrote (still the sentinel): {sorted(w['never_written'])}")
+    if w.get("warnings"):
+        problems.append(f"the engine warned while loading the draft: {w['warnings']}")
     if w.get("shape_mismatch"):
         problems.append(f"shape mismatches: {w['shape_mismatch']}")
     lost = sorted(n for n in mine if n not in received)

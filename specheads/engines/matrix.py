@@ -197,7 +197,7 @@ def run_checks(rows: list[Row], engines: list[str], work: Path, log=print) -> li
             if engine not in engines:
                 continue
             log(f"== {row.name} ({row.kind}, {row.format}) with {engine}")
-            report = check_export(row.export, engine, row.target, work=work / row.name / engine)
+            report = check_export(row.export, engine, row.target, work=work / row.name)
             log(format_report(report))
             results.append((row, report))
     return results
@@ -215,7 +215,7 @@ def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
             notes.append(f"logits max diff {n['logits_max_abs_diff']:.1e}, argmax {n['argmax_equal']}/{n['positions']}")
         for c in cells:
             if c and c.status in (FAIL, "NOT RUN", "REFUSED") and c.detail:
-                notes.append(c.detail[:160].replace("|", "/"))
+                notes.append(" ".join(c.detail.split())[:160].replace("|", "/"))
                 break
         if row.note:
             notes.append(row.note)

@@ -9,7 +9,8 @@ lm_head sharing included), then runs the target and the draft module forward in 
 Stages (each recorded in result.json; a failing stage keeps the engine's own exception text):
   config   the speculative config vLLM derives (method, k, draft architecture, vocab sizes, aux ids)
   weights  every draft parameter pre-filled with a sentinel (NaN / -7777) before the loader runs;
-           every tensor name the loader receives; which ones reached a parameter's weight_loader
+           every tensor name the loader receives; which ones reached a parameter's weight_loader;
+           the warnings vLLM logs while loading the draft
   layers   the target hidden states vLLM taps for the draft (EAGLE-3: its aux layers; EAGLE-1 and
            MTP: the state the target returns), written as `aux_hidden`
   forward  the draft module's logits on the first draft pass (`draft_logits`, scattered to the full
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -150,6 +152,8 @@ class Probe:
 
         self.draft_config = self.vc.speculative_config.draft_model_config
         self._instrument_loader()
+        if self.args.kind == "mtp":
+            self._skip_moe_prepack()
         try:
             self._ctx = set_current_vllm_config(self.vc)
             self._ctx.__enter__()
@@ -185,6 +189,7 @@ class Probe:
 
         probe, original = self, DefaultModelLoader.load_weights
         self.received, self.consumed, self.created, self.mismatch = [], set(), [], []
+        self.load_warnings = []
         state = {"current": None, "by_ptr": {}, "alive": []}
 
         def source(weight):
@@ -220,18 +225,32 @@ class Probe:
                     yield name, tensor
                 state["current"] = None
             loader_self.get_all_weights = get_all_weights
+            handler = WarningsTo(probe.load_warnings)
+            logging.getLogger("vllm").addHandler(handler)
             try:
                 return original(loader_self, model, model_config)
             finally:
+                logging.getLogger("vllm").removeHandler(handler)
                 del loader_self.get_all_weights
-                probe.loaded_draft = model
         DefaultModelLoader.load_weights = load_weights
+
+    def _skip_moe_prepack(self):
+        """The CPU MoE experts repack their weights for a kernel (`torch.ops._C.prepack_moe_weight`) that
+        the PyPI wheel does not build; the MoE forward is not run here, so the weights stay as loaded."""
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        CPUUnquantizedExperts.process_weights_after_loading = lambda experts, layer: None
+        self.result["replaced_kernels"].append(
+            "CPUUnquantizedExperts.process_weights_after_loading (repacking MoE weights for "
+            "torch.ops._C.prepack_moe_weight, absent from the PyPI wheel) -> a no-op: the weights stay as "
+            "loaded; the MoE forward is not run")
 
     def _record_weights(self, draft=None):
         w = self.result["weights"]
         w["created"], w["loaded"] = list(self.created), list(self.received)
         w["dropped"] = [n for n in self.received if n not in self.consumed]
         w["shape_mismatch"] = list(self.mismatch)
+        w["warnings"] = list(self.load_warnings)  # what vLLM logged while loading the draft
         if draft is not None:
             w["never_written"] = [n for n, p in draft.named_parameters() if holds_sentinel(p)]
 
@@ -285,7 +304,7 @@ class Probe:
             self.result["layers"] = "not_run: a draft model reads no target hidden states"
             return
         if self.args.kind == "mtp":
-            self.result["layers"] = f"not_run: {MTP_NO_CPU}"
+            self.result["layers"] = f"not_run: {self._mtp_reason()}"
             return
         ids, _ = self._inputs()
         try:
@@ -308,6 +327,10 @@ class Probe:
             self.fail("layers", err)
         self.result["layers"] = "ok"
 
+    def _mtp_reason(self) -> str:
+        model_type = getattr(self.vc.model_config.hf_config, "model_type", "?")
+        return MTP_NO_CPU.get(model_type, f"{model_type}: no CPU path for its MTP kernels in vLLM 0.33")
+
     def _aux_layers_in_use(self):
         for module in self.target.modules():
             layers = getattr(module, "aux_hidden_state_layers", None)
@@ -318,7 +341,7 @@ class Probe:
     def forward_stage(self):
         kind = self.args.kind
         if kind == "mtp":
-            self.result["forward"] = f"not_run: {MTP_NO_CPU}"
+            self.result["forward"] = f"not_run: {self._mtp_reason()}"
             return
         try:
             if kind == "draft":
@@ -380,8 +403,26 @@ class Probe:
         self.tensors["chain"] = torch.tensor(tokens, dtype=torch.long)
 
 
-MTP_NO_CPU = ("the MTP targets (DeepSeek-V3: MLA attention and fused MoE; Qwen3-Next / Qwen3.5: gated "
-              "DeltaNet linear attention and fused MoE) run kernels vLLM 0.33 has only for CUDA")
+MTP_NO_CPU = {  # target model_type -> why the MTP target / module cannot run forward here
+    "deepseek_v3": "DeepSeek-V3 runs MLA attention and fused-MoE kernels that vLLM 0.33 has only for CUDA "
+                   "(its CPU MoE kernel is not in the PyPI wheel)",
+    "qwen3_next": "Qwen3-Next runs gated-DeltaNet linear attention (Triton) and fused-MoE kernels that vLLM 0.33 "
+                  "has only for CUDA",
+    "qwen3_5_text": "Qwen3.5 runs gated-DeltaNet linear attention (Triton kernels, CUDA only in vLLM 0.33)",
+    "qwen3_5_moe_text": "Qwen3.5-MoE runs gated-DeltaNet linear attention and fused-MoE kernels (CUDA only in "
+                        "vLLM 0.33)",
+}
+
+
+class WarningsTo(logging.Handler):
+    """Collects the engine's own warnings (e.g. a dtype mismatch) while the draft's weights load."""
+
+    def __init__(self, sink: list):
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record):
+        self.sink.append(record.getMessage())
 
 
 def fill_sentinel(param):
