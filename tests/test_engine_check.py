@@ -150,27 +150,37 @@ def shifted_aux(cfg):
     cfg["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
 
 
-@pytest.mark.engine
-def test_clean_export_passes_every_stage(vllm_export, tmp_path):
+FAULTS = {"renamed": {"tensors": renamed}, "without_d2t": {"tensors": without_d2t},
+          "float_d2t": {"tensors": float_d2t}, "shifted_aux": {"config": shifted_aux}}
+
+
+@pytest.fixture(scope="module")
+def vllm_reports(vllm_export, tmp_path_factory):
+    """The clean export and each injected fault, checked by vLLM in one engine process."""
     export, tiny = vllm_export
-    report = check.check_export(export, "vllm", tiny, work=tmp_path)
+    root = tmp_path_factory.mktemp("faults")
+    folders = {"clean": export, **{name: faulty(export, root / name, **change) for name, change in FAULTS.items()}}
+    jobs = [check.prepare(folder, "vllm", tiny, work=root / "work" / name) for name, folder in folders.items()]
+    return dict(zip(folders, check.run_jobs(jobs)))
+
+
+@pytest.mark.engine
+def test_clean_export_passes_every_stage(vllm_reports):
+    report = vllm_reports["clean"]
     assert [s.status for s in report.stages.values()] == [check.PASS] * 4, check.format_report(report)
     assert report.numbers["logits_max_abs_diff"] <= 1e-4 and report.numbers["argmax_equal"] >= 200
+    assert report.numbers["chain_engine"] == report.numbers["chain_ours"]
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("fault,stage,engine_text", [
     ("renamed", "weights", "There is no module or parameter named 'layers.0.mlp.down.weight'"),
     ("without_d2t", "weights", "draft_id_to_target_id"),
-    ("float_d2t", "weights", "Attempted to load weight draft_id_to_target_id with dtype torch.float32"),
+    ("float_d2t", "weights", "with dtype torch.float32 into parameter with dtype torch.int64"),
     ("shifted_aux", "layers", None),
 ])
-def test_injected_fault_fails_with_the_engines_text(vllm_export, tmp_path, fault, stage, engine_text):
-    export, tiny = vllm_export
-    change = {"renamed": {"tensors": renamed}, "without_d2t": {"tensors": without_d2t},
-              "float_d2t": {"tensors": float_d2t}, "shifted_aux": {"config": shifted_aux}}[fault]
-    folder = faulty(export, tmp_path / fault, **change)
-    report = check.check_export(folder, "vllm", tiny, work=tmp_path / "work")
+def test_injected_fault_fails_with_the_engines_text(vllm_reports, fault, stage, engine_text):
+    report = vllm_reports[fault]
     text = check.format_report(report)
     assert not report.passed and report.stages[stage].status == check.FAIL, text
     if engine_text:

@@ -46,6 +46,7 @@ import torch
 from specheads.engines import venvs
 
 PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
+BATCH_PROBES = {"vllm"}  # probes that also take `--jobs FILE.json` (many exports, one engine import)
 TOLERANCE = 1e-4
 PASS, FAIL, NOT_RUN, REFUSED = "PASS", "FAIL", "NOT RUN", "REFUSED"
 # engine aux-layer id = specheads aux_layers id + offset (SGLang counts from the first decoder layer's input)
@@ -123,34 +124,30 @@ def num_positions(max_positions: int, k: int, wanted: int = 256) -> int:
 
 
 # --- running the probe ----------------------------------------------------------------------------
-def run_probe(engine: str, target: Path, draft: Path, kind: str, inputs: Path, out: Path, k: int,
-              timeout: float) -> tuple[dict, dict, str]:
-    """Run the engine's probe; (result.json, tensors, the log's tail). A probe that dies is an error."""
+def _run_engine(engine: str, args: list[str], log: Path, cwd: Path, timeout: float) -> int | None:
+    """The engine's probe under its own Python (no specheads on the path); exit code, None on timeout."""
     python = venvs.ensure(engine, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    script = Path(__file__).with_name(PROBES[engine])
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python), str(script), "--target", str(target), "--draft", str(draft), "--kind", kind,
-           "--inputs", str(inputs), "--out", str(out), "--k", str(k)]
+    cmd = [str(python), str(Path(__file__).with_name(PROBES[engine]))] + args
     env = {k_: v for k_, v in os.environ.items() if k_ not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    log = out / "probe.log"
     with log.open("w") as fh:
         try:
-            done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout)
-            rc = done.returncode
+            return subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
-            rc = None
-    tail = log.read_text(errors="replace")[-4000:]
+            return None
+
+
+def read_probe_output(engine: str, out: Path, rc: int | None, timeout: float) -> tuple[dict, dict]:
+    """(result.json, tensors) of one probe job; a job that left no result is a ProbeDied error."""
     result_file = out / "result.json"
     if not result_file.is_file():
         why = f"timed out after {timeout:.0f} s" if rc is None else f"exited {rc} without a result"
-        return {"error": {"stage": "probe", "type": "ProbeDied", "message": f"the {engine} probe {why}"}}, {}, tail
-    result = json.loads(result_file.read_text())
+        return {"error": {"stage": "probe", "type": "ProbeDied", "message": f"the {engine} probe {why}"}}, {}
     tensors = {}
     if (out / "tensors.safetensors").is_file():
         from safetensors.torch import load_file
 
         tensors = load_file(str(out / "tensors.safetensors"))
-    return result, tensors, tail
+    return json.loads(result_file.read_text()), tensors
 
 
 # --- our side ---------------------------------------------------------------------------------------
@@ -370,9 +367,30 @@ def judge_forward(result: dict, tensors: dict, mine: torch.Tensor | None, chain:
 
 
 # --- the check -----------------------------------------------------------------------------------
-def check_export(export: str | Path, engine: str, target: str | Path | None = None, k: int | None = None,
-                 positions: int = 256, work: str | Path | None = None, timeout: float = 1200.0) -> EngineCheck:
-    """Run `engine`'s own loader and draft module on `export` and compare with specheads' (see module doc)."""
+@dataclass
+class Job:
+    """One export prepared for one engine: our side, the inputs file, where the probe writes."""
+
+    export: Path
+    engine: str
+    ours: Ours
+    k: int
+    inputs: dict
+    work: Path
+    started: float
+
+    @property
+    def out(self) -> Path:
+        return self.work / self.engine
+
+    def probe_args(self) -> dict:
+        return {"target": str(self.ours.target_path), "draft": str(self.export), "kind": self.ours.kind,
+                "inputs": str(self.work / "inputs.safetensors"), "out": str(self.out), "k": self.k}
+
+
+def prepare(export: str | Path, engine: str, target: str | Path | None = None, k: int | None = None,
+            positions: int = 256, work: str | Path | None = None) -> Job:
+    """Our side of one check: the export read, the target loaded, the probe's inputs written."""
     export = Path(export)
     if engine not in PROBES:
         raise EngineCheckError(f"engine '{engine}': expected one of {', '.join(PROBES)}")
@@ -384,32 +402,35 @@ def check_export(export: str | Path, engine: str, target: str | Path | None = No
     if ours.target_path is None:
         raise EngineCheckError(f"{export}: pass --target, the target folder the head was trained on")
     k = k or ours.k()
-    report = EngineCheck(str(export), engine, ours.kind, ours.format)
-    started = time.time()
     work = Path(work) if work else Path(tempfile.mkdtemp(prefix="specheads-engine-check-"))
-    work.mkdir(parents=True, exist_ok=True)
-    feats = mine = chain = None
+    (work / engine).mkdir(parents=True, exist_ok=True)
     if ours.kind in ("eagle3", "eagle", "draft"):
         max_pos = int(getattr(ours.target.config, "max_position_embeddings", 256))
         inputs = make_inputs(ours.target, num_positions(max_pos, k, positions))
-    else:
+    else:  # the engine runs no forward for these kinds; the file keeps the protocol uniform
         inputs = {"input_ids": torch.arange(8)[None] % 7 + 1, "next_token": torch.tensor([1])}
     from safetensors.torch import save_file
 
     save_file({n: t.contiguous() for n, t in inputs.items()}, str(work / "inputs.safetensors"))
-    result, tensors, tail = run_probe(engine, ours.target_path, export, ours.kind, work / "inputs.safetensors",
-                                      work / engine, k, timeout)
+    return Job(export, engine, ours, k, inputs, work, time.time())
+
+
+def finish(job: Job, result: dict, tensors: dict, tail: str) -> EngineCheck:
+    """Judge the engine's result against our side."""
+    ours, engine, k = job.ours, job.engine, job.k
+    report = EngineCheck(str(job.export), engine, ours.kind, ours.format)
     report.engine_version, report.engine_config = result.get("version"), result.get("config") or {}
     report.replaced_kernels, report.error, report.stderr_tail = (result.get("replaced_kernels") or [],
                                                                  result.get("error"), tail)
     if (engine, ours.kind) in ENGINE_REFUSES:
         report.stages = _judge_refusal(result, ENGINE_REFUSES[(engine, ours.kind)])
-        report.seconds = time.time() - started
+        report.seconds = time.time() - job.started
         return report
     report.stages["config"] = judge_config(result, ours, engine, k)
     report.stages["weights"] = judge_weights(result, ours, engine)
+    feats = mine = chain = None
     if tensors:
-        ids, next_token = inputs["input_ids"], int(inputs["next_token"][0])
+        ids, next_token = job.inputs["input_ids"], int(job.inputs["next_token"][0])
         try:
             out, feats = ours.features(ids) if ours.kind != "draft" else (None, None)
             mine = ours.draft_logits(ids, next_token, out)
@@ -422,8 +443,39 @@ def check_export(export: str | Path, engine: str, target: str | Path | None = No
         for name in ("layers", "forward"):
             if report.stages[name].status == FAIL:
                 report.stages[name].detail += f" (specheads could not load the folder: {report.numbers['ours_error']})"
-    report.seconds = time.time() - started
+    report.seconds = time.time() - job.started
     return report
+
+
+def run_jobs(jobs: list[Job], timeout: float = 1200.0) -> list[EngineCheck]:
+    """Every job's probe, then its verdicts. Engines whose probe takes `--jobs` run a whole batch in one
+    process (one engine import); the others one process per job. Jobs run one at a time."""
+    reports: dict[int, EngineCheck] = {}
+    for engine in dict.fromkeys(j.engine for j in jobs):
+        mine = [(i, j) for i, j in enumerate(jobs) if j.engine == engine]
+        if engine in BATCH_PROBES and len(mine) > 1:
+            batch_dir = mine[0][1].work.parent
+            spec = batch_dir / f"{engine}-jobs.json"
+            spec.write_text(json.dumps([j.probe_args() for _, j in mine], indent=1))
+            log = batch_dir / f"{engine}-batch.log"
+            rc = _run_engine(engine, ["--jobs", str(spec)], log, batch_dir, timeout * len(mine))
+            tail = log.read_text(errors="replace")[-4000:]
+            for i, job in mine:
+                result, tensors = read_probe_output(engine, job.out, rc, timeout * len(mine))
+                reports[i] = finish(job, result, tensors, tail)
+            continue
+        for i, job in mine:
+            args = [f"--{key}={value}" for key, value in job.probe_args().items()]
+            rc = _run_engine(engine, args, job.out / "probe.log", job.out, timeout)
+            result, tensors = read_probe_output(engine, job.out, rc, timeout)
+            reports[i] = finish(job, result, tensors, (job.out / "probe.log").read_text(errors="replace")[-4000:])
+    return [reports[i] for i in range(len(jobs))]
+
+
+def check_export(export: str | Path, engine: str, target: str | Path | None = None, k: int | None = None,
+                 positions: int = 256, work: str | Path | None = None, timeout: float = 1200.0) -> EngineCheck:
+    """Run `engine`'s own loader and draft module on `export` and compare with specheads' (see module doc)."""
+    return run_jobs([prepare(export, engine, target, k, positions, work)], timeout)[0]
 
 
 def _judge_refusal(result: dict, why: str) -> dict[str, Stage]:

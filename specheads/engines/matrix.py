@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.engines.check import FAIL, PROBES, EngineCheck, check_export, format_report
+from specheads.engines.check import FAIL, PROBES, EngineCheck, format_report, prepare, run_jobs
 
 # export format -> the engines that load it (Medusa: both engines are asked, and must refuse it)
 FORMAT_ENGINES = {"vllm": ("vllm",), "vllm-native": ("vllm",), "sglang": ("sglang",),
@@ -191,16 +191,18 @@ def demo_rows(run: Path) -> list[Row]:
 
 # --- running and reporting -----------------------------------------------------------------------------
 def run_checks(rows: list[Row], engines: list[str], work: Path, log=print) -> list[tuple[Row, EngineCheck]]:
-    results = []
-    for row in rows:
-        for engine in row.engines:
-            if engine not in engines:
-                continue
-            log(f"== {row.name} ({row.kind}, {row.format}) with {engine}")
-            report = check_export(row.export, engine, row.target, work=work / row.name)
-            log(format_report(report))
-            results.append((row, report))
-    return results
+    """Every row with every engine that serves its format (one engine process per engine where the
+    probe takes a batch)."""
+    pairs = [(row, engine) for row in rows for engine in row.engines if engine in engines]
+    jobs = []
+    for row, engine in pairs:
+        log(f"== preparing {row.name} ({row.kind}, {row.format}) for {engine}")
+        jobs.append(prepare(row.export, engine, row.target, work=work / row.name))
+    log(f"== running {len(jobs)} engine checks")
+    reports = run_jobs(jobs)
+    for report in reports:
+        log(format_report(report))
+    return [(row, report) for (row, _), report in zip(pairs, reports)]
 
 
 def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:

@@ -39,6 +39,7 @@ KINDS = ("eagle3", "eagle", "draft", "mtp", "medusa", "dflash", "peagle")
 METHODS = {"eagle3": "eagle3", "eagle": "eagle", "draft": "draft_model", "mtp": "mtp", "medusa": "medusa",
            "dflash": "dflash", "peagle": "eagle3"}
 INT_SENTINEL = -7777
+_ACTIVE = {"probe": None, "distributed": False, "loader_patched": False}  # process-wide (see --jobs)
 REPLACED = ("vllm.model_executor.layers.attention.Attention.forward -> a plain causal softmax over the "
             "layer's own q/k/v (float32): vLLM's CPU attention kernels need a KV cache, block tables and "
             "scheduler metadata that only a running engine builds; projections, RoPE, norms, MLP, fc, "
@@ -46,6 +47,7 @@ REPLACED = ("vllm.model_executor.layers.attention.Attention.forward -> a plain c
 
 
 def parse_args(argv=None):
+    """One export; or `--jobs FILE.json`: a list of {target, draft, kind, inputs, out, k} run in turn."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
@@ -99,6 +101,10 @@ class Probe:
             self.forward_stage()
         except Stop:
             pass
+        finally:
+            _ACTIVE["probe"] = None
+            if getattr(self, "_ctx", None) is not None:
+                self._ctx.__exit__(None, None, None)
         self.write()
 
     def spec_config(self) -> dict:
@@ -157,9 +163,11 @@ class Probe:
         try:
             self._ctx = set_current_vllm_config(self.vc)
             self._ctx.__enter__()
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tempfile.mkdtemp()}/dist")
-            ensure_model_parallel_initialized(1, 1)
+            if not _ACTIVE["distributed"]:  # once per process (a batch of jobs shares it)
+                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                             distributed_init_method=f"file://{tempfile.mkdtemp()}/dist")
+                ensure_model_parallel_initialized(1, 1)
+                _ACTIVE["distributed"] = True
             from vllm.model_executor.model_loader import get_model
 
             self.target = get_model(vllm_config=self.vc)
@@ -187,9 +195,13 @@ class Probe:
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        probe, original = self, DefaultModelLoader.load_weights
         self.received, self.consumed, self.created, self.mismatch = [], set(), [], []
         self.load_warnings = []
+        _ACTIVE["probe"] = self
+        if _ACTIVE["loader_patched"]:  # once per process; the patch reports to the active probe
+            return
+        _ACTIVE["loader_patched"] = True
+        original = DefaultModelLoader.load_weights
         state = {"current": None, "by_ptr": {}, "alive": []}
 
         def source(weight):
@@ -197,7 +209,7 @@ class Probe:
             every tensor before loading), else the name received last."""
             return state["by_ptr"].get(weight.data_ptr(), state["current"])
 
-        def recording(name, param, loader):
+        def recording(probe, name, param, loader):
             def weight_loader(p, weight, *rest, **kw):
                 src = source(weight)
                 if src is not None:
@@ -208,12 +220,15 @@ class Probe:
             return weight_loader
 
         def load_weights(loader_self, model, model_config):
-            if model_config is not probe.draft_config:
+            probe = _ACTIVE["probe"]
+            if probe is None or model_config is not probe.draft_config:
                 return original(loader_self, model, model_config)
+            state.update(current=None, by_ptr={}, alive=[])
             probe.created = [n for n, _ in model.named_parameters()]
             for name, param in model.named_parameters():
                 fill_sentinel(param)
-                param.weight_loader = recording(name, param, getattr(param, "weight_loader", default_weight_loader))
+                param.weight_loader = recording(probe, name, param,
+                                                getattr(param, "weight_loader", default_weight_loader))
             get_all = loader_self.get_all_weights
 
             def get_all_weights(mc, m):
@@ -232,6 +247,7 @@ class Probe:
             finally:
                 logging.getLogger("vllm").removeHandler(handler)
                 del loader_self.get_all_weights
+                state.update(current=None, by_ptr={}, alive=[])
         DefaultModelLoader.load_weights = load_weights
 
     def _skip_moe_prepack(self):
@@ -446,8 +462,12 @@ def holds_sentinel(param) -> bool:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    Probe(args).run()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--jobs"]:  # a batch: one engine import for many exports (a JSON list of CLI dicts)
+        for job in json.loads(Path(argv[1]).read_text()):
+            Probe(argparse.Namespace(**{"k": 3, **job})).run()
+        return 0
+    Probe(parse_args(argv)).run()
     return 0
 
 
