@@ -65,6 +65,13 @@ def test_probes_never_import_specheads(probe):
     assert not [n for n in names if n.split(".")[0] == "specheads"]
 
 
+def test_cli_names_a_folder_that_is_no_export(tmp_path, capsys):
+    from specheads.cli import main
+
+    assert main(["check-engine", str(tmp_path), "--engine", "vllm", "--target", str(tmp_path)]) == 1
+    assert "no config.json; pass a folder written by `specheads export`" in capsys.readouterr().err
+
+
 # --- the verdicts (fabricated engine results; no engine needed) ----------------------------------------
 def test_forward_verdict_catches_a_diff_an_argmax_and_the_chain():
     mine = torch.randn(6, 10)

@@ -210,13 +210,14 @@ class Probe:
             return state["by_ptr"].get(weight.data_ptr(), state["current"])
 
         def recording(probe, name, param, loader):
-            def weight_loader(p, weight, *rest, **kw):
-                src = source(weight)
+            def weight_loader(*args, **kw):  # loaders are called positionally or by keyword
+                weight = args[1] if len(args) > 1 else kw.get("loaded_weight")
+                src = source(weight) if weight is not None else state["current"]
                 if src is not None:
                     probe.consumed.add(src)
-                if not rest and not kw and loader is default_weight_loader and tuple(p.shape) != tuple(weight.shape):
-                    probe.mismatch.append(f"{src} {list(weight.shape)} -> {name} {list(p.shape)}")
-                return loader(p, weight, *rest, **kw)
+                if len(args) == 2 and not kw and loader is default_weight_loader and args[0].shape != weight.shape:
+                    probe.mismatch.append(f"{src} {list(weight.shape)} -> {name} {list(args[0].shape)}")
+                return loader(*args, **kw)
             return weight_loader
 
         def load_weights(loader_self, model, model_config):
