@@ -98,6 +98,16 @@ def test_layers_verdict_fails_an_off_by_one_tap():
     assert off.status == check.FAIL and "off-by-one" in off.detail
 
 
+def test_weights_verdict_names_unwritten_parameters_even_when_a_later_stage_failed(tmp_path):
+    """A missing d2t leaves vLLM's draft_id_to_target_id at the sentinel; the forward then fails too."""
+    ours = type("Ours", (), {"kind": "eagle3", "meta": type("M", (), {"record": {}, "folder": tmp_path})()})()
+    result = {"error": {"stage": "forward", "type": "IndexError", "message": "index -7777 is out of bounds"},
+              "weights": {"created": ["draft_id_to_target_id"], "loaded": [], "dropped": [],
+                          "never_written": ["draft_id_to_target_id"]}}
+    verdict = check.judge_weights(result, ours, "vllm")
+    assert verdict.status == check.FAIL and "draft_id_to_target_id" in verdict.detail
+
+
 def test_engine_error_and_not_run_are_reported_as_such():
     err = {"error": {"stage": "weights", "type": "ValueError", "message": "There is no module named 'x'"},
            "layers": "not_run: an earlier stage failed"}
@@ -181,7 +191,7 @@ def test_clean_export_passes_every_stage(vllm_reports):
 
 @pytest.mark.engine
 @pytest.mark.parametrize("fault,stage,engine_text", [
-    ("renamed", "weights", "There is no module or parameter named 'layers.0.mlp.down.weight'"),
+    ("renamed", "weights", "There is no module or parameter named 'layers.0.mlp.down'"),
     ("without_d2t", "weights", "draft_id_to_target_id"),
     ("float_d2t", "weights", "with dtype torch.float32 into parameter with dtype torch.int64"),
     ("shifted_aux", "layers", None),

@@ -278,7 +278,7 @@ def judge_weights(result: dict, ours: Ours, engine: str) -> Stage:
     msg = _engine_error(result, "weights")
     if msg:
         return Stage(FAIL, f"the engine's loader failed: {msg}")
-    if result.get("error"):
+    if (result.get("error") or {}).get("stage") in ("config", "probe"):
         return Stage(NOT_RUN, "an earlier stage failed")
     w = result.get("weights") or {}
     ignored = [re.compile(p) for p in ENGINE_IGNORES.get((engine, ours.kind), ())]
