@@ -254,6 +254,8 @@ def judge_config(result: dict, ours: Ours, engine: str, k: int) -> Stage:
         hc = ours.meta.head_config or {}
         want["draft_vocab_size"] = hc.get("draft_vocab_size")
         want["aux_layer_ids"] = [a + AUX_OFFSET[engine] for a in ours.aux_layers()]
+        if engine == "vllm":  # speculators defaults it to true, native vLLM to false: it must match training
+            want["norm_before_residual"] = bool(hc.get("norm_before_residual", False))
     for key, value in want.items():
         if value is not None and cfg.get(key) != value:
             problems.append(f"{key}: engine {cfg.get(key)!r}, intended {value!r}")
