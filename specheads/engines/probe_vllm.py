@@ -154,7 +154,10 @@ class Probe:
         import torch
 
         from vllm.config import set_current_vllm_config
-        from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+        from vllm.distributed.parallel_state import (
+            destroy_model_parallel, ensure_model_parallel_initialized, init_distributed_environment,
+            model_parallel_is_initialized,
+        )
 
         self.draft_config = self.vc.speculative_config.draft_model_config
         self._instrument_loader()
@@ -166,8 +169,10 @@ class Probe:
             if not _ACTIVE["distributed"]:  # once per process (a batch of jobs shares it)
                 init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                              distributed_init_method=f"file://{tempfile.mkdtemp()}/dist")
-                ensure_model_parallel_initialized(1, 1)
                 _ACTIVE["distributed"] = True
+            if model_parallel_is_initialized():  # groups depend on the model (MoE: an expert-parallel group)
+                destroy_model_parallel()
+            ensure_model_parallel_initialized(1, 1)
             from vllm.model_executor.model_loader import get_model
 
             self.target = get_model(vllm_config=self.vc)
