@@ -81,6 +81,26 @@ def eagle3_head(target, draft_vocab: int, seed: int):
     return head
 
 
+def peagle_head(target, seed: int):
+    """P-EAGLE: an EAGLE-3 head drafting in parallel (its mask_hidden perturbed like the rest)."""
+    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+
+    torch.manual_seed(seed)
+    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=target.vocab_size // 2,
+                                               parallel_drafting=True), target.config)
+    _perturb(head, 0.05, seed)
+    return head
+
+
+def dflash_head(target, seed: int):
+    from specheads.heads.dflash import DFlashHead, DFlashOptions
+
+    torch.manual_seed(seed)
+    head = DFlashHead.for_target(DFlashOptions(num_layers=1, block_size=4), target.config)
+    _perturb(head, 0.05, seed)
+    return head
+
+
 def eagle_head(target, seed: int):
     from specheads.heads.eagle import EagleHead, EagleOptions
 
@@ -154,6 +174,10 @@ def build_exports(root: Path) -> list[Row]:
                 ("vllm", "vllm-native", "sglang"), tiny, rows, f"draft vocab {V // 2} of {V}")
     _export_all(root, "eagle3-fullvocab", "eagle3", ckpt("eagle3-fullvocab", eagle3_head(target, V, 2)),
                 ("vllm", "vllm-native", "sglang"), tiny, rows, f"draft vocab = V = {V}: no d2t / t2d")
+    _export_all(root, "peagle", "eagle3", ckpt("peagle", peagle_head(target, 7)), ("vllm", "vllm-native"), tiny,
+                rows, "P-EAGLE (parallel drafting)")
+    _export_all(root, "dflash", "dflash", ckpt("dflash", dflash_head(target, 8)), ("vllm", "vllm-native", "sglang"),
+                tiny, rows, "block size 4")
     _export_all(root, "eagle", "eagle", ckpt("eagle", eagle_head(target, 3)), ("vllm", "sglang"), tiny, rows)
     _export_all(root, "draft", "draft", ckpt("draft", draft_head(target, 4)), ("vllm", "sglang"), tiny, rows)
     _export_all(root, "medusa", "medusa", ckpt("medusa", medusa_head(target, 5)), ("vllm-0.32", "medusa"), tiny,

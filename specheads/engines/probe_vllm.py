@@ -112,6 +112,8 @@ class Probe:
         spec = {"method": METHODS[kind], "model": args.draft, "num_speculative_tokens": args.k}
         if kind == "mtp":
             spec.pop("model")  # `vllm serve EXPORT --speculative-config '{"method": "mtp", ...}'`
+        if kind == "peagle":  # P-EAGLE: EAGLE-3 drafting all k tokens in one forward
+            spec["parallel_drafting"] = True
         return spec
 
     def config_stage(self):
@@ -148,6 +150,7 @@ class Probe:
                 cfg[key] = getattr(hf, key, None)
         if sc.method == "mtp":
             cfg["n_predict"] = getattr(hf, "n_predict", None)
+        cfg["parallel_drafting"] = bool(getattr(sc, "parallel_drafting", False))
         self.result["config"] = cfg
 
     def weights_stage(self):
@@ -201,7 +204,7 @@ class Probe:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         self.received, self.consumed, self.created, self.mismatch = [], set(), [], []
-        self.load_warnings = []
+        self.load_warnings, self.buffers = [], {}
         _ACTIVE["probe"] = self
         if _ACTIVE["loader_patched"]:  # once per process; the patch reports to the active probe
             return
@@ -242,6 +245,8 @@ class Probe:
                     state["current"] = name
                     state["by_ptr"][tensor.data_ptr()] = name
                     state["alive"].append(tensor)  # keeps data pointers unique while loading
+                    if name == "mask_hidden":  # copied into a buffer, not through a weight_loader
+                        probe.buffers[name] = tensor
                     probe.received.append(name)
                     yield name, tensor
                 state["current"] = None
@@ -275,6 +280,12 @@ class Probe:
         w["warnings"] = list(self.load_warnings)  # what vLLM logged while loading the draft
         if draft is not None:
             w["never_written"] = [n for n, p in draft.named_parameters() if holds_sentinel(p)]
+            import torch
+
+            for name, tensor in self.buffers.items():  # P-EAGLE's mask_hidden: a buffer the loader copies into
+                buf = getattr(draft, name, None)
+                if buf is not None and torch.equal(buf.flatten().float(), tensor.flatten().float()):
+                    w["dropped"] = [n for n in w["dropped"] if n != name]
 
     # --- layers and forward -------------------------------------------------------------------
     def _inputs(self):
@@ -328,6 +339,9 @@ class Probe:
         if self.args.kind == "mtp":
             self.result["layers"] = f"not_run: {self._mtp_reason()}"
             return
+        if self.args.kind == "dflash":
+            self.result["layers"] = f"not_run: {DFLASH_NOT_COMPARED}"
+            return
         ids, _ = self._inputs()
         try:
             self._plain_attention()
@@ -365,6 +379,9 @@ class Probe:
         if kind == "mtp":
             self.result["forward"] = f"not_run: {self._mtp_reason()}"
             return
+        if kind == "dflash":
+            self.result["forward"] = f"not_run: {DFLASH_NOT_COMPARED}"
+            return
         try:
             if kind == "draft":
                 self._forward_draft_model()
@@ -394,6 +411,8 @@ class Probe:
             states = self.draft.combine_hidden_states(states)  # [T, Hd]: fc over the aux states
         out, carried = self._draft_pass(shifted, torch.arange(T), states)
         self.tensors["draft_logits"] = self.draft.compute_logits(out)  # [T, V]
+        if self.args.kind == "peagle":  # later depths read mask rows in one forward: no sequential chain
+            return
         tokens, seq, hid = [], shifted, states
         for _ in range(self.args.k):
             out, carried = self._draft_pass(seq, torch.arange(seq.numel()), hid)
@@ -425,6 +444,8 @@ class Probe:
         self.tensors["chain"] = torch.tensor(tokens, dtype=torch.long)
 
 
+DFLASH_NOT_COMPARED = ("DFlash drafts a whole block in one forward over target context keys/values; this "
+                       "probe checks its config and weights, not its block forward")
 MTP_NO_CPU = {  # target model_type -> why the MTP target / module cannot run forward here
     "deepseek_v3": "DeepSeek-V3 runs MLA attention and fused-MoE kernels that vLLM 0.33 has only for CUDA "
                    "(its CPU MoE kernel is not in the PyPI wheel)",
