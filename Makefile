@@ -6,7 +6,9 @@ RUN    ?= runs/demo
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install test demo train export eval bench bench-server push clean real-target real
+ENGINES ?= vllm,sglang
+
+.PHONY: install test demo engine-check train export eval bench bench-server push clean real-target real
 
 install: $(STAMP)
 
@@ -22,6 +24,14 @@ test: install
 
 demo: install
 	$(BIN)/specheads demo --run $(RUN)
+
+# vLLM 0.33.0 / SGLang 0.5.23 load and run the demo exports and a small export of every kind x format
+# with their own code on the CPU (each engine in its own venv under the user cache, created on first
+# use: ~10 GB and ~10 min each), then the injected-fault tests. Writes $(RUN)/engine-check/engine-check.{json,md}.
+engine-check: install
+	test -f $(RUN)/export/vllm/config.json || $(MAKE) demo RUN=$(RUN)
+	$(BIN)/python -m specheads.engines.matrix --out $(RUN)/engine-check --demo $(RUN) --engines $(ENGINES)
+	SPECHEADS_ENGINE_TESTS=1 $(BIN)/python -m pytest -q -x --timeout 3600 -m engine tests
 
 train: install
 	$(BIN)/specheads train $(or $(RECIPE),recipes/demo/eagle3.yaml) train.output_dir=$(RUN)/checkpoint

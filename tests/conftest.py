@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    """Engine tests need the engines' venvs (~20 GB): only with SPECHEADS_ENGINE_TESTS=1 (make engine-check)."""
+    if os.environ.get("SPECHEADS_ENGINE_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs the vLLM / SGLang venvs: set SPECHEADS_ENGINE_TESTS=1 (make engine-check)")
+    for item in items:
+        if "engine" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

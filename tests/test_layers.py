@@ -19,7 +19,7 @@ FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("recipes", {"config"}),
     ("data", {"data"}),
     ("artifacts", {"export", "verify"}),
-    ("measurement", {"eval"}),
+    ("measurement", {"eval", "engines"}),
     ("services", {"train", "runlog", "serve", "hub", "cli_options"}),
     ("commands", {"generate", "demo"}),
     ("entry", {"cli", "__main__"}),

@@ -248,3 +248,27 @@ def test_qwen3_5_contract_rules_break(qwen3_5_export, breaks, match):
     breaks(qwen3_5_export)
     with pytest.raises(ContractError, match=match):
         validate(qwen3_5_export, "sglang")
+
+
+# deepseek-ai/DeepSeek-V3 config.json, the values that are not sizes (the engines build modules from them)
+RELEASED_DEEPSEEK_V3 = {
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "ep_size": 1,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "hidden_act": "silu", "tie_word_embeddings": False,
+    "max_position_embeddings": 163840,
+}
+RELEASED_DEEPSEEK_V3_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def test_tiny_deepseek_v3_is_the_released_config_scaled_down(tmp_path):
+    """vLLM creates `gate.e_score_correction_bias` only for topk_method noaux_tc (KeyError on the tensor
+    otherwise) and SGLang reads moe_layer_freq: the tiny copy keeps every released switch."""
+    from safetensors import safe_open
+
+    folder = save_family_target(tmp_path / "ds", "deepseek_v3", vocab=96)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert {k: cfg.get(k) for k in RELEASED_DEEPSEEK_V3} == RELEASED_DEEPSEEK_V3
+    rope = cfg.get("rope_parameters") or {}
+    assert {k: rope.get(k) for k in RELEASED_DEEPSEEK_V3_YARN} == RELEASED_DEEPSEEK_V3_YARN
+    with safe_open(str(folder / "model.safetensors"), "pt") as fh:
+        assert any(n.endswith("mlp.gate.e_score_correction_bias") for n in fh.keys())

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from specheads.export.contract_rules import (  # noqa: F401  (FORMATS, detect_format: re-exported)
     CONFIG_FILE, DTYPE_NAMES, ENGINE_NAMES, FLOAT_DTYPES, FORBIDDEN_TENSORS, FORMATS, LAYER_KEYS,
-    META_FILE, WEIGHTS_FILE, ContractError, FormatContract, Violation, contract_for, detect_format,
+    META_FILE, VOCAB_MAP_FIX, WEIGHTS_FILE, ContractError, FormatContract, Violation, contract_for, detect_format,
 )
 
 # --- reading ---------------------------------------------------------------------------------
@@ -214,12 +214,17 @@ def check_tensors(specs: dict, dims: dict, contract: FormatContract) -> list[Vio
     """Required names present with the config's shapes and the right dtypes; no stray names."""
     allowed = {r.name.format(layer=contract.layer_prefix): r for r in contract.tensors}
     out = []
+    reduced = dims.get("Vd") != dims.get("V")
     for name, rule in allowed.items():
         where = f"{WEIGHTS_FILE}: {name}"
         if name in specs and rule.need == "if_parallel" and not dims.get("parallel"):
             out.append(Violation(where, "no such tensor (the config does not draft in parallel)", "a tensor",
                                  "vLLM skips it with a warning unless parallel_drafting is on; remove it "
                                  "or export the head as P-EAGLE"))
+            continue
+        if rule.vocab_map and not reduced:
+            if name in specs:
+                out.append(Violation(where, "no such tensor", "the tensor", VOCAB_MAP_FIX))
             continue
         if name not in specs:
             if rule.need == "required" or (rule.need == "if_hidden_differs" and dims.get("Hd") != dims.get("H")) \
