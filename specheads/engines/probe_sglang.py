@@ -23,13 +23,17 @@ from types import SimpleNamespace
 ENGINE = "sglang"
 ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft": "STANDALONE", "mtp": "NEXTN",
               "medusa": "MEDUSA", "dflash": "DFLASH", "peagle": "PEAGLE"}
-MTP_FORWARD_SKIP = {  # target model_type -> why the NextN module has no CPU forward here
-    "deepseek_v3": "DeepSeek-V3 NextN uses MLA attention and fused MoE kernels, which SGLang only has for CUDA",
-    "glm4_moe": "GLM-4 MoE NextN uses fused MoE kernels, which SGLang only has for CUDA",
-    "qwen3_next": "Qwen3-Next MTP uses fused MoE and gated-attention kernels, which SGLang only has for CUDA",
-    "qwen3_5_text": "Qwen3.5 MTP uses gated-attention kernels, which SGLang only has for CUDA",
-    "qwen3_5_moe_text": "Qwen3.5 MTP uses fused MoE and gated-attention kernels, which SGLang only has for CUDA",
+SGL_KERNEL_NOTE = ("run in sgl_kernel ops; the installed sgl_kernel is the CUDA build (stubbed here), so "
+                   "they have no CPU path and the forward is not attempted")
+MTP_FORWARD_SKIP = {  # target model_type -> why the MTP module's forward is not run on a CPU
+    "deepseek_v3": f"DeepSeek-V3 NextN: MLA attention and the fused MoE {SGL_KERNEL_NOTE}",
+    "glm4_moe": f"GLM-4 MoE NextN: the fused MoE {SGL_KERNEL_NOTE}",
+    "qwen3_next": f"Qwen3-Next MTP: the fused MoE and the hybrid-attention target {SGL_KERNEL_NOTE}",
+    "qwen3_5_text": f"Qwen3.5 MTP: the gated-DeltaNet (linear attention) target layers {SGL_KERNEL_NOTE}",
+    "qwen3_5_moe_text": f"Qwen3.5 MoE MTP: the fused MoE and gated-DeltaNet layers {SGL_KERNEL_NOTE}",
 }
+CPU_OPS_READ_AT_IMPORT = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu",
+                          "fused_qk_gemma_rmsnorm_with_gate_cpu", "fused_qkvzba_split_reshape_cat_contiguous_cpu")
 REPLACED = []  # what was replaced and why (reported as replaced_kernels)
 
 
@@ -40,7 +44,24 @@ class StageError(Exception):
         super().__init__(message or str(exc))
         self.stage = stage
         self.type = type_ or type(exc).__name__
-        self.message = message or str(exc) or repr(exc)
+        self.message = message or engine_message(exc)
+        self.where = engine_frames(exc) if exc is not None else []
+
+
+def engine_frames(exc: BaseException, n: int = 4) -> list[str]:
+    """The last `n` frames of the engine's traceback, as 'file:line: code' (for the report)."""
+    frames = traceback.extract_tb(exc.__traceback__)[-n:] if exc.__traceback__ else []
+    return [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}: {f.line}" for f in frames]
+
+
+def engine_message(exc: BaseException) -> str:
+    """The exception's own text; for a bare `assert` (empty text), the engine's failing line."""
+    text = str(exc)
+    if text or exc.__traceback__ is None:
+        return text or repr(exc)
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    where = frame.filename.split("site-packages/")[-1]
+    return f"{type(exc).__name__} at {where}:{frame.lineno}: {frame.line}"
 
 
 # --- running SGLang on a CPU ------------------------------------------------------------------
@@ -57,6 +78,21 @@ def setup_cpu_engine() -> None:
     REPLACED.append("sgl_kernel: stubbed by sglang.test.test_utils.maybe_stub_sgl_kernel (CUDA-only "
                     "extension; none of its kernels runs on the paths probed here)")
     REPLACED.append("torch.cuda.empty_cache / synchronize: no-ops (called by set_embed_and_head on a CPU)")
+    accelerator_module = torch.get_device_module
+    torch.get_device_module = lambda device=None: torch.cpu if device is None else accelerator_module(device)
+    REPLACED.append("torch.get_device_module() without a device -> torch.cpu (the CUDA torch build SGLang "
+                    "pins names CUDA as the accelerator even on a machine without one)")
+    for op in CPU_OPS_READ_AT_IMPORT:
+        setattr(torch.ops.sgl_kernel, op, missing_op(op))
+    REPLACED.append(f"torch.ops.sgl_kernel.{{{', '.join(CPU_OPS_READ_AT_IMPORT)}}}: placeholders that raise if "
+                    "called (SGLang's Qwen3.5 model file reads these sgl_kernel CPU ops at import; the CUDA "
+                    "sgl_kernel installed has none, so the model class would not register)")
+
+
+def missing_op(name: str):
+    def op(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel CPU op '{name}' is not installed (placeholder from the probe)")
+    return op
 
 
 def server_args(args, algorithm: str):
@@ -64,7 +100,9 @@ def server_args(args, algorithm: str):
     from sglang.srt.server_args import ServerArgs
 
     mtp = args.kind == "mtp"
-    return ServerArgs(
+    # hybrid (Mamba-style) targets: the default extra_buffer cache needs a GPU platform's snapshots
+    platform = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True} if mtp else {}
+    return ServerArgs(**platform,
         model_path=str(args.draft if mtp else args.target), device="cpu", dtype="float32",
         attention_backend="torch_native", disable_cuda_graph=True, skip_server_warmup=True,
         speculative_algorithm=algorithm,
@@ -186,6 +224,7 @@ class LoadRecorder:
                     p.fill_(float("nan"))
         self.snap = {n: p.detach().clone() for n, p in self.params.items()}
         self.received: list[tuple[str, list[int]]] = []
+        self.pending: dict = {}  # name -> tensor, for names that wrote nothing on arrival
         self.stored: dict[str, list[str]] = {}
         self.current: str | None = None
 
@@ -205,28 +244,55 @@ class LoadRecorder:
             self.current = name
             self.received.append((name, list(tensor.shape)))
             yield name, tensor
-            self.stored[name] = self.changed()
+            changed = self.changed()
+            self.stored[name] = list(changed)
+            if not changed:
+                self.pending[name] = tensor
+            self.credit_pending(changed)
         self.current = None
 
+    def credit_pending(self, changed: list[str]) -> None:
+        """Credit earlier names that wrote nothing when they arrived but whose exact values now sit
+        in a changed parameter (loaders that buffer a tensor until its partner arrives, e.g. the
+        fused q_a / kv_a projection of DeepSeek)."""
+        for name, tensor in list(self.pending.items()):
+            hits = [p for p in changed if holds_block(self.params[p].detach(), tensor)]
+            if hits:
+                self.stored[name] = hits
+                del self.pending[name]
+
     def settle(self) -> list[str]:
-        """Parameters written after the last name (deferred loads); attributed to no name."""
-        return self.changed()
+        """Parameters written after the last name arrived (deferred loads)."""
+        late = self.changed()
+        self.credit_pending(late)
+        return late
 
 
-def load_target(target_cfg):
+def holds_block(param, tensor) -> bool:
+    """Whether `tensor` [n, ...] equals a block of consecutive rows of `param` [m, ...]."""
+    import torch
+
+    if tensor.dim() != param.dim() or tensor.shape[1:] != param.shape[1:] or tensor.shape[0] > param.shape[0]:
+        return False
+    t = tensor.to(param.dtype)
+    n = t.shape[0]
+    return any(torch.equal(param[i:i + n], t) for i in range(param.shape[0] - n + 1))
+
+
+def load_model(model_cfg):
+    """get_model as the model runner calls it on a CPU (after its unaligned-TP config adjustment)."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
     from sglang.srt.model_loader import get_model
 
-    return get_model(model_config=target_cfg, load_config=LoadConfig(load_format="auto"),
-                     device_config=DeviceConfig("cpu", 0))
+    load_cfg = LoadConfig(load_format="auto")
+    model_cfg = adjust_config_with_unaligned_cpu_tp(model_cfg, load_cfg, 1)
+    return get_model(model_config=model_cfg, load_config=load_cfg, device_config=DeviceConfig("cpu", 0))
 
 
 def load_draft_recorded(draft_cfg):
     """The draft through SGLang's loader, with a LoadRecorder around its load_weights call."""
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.model_loader import get_model
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     original = DefaultModelLoader.load_weights_only
@@ -242,15 +308,29 @@ def load_draft_recorded(draft_cfg):
         box["late"] = rec.settle()
 
     DefaultModelLoader.load_weights_only = staticmethod(recorded)
+    synchronous_weight_loading()
     try:
-        model = get_model(model_config=draft_cfg, load_config=LoadConfig(load_format="auto"),
-                          device_config=DeviceConfig("cpu", 0))
+        model = load_model(draft_cfg)
     except Exception as exc:
         name = box.get("failed_on")
-        raise StageError("weights", exc, message=f"{exc} (while loading '{name}')" if name else str(exc)) from exc
+        text = engine_message(exc)
+        raise StageError("weights", exc, message=f"{text} (while loading '{name}')" if name else text) from exc
     finally:
         DefaultModelLoader.load_weights_only = original
     return model, box["rec"], box.get("late", [])
+
+
+def synchronous_weight_loading() -> None:
+    """Loaders that copy host tensors from a thread pool (DeepSeek, LongCat) do it inline instead,
+    so every write happens while its tensor name is being handled (same values, same order)."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "should_async_load", None) is not None and \
+                getattr(module, "__name__", "").startswith("sglang."):
+            module.should_async_load = lambda weight: False
+    note = ("should_async_load -> False: thread-pool weight copies run inline, so each write is "
+            "attributed to the tensor name being loaded")
+    if note not in REPLACED:
+        REPLACED.append(note)
 
 
 def share_with_target(kind: str, algo, target_model, draft_model, target_cfg):
@@ -291,10 +371,12 @@ def weights_report(kind, rec: LoadRecorder, late: list[str], draft_model, target
             continue
         if kind == "eagle3" and "d2t" in name and getattr(draft_model, "hot_token_id", None) is not None:
             consumed[name] = "hot_token_id (d2t + arange)"
-        elif kind == "eagle3" and "t2d" in name:
-            ignored.append(name)  # LlamaForCausalLMEagle3.load_weights skips t2d by design
         elif not module_names(kind, name, target_hf):
             skipped += 1  # a target tensor in an MTP folder: the NextN loader reads only its layer
+        elif kind == "eagle3" and "t2d" in name:
+            ignored.append(name)  # LlamaForCausalLMEagle3.load_weights skips t2d by design
+        elif kind == "mtp" and ("shared_head.head" in name or "embed_tokens" in name):
+            ignored.append(name)  # the NextN loader skips these and shares the target's
         else:
             dropped.append(name)
     return {
@@ -370,14 +452,23 @@ def draft_step(draft_model, ids, positions, hidden):
 
 
 def to_target_vocab(logits, hot, vocab: int):
-    """Draft-vocab logits [N, Vd] scattered to target ids through the hot-token map -> [N, V]."""
+    """Draft-vocab logits [N, Vd] placed at target ids [N, V]: through the hot-token map when SGLang
+    has one, else draft id i is target id i (what the worker does without a map)."""
     import torch
 
-    if hot is None:
-        return logits[:, :vocab]
     full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
-    full[:, hot] = logits
+    if hot is None:
+        full[:, :logits.shape[1]] = logits[:, :vocab]
+    else:
+        full[:, hot] = logits
     return full
+
+
+def greedy_token(logits, hot):
+    """The worker's top-1 draft id mapped to a target id (`hot_token_id[topk_index]`), as the
+    0-d tensor the worker feeds to the next step (a float map stays float, as in SGLang)."""
+    idx = logits[-1].argmax()
+    return hot[idx] if hot is not None else idx
 
 
 def run_draft(kind, draft_model, ids, hidden, next_token, hot, vocab: int, k: int):
@@ -393,20 +484,19 @@ def run_draft(kind, draft_model, ids, hidden, next_token, hot, vocab: int, k: in
     t = ids.shape[0]
     if kind == "draft":
         logits, _ = draft_step(draft_model, ids, torch.arange(t), None)
-        full, chain, carried, tok = to_target_vocab(logits, hot, vocab), [], None, next_token
+        chain, carried, tok = [], None, torch.tensor(next_token)
     else:
         shifted = torch.cat([ids[1:], torch.tensor([next_token])])
         logits, carried = draft_step(draft_model, shifted, torch.arange(t), hidden)
-        full = to_target_vocab(logits, hot, vocab)
-        chain = [int(full[-1].argmax())]
+        chain = [greedy_token(logits, hot)]
         tok = chain[-1]
-    pos = t
+    prompt_logits, pos = logits, t
     while len(chain) < k:
         state = None if kind == "draft" else carried[-1:]
-        logits, carried = draft_step(draft_model, torch.tensor([tok]), torch.tensor([pos]), state)
-        chain.append(int(to_target_vocab(logits, hot, vocab)[-1].argmax()))
+        step_logits, carried = draft_step(draft_model, tok.reshape(1), torch.tensor([pos]), state)
+        chain.append(greedy_token(step_logits, hot))
         tok, pos = chain[-1], pos + 1
-    return full, torch.tensor(chain, dtype=torch.int64)
+    return to_target_vocab(prompt_logits, hot, vocab), torch.stack(chain).to(torch.int64)
 
 
 # --- the probe --------------------------------------------------------------------------------
@@ -449,9 +539,9 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
     )
 
     try:
-        target_model = load_target(target_cfg)
+        target_model = load_model(target_cfg)
     except Exception as exc:
-        raise StageError("weights", exc, message=f"target: {exc}") from exc
+        raise StageError("weights", exc, message=f"target: {engine_message(exc)}") from exc
     draft_model, rec, late = load_draft_recorded(draft_cfg)
     try:
         hot = share_with_target(args.kind, algo, target_model, draft_model, target_cfg)
@@ -465,12 +555,20 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
     report = weights_report(args.kind, rec, late, draft_model, target_cfg.hf_config)
     result["weights"] = report
     cfg = result["config"]
-    cfg["draft_vocab_size"] = int(hot.shape[0]) if hot is not None else int(draft_model.lm_head.weight.shape[0])
+    cfg["draft_vocab_size"] = draft_vocab(draft_model, hot)
     cfg["aux_layer_ids"] = aux_layer_ids(args.kind, target_model, target_cfg)
     failure = weights_failure(report)
     if failure is not None:
         raise failure
     return target_model, draft_model, hot
+
+
+def draft_vocab(draft_model, hot) -> int:
+    """Rows of the draft's output layer in token ids (hot vocab, else the unpadded head size)."""
+    if hot is not None:
+        return int(hot.shape[0])
+    head = draft_model.lm_head
+    return int(getattr(head, "org_vocab_size", head.weight.shape[0]))
 
 
 def aux_layer_ids(kind: str, target_model, target_cfg):
@@ -538,7 +636,7 @@ def probe(args) -> tuple[dict, dict]:
         else:
             tensors = stage_forward(args, result, target_model, draft_model, hot, target_cfg)
     except StageError as err:
-        result["error"] = {"stage": err.stage, "type": err.type, "message": err.message}
+        result["error"] = {"stage": err.stage, "type": err.type, "message": err.message, "where": err.where}
         if err.stage == "forward" and result["layers"] == "ok":
             result["forward"] = "not_run: the draft forward raised"
     except Exception as exc:  # noqa: BLE001 - anything else is reported, with where it happened
