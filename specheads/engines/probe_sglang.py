@@ -51,7 +51,12 @@ class StageError(Exception):
 def engine_frames(exc: BaseException, n: int = 4) -> list[str]:
     """The last `n` frames of the engine's traceback, as 'file:line: code' (for the report)."""
     frames = traceback.extract_tb(exc.__traceback__)[-n:] if exc.__traceback__ else []
-    return [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}: {f.line}" for f in frames]
+    return [f"{short_path(f.filename)}:{f.lineno}: {f.line}" for f in frames]
+
+
+def short_path(filename: str) -> str:
+    """A frame's file relative to site-packages (engine code) or its base name (this probe)."""
+    return filename.split("site-packages/")[-1] if "site-packages/" in filename else Path(filename).name
 
 
 def engine_message(exc: BaseException) -> str:
@@ -60,7 +65,7 @@ def engine_message(exc: BaseException) -> str:
     if text or exc.__traceback__ is None:
         return text or repr(exc)
     frame = traceback.extract_tb(exc.__traceback__)[-1]
-    where = frame.filename.split("site-packages/")[-1]
+    where = short_path(frame.filename)
     return f"{type(exc).__name__} at {where}:{frame.lineno}: {frame.line}"
 
 
@@ -459,8 +464,8 @@ def to_target_vocab(logits, hot, vocab: int):
     full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
     if hot is None:
         full[:, :logits.shape[1]] = logits[:, :vocab]
-    else:
-        full[:, hot] = logits
+    else:  # a float map (from a float d2t) is used the way SGLang's embedding uses ids: .long()
+        full[:, hot.long()] = logits
     return full
 
 
@@ -512,7 +517,7 @@ def engine_version() -> str:
 def new_result() -> dict:
     return {"engine": ENGINE, "version": engine_version(), "config": {}, "weights": {},
             "layers": "not_run: an earlier stage failed", "forward": "not_run: an earlier stage failed",
-            "replaced_kernels": REPLACED, "error": None}
+            "replaced_kernels": REPLACED, "warnings": [], "error": None}
 
 
 def stage_config(args, result: dict):
@@ -526,6 +531,9 @@ def stage_config(args, result: dict):
         sa = server_args(args, algorithm)
         init_runtime(sa)
         algo, target_cfg, draft_cfg, aux = load_configs(args, sa)
+        from sglang.srt.model_loader import get_model_architecture
+
+        get_model_architecture(draft_cfg)  # the model class SGLang picks for the folder (or its refusal)
     except Exception as exc:
         raise StageError("config", exc) from exc
     result["config"] = config_report(sa, draft_cfg, aux)
@@ -557,10 +565,23 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
     cfg = result["config"]
     cfg["draft_vocab_size"] = draft_vocab(draft_model, hot)
     cfg["aux_layer_ids"] = aux_layer_ids(args.kind, target_model, target_cfg)
+    result["warnings"] = vocab_warnings(hot, cfg["draft_vocab_size"], int(target_cfg.vocab_size))
     failure = weights_failure(report)
     if failure is not None:
         raise failure
     return target_model, draft_model, hot
+
+
+def vocab_warnings(hot, draft_vocab: int, vocab: int) -> list[str]:
+    """What SGLang does, without an error, with a draft vocabulary map it cannot use as intended."""
+    out = []
+    if hot is None and draft_vocab < vocab:
+        out.append(f"no hot-token map (d2t) for a {draft_vocab}-token draft head over a {vocab}-token "
+                   f"target: SGLang takes draft id i as target id i, without an error")
+    if hot is not None and hot.is_floating_point():
+        out.append(f"hot_token_id is {hot.dtype} (a floating d2t): SGLang loads it without an error and "
+                   "its embedding casts the ids with .long(); ids are exact only while the float holds them")
+    return out
 
 
 def draft_vocab(draft_model, hot) -> int:
