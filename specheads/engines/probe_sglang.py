@@ -385,8 +385,10 @@ def weights_report(kind, rec: LoadRecorder, late: list[str], draft_model, target
         else:
             dropped.append(name)
     return {
-        "created": sorted(f"{n} {list(p.shape)}" for n, p in rec.params.items()),
-        "loaded": [f"{n} {s}" for n, s in rec.received if module_names(kind, n, target_hf)],
+        "created": sorted(rec.params),
+        "loaded": [n for n, _ in rec.received if module_names(kind, n, target_hf)],
+        "shapes": {"created": {n: list(p.shape) for n, p in rec.params.items()},
+                   "loaded": {n: s for n, s in rec.received if module_names(kind, n, target_hf)}},
         "stored_into": {n: v for n, v in rec.stored.items() if v},
         "written_after_loading": late,
         "never_written": never,
@@ -611,14 +613,22 @@ def forward_skip_reason(args, target_cfg) -> str | None:
     return None
 
 
-def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg) -> dict:
-    """Stages 3 and 4: the hidden states SGLang hands the draft, then the draft's logits and chain."""
+def read_inputs(path: Path):
+    """input_ids [1, T] -> [T]; next_token (the target's greedy token after the prompt) if given."""
     from safetensors.torch import load_file
 
-    ids = load_file(str(args.inputs))["input_ids"].reshape(-1).to("cpu").long()  # [T]
+    t = load_file(str(path))
+    ids = t["input_ids"].reshape(-1).to("cpu").long()  # [T]
+    return ids, int(t["next_token"].reshape(-1)[0]) if "next_token" in t else None
+
+
+def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg) -> dict:
+    """Stages 3 and 4: the hidden states SGLang hands the draft, then the draft's logits and chain.
+    The chain starts from the given next_token (else SGLang's own target's greedy token)."""
+    ids, given_next = read_inputs(args.inputs)
     tensors = {}
     try:
-        hidden, next_token = run_target(target_model, ids)
+        hidden, engine_next = run_target(target_model, ids)
     except Exception as exc:
         raise StageError("layers", exc) from exc
     if args.kind == "draft":
@@ -626,7 +636,8 @@ def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg
     else:
         tensors["aux_hidden"] = hidden.float().contiguous()  # [T, n_aux*H] (EAGLE-1: [T, H])
         result["layers"] = "ok"
-    result["config"]["target_next_token"] = next_token
+    result["config"]["target_next_token"] = engine_next  # SGLang's target, greedy after the prompt
+    next_token = engine_next if given_next is None else given_next
     try:
         logits, chain = run_draft(args.kind, draft_model, ids, hidden, next_token, hot,
                                   int(target_cfg.vocab_size), args.k)
@@ -681,7 +692,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
     ap.add_argument("--kind", required=True, choices=sorted(ALGORITHMS))
-    ap.add_argument("--inputs", type=Path, required=True, help="safetensors with input_ids [1, T] int64")
+    ap.add_argument("--inputs", type=Path, required=True,
+                    help="safetensors with input_ids [1, T] int64 (and optionally next_token [1])")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--k", type=int, default=None, help="speculative steps (default: the export's own)")
     args = ap.parse_args(argv)
