@@ -645,8 +645,30 @@ def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg
         raise StageError("forward", exc) from exc
     tensors["draft_logits"] = logits.float().contiguous()  # [T, V]
     tensors["chain"] = chain  # [k]
+    if args.kind == "draft":
+        tensors["chain_as_served"] = standalone_chain_as_served(draft_model, ids, next_token, args.k)
+        result["config"]["standalone_prefill"] = STANDALONE_NOTE
     result["forward"] = "ok"
     return tensors
+
+
+STANDALONE_NOTE = ("SGLang 0.5.23's draft extend after prefill shifts the ids for STANDALONE as for EAGLE: the "
+                   "draft model reads x_1..x_T at positions 0..T-1 (x_0 never enters its KV cache); "
+                   "`chain` feeds the whole prompt like our verifier, `chain_as_served` feeds it as SGLang does")
+
+
+def standalone_chain_as_served(draft_model, ids, next_token: int, k: int):
+    """The STANDALONE chain with SGLang's shifted prefill: [x_1..x_T] at 0..T-1, then proposals."""
+    import torch
+
+    KV.reset()
+    t = ids.shape[0]
+    logits, _ = draft_step(draft_model, torch.cat([ids[1:], torch.tensor([next_token])]), torch.arange(t), None)
+    chain = [logits[-1].argmax()]
+    while len(chain) < k:
+        logits, _ = draft_step(draft_model, chain[-1].reshape(1), torch.tensor([t - 1 + len(chain)]), None)
+        chain.append(logits[-1].argmax())
+    return torch.stack(chain).to(torch.int64)
 
 
 def probe(args) -> tuple[dict, dict]:
