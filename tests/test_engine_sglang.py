@@ -149,7 +149,8 @@ def test_sglang_runs_our_export_like_our_head(kind, target, tiny_target_dir, exp
     assert w["never_written"] == [] and w["dropped"] == [] and w["loaded"]
     aux, logits, chain = ours(kind, target, exports[kind], inputs, 3)
     if kind == "eagle3":
-        assert cfg["aux_layer_ids"] == json.loads((exports[kind] / "specheads.json").read_text())["head_config"]["aux_layers"]
+        intended = json.loads((exports[kind] / "specheads.json").read_text())["head_config"]["aux_layers"]
+        assert cfg["aux_layer_ids_specheads"] == intended and cfg["aux_layer_ids"] == [a - 1 for a in intended]
         assert cfg["draft_vocab_size"] == 256 and w["consumed"] == {"d2t": "hot_token_id (d2t + arange)"}
     if aux is not None:
         assert result["layers"] == "ok"

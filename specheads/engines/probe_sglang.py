@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 ENGINE = "sglang"
 ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft": "STANDALONE", "mtp": "NEXTN",
-              "medusa": "MEDUSA", "dflash": "DFLASH", "peagle": "PEAGLE"}
+              "medusa": "MEDUSA", "medusa2": "MEDUSA", "dflash": "DFLASH", "peagle": "PEAGLE"}
 SGL_KERNEL_NOTE = ("run in sgl_kernel ops; the installed sgl_kernel is the CUDA build (stubbed here), so "
                    "they have no CPU path and the forward is not attempted")
 MTP_FORWARD_SKIP = {  # target model_type -> why the MTP module's forward is not run on a CPU
@@ -197,11 +197,12 @@ def load_configs(args, sa):
     return algo, target, draft, aux
 
 
-def config_report(sa, draft_cfg, aux) -> dict:
+def config_report(sa, algo, draft_cfg, aux) -> dict:
     hf = draft_cfg.hf_config
     return {
+        "method": algo.name,  # what SGLang resolved the algorithm to (NEXTN -> EAGLE)
         "algorithm": sa.speculative_algorithm,
-        "num_steps": sa.speculative_num_steps,
+        "num_speculative_tokens": sa.speculative_num_steps,
         "k": sa.speculative_num_steps,
         "topk": sa.speculative_eagle_topk,
         "num_draft_tokens": sa.speculative_num_draft_tokens,
@@ -209,7 +210,7 @@ def config_report(sa, draft_cfg, aux) -> dict:
         "vocab_size": draft_cfg.vocab_size,
         "context_length": draft_cfg.context_len,
         "use_aux_hidden_state": bool(aux.eagle_use_aux_hidden_state),
-        "aux_layer_ids_sglang": aux.eagle_aux_hidden_state_layer_ids,
+        "aux_layer_ids_configured": aux.eagle_aux_hidden_state_layer_ids,
         "num_nextn_predict_layers": draft_cfg.num_nextn_predict_layers,
     }
 
@@ -538,7 +539,7 @@ def stage_config(args, result: dict):
         get_model_architecture(draft_cfg)  # the model class SGLang picks for the folder (or its refusal)
     except Exception as exc:
         raise StageError("config", exc) from exc
-    result["config"] = config_report(sa, draft_cfg, aux)
+    result["config"] = config_report(sa, algo, draft_cfg, aux)
     return algo, target_cfg, draft_cfg, aux
 
 
@@ -566,7 +567,10 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
     result["weights"] = report
     cfg = result["config"]
     cfg["draft_vocab_size"] = draft_vocab(draft_model, hot)
-    cfg["aux_layer_ids"] = aux_layer_ids(args.kind, target_model, target_cfg)
+    ours = aux_layer_ids(args.kind, target_model, target_cfg)
+    cfg["aux_layer_ids_specheads"] = ours
+    # SGLang's numbering (eagle_config ids): it captures the input of layer id + 1
+    cfg["aux_layer_ids"] = [a - 1 for a in ours] if args.kind == "eagle3" else None
     result["warnings"] = vocab_warnings(hot, cfg["draft_vocab_size"], int(target_cfg.vocab_size))
     failure = weights_failure(report)
     if failure is not None:
