@@ -104,6 +104,12 @@ def _vocab_stats(argv: list[str]) -> int:
     return main(argv)
 
 
+def _check_engine(argv: list[str]) -> int:
+    from specheads.engines.check import main
+
+    return main(argv)
+
+
 VERBS = {
     "train": (_train, "train a drafter from a YAML recipe"),
     "capture": (_capture, "store the frozen target's features for offline training"),
@@ -113,6 +119,7 @@ VERBS = {
     "generate": (_generate, "stream one prompt's answer with a draft; compare with plain decoding"),
     "tiny-target": (_tiny_target, "build the embedded tiny target"),
     "demo": (_demo, "the whole pipeline on the embedded target"),
+    "check-engine": (_check_engine, "load and run an export with vLLM's or SGLang's own code (CPU), compare"),
     "push": (_push, "publish an export folder to the Hugging Face hub with a model card"),
     "serve": (_serve, "OpenAI-compatible server (target + optional draft) with /metrics"),
     "bench": (_bench, "load-test OpenAI-compatible servers: latency, tokens/s, acceptance, greedy match"),
