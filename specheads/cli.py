@@ -18,7 +18,10 @@ def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
     p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
     p.add_argument("--format", required=True, choices=["vllm", "vllm-native", "sglang", "vllm-0.32", "medusa"])
-    p.add_argument("--out", required=True, help="export folder (written atomically)")
+    p.add_argument("--out", required=True, help="export folder (written atomically); an existing folder is "
+                   "replaced only when it is an earlier export")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export even if that drops its eval attachments or added files")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--verifier", default=None, help="hub id of the target, for the speculators config")
     p.add_argument("--adapter", default=None, choices=["merge", "ship"],
@@ -27,7 +30,7 @@ def _export(argv: list[str]) -> int:
     from specheads.export import read_export_meta
 
     out = export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens,
-                 verifier=a.verifier, adapter=a.adapter)
+                 verifier=a.verifier, adapter=a.adapter, overwrite=a.overwrite)
     print(f"exported {a.format} -> {out}")
     for cmd in read_export_meta(out).serve_commands:
         print(cmd)
@@ -101,6 +104,12 @@ def _vocab_stats(argv: list[str]) -> int:
     return main(argv)
 
 
+def _check_engine(argv: list[str]) -> int:
+    from specheads.engines.check import main
+
+    return main(argv)
+
+
 VERBS = {
     "train": (_train, "train a drafter from a YAML recipe"),
     "capture": (_capture, "store the frozen target's features for offline training"),
@@ -110,6 +119,7 @@ VERBS = {
     "generate": (_generate, "stream one prompt's answer with a draft; compare with plain decoding"),
     "tiny-target": (_tiny_target, "build the embedded tiny target"),
     "demo": (_demo, "the whole pipeline on the embedded target"),
+    "check-engine": (_check_engine, "load and run an export with vLLM's or SGLang's own code (CPU), compare"),
     "push": (_push, "publish an export folder to the Hugging Face hub with a model card"),
     "serve": (_serve, "OpenAI-compatible server (target + optional draft) with /metrics"),
     "bench": (_bench, "load-test OpenAI-compatible servers: latency, tokens/s, acceptance, greedy match"),

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from specheads.atomic import write_json, write_text
+from specheads.atomic import check_output, write_json, write_text
 
 DEFAULT_RECIPE = Path("recipes/demo/eagle3.yaml")
 
@@ -65,6 +65,12 @@ def demo_recipe(recipe_path: Path, run: Path, train_file: Path, extra: list[str]
     return load_recipe(recipe_path if recipe_path.is_file() else None, overrides)
 
 
+def is_demo_run(run: Path) -> bool:
+    """A folder an earlier demo wrote (resumed: every stage reuses what is there)."""
+    return any(p.exists() or p.is_symlink() for p in (run / "demo_summary.json", run / "target",
+                                                      run / "data" / "heldout_prompts.jsonl"))
+
+
 def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int = 96,
              limit: int | None = None, overrides: list[str] = (), preset: str = "default",
              module_limit: int | None = None, regenerate: int = 2000) -> dict:
@@ -75,6 +81,7 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
     from specheads.export import export
     from specheads.train import train
 
+    check_output(run, is_demo_run, "a demo run folder", "choose another --run, or move or remove it yourself")
     run.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t0 = time.time()
@@ -91,7 +98,8 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
     ckpt = train(demo_recipe(recipe_path, run, train_file, list(overrides)))
     timings["train_s"] = time.time() - t1
     t1 = time.time()
-    exports = {fmt: export(ckpt, fmt, run / "export" / fmt) for fmt in ("vllm", "sglang")}
+    # overwrite: the demo measures and attaches its eval again right below
+    exports = {fmt: export(ckpt, fmt, run / "export" / fmt, overwrite=True) for fmt in ("vllm", "sglang")}
     timings["export_s"] = time.time() - t1
     t1 = time.time()
     metrics = evaluate(str(target), str(exports["vllm"]), str(data / "heldout_prompts.jsonl"),

@@ -165,12 +165,15 @@ def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
              if sampling.lossless else
              f"sampled ({sampling.label()}), LOSSY: typical acceptance, not distributed like "
              "the target's samples")
+    from specheads.metrics import broken_draft_warning
+
+    warning = broken_draft_warning(s)
     return [
         f"draft: {spec.label()}  tau={s['tau']:.3f}  acceptance per position: {acc}",
         f"speculative {fast:.1f} tok/s ({spec_result.stats.tokens} tokens, "
         f"{s['target_forwards']} target forwards) | {plain} {slow:.1f} tok/s | "
         f"speed-up {fast / slow if slow else 0.0:.2f}x | {check}",
-    ]
+    ] + ([warning] if warning else [])
 
 
 def warm_up(target, proposer_factory, spec: TreeSpec, eos) -> None:

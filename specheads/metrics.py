@@ -48,3 +48,19 @@ def predicted_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     """Seed formula (1 - a^(k+1)) / ((1 - a)(k c + 1)) for i.i.d. per-token acceptance a."""
     expected = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return expected / (k * cost_ratio + 1)
+
+
+BROKEN_ACCEPTANCE = 0.02  # accepted draft tokens per draft below this ...
+BROKEN_MIN_DRAFTS = 20  # ... over at least this many drafts: the draft is broken, not merely weak
+
+
+def broken_draft_warning(summary: dict) -> str | None:
+    """A warning when a draft accepts (almost) nothing over a meaningful number of drafts (tau ~ 1.0),
+    listing the likely causes; None otherwise. `summary`: a chain_summary."""
+    drafts = summary.get("num_drafts", 0)
+    if drafts < BROKEN_MIN_DRAFTS or _ratio(summary.get("num_accepted_tokens", 0), drafts) >= BROKEN_ACCEPTANCE:
+        return None
+    return (f"warning: the draft looks broken: {summary.get('num_accepted_tokens', 0)} token(s) accepted in "
+            f"{drafts} drafts (tau {summary.get('tau', 0.0):.3f}). Likely causes: the draft was trained for another "
+            "target; a wrong vocabulary map (d2t) in the export; a chat template that differs from training; "
+            "untrained, diverged or NaN weights.")

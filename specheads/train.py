@@ -337,7 +337,7 @@ def train(recipe: Recipe) -> Path:
     from accelerate.utils import set_seed
 
     from specheads.data.features import feature_source
-    from specheads.export.checkpoint import Checkpoint, latest_checkpoint, load_strict
+    from specheads.export.checkpoint import Checkpoint, latest_checkpoint, load_strict, resume_hint
     from specheads.heads.losses import COUNT_KEYS
     from specheads.provenance import provenance
     from specheads.target import check_fingerprint
@@ -355,7 +355,8 @@ def train(recipe: Recipe) -> Path:
     resume_from = latest_checkpoint(out_dir) if t.resume else None
     start, saved_world = 0, 1
     if resume_from is not None:
-        ckpt = Checkpoint(resume_from)
+        ckpt = Checkpoint(resume_from, remedy=resume_hint(resume_from))
+        ckpt.verify_for_resume(accelerator.process_index)  # recorded checksums: no corruption carried on
         check_fingerprint(ckpt.provenance.get("target", {}), target, f"the run in {out_dir}")
         load_strict(head, ckpt.weights, str(resume_from))
         start, saved_world = ckpt.trainer_state["step"], ckpt.provenance.get("num_processes", 1)

@@ -256,3 +256,53 @@ def test_two_process_capture_killed_resumed_covers_every_sample_once(setup, capt
     assert two == pytest.approx(one, rel=1e-5)
     with pytest.raises(FeatureCacheError, match=r"started with 2 process\(es\), this run has 1: launch it with 2"):
         capture(recipe, out, storage="float32", shard_mb=SHARD_MB, report=lambda *a, **k: None)
+
+
+def test_a_corrupted_shard_refuses_training_by_name(setup, captures, tmp_path):
+    """Training reads captures through feature_source, which checks each shard's sha256 on first use."""
+    from specheads.data.features import feature_source
+
+    recipe, target, samples = setup
+    folder = tmp_path / "cap"
+    shutil.copytree(captures["float32"], folder)
+    shard = folder / read_manifest(folder)["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x10  # one flipped bit in the last tensor's payload
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FeatureCacheError, match=rf"{shard.name}: checksum mismatch.*capture again"):
+        _train_losses(recipe, target, samples, lambda h: feature_source(str(folder), target, h))
+    shard.write_bytes(bytes(data[:100]))  # truncated, checksums not asked for: still named, no SafetensorError
+    with pytest.raises(FeatureCacheError, match=rf"{shard.name}: cannot be read"):
+        _train_losses(recipe, target, samples, lambda h: OfflineFeatures(folder, target, h, verify=False))
+
+
+def test_leftovers_of_a_killed_capture_are_removed_when_it_runs_again(setup, captures, tmp_path):
+    """What a rank killed mid-write leaves (this version's temp folder with safetensors' own `.tmpXXXXXX`
+    inside, a sidecar temp file, an older version's names) is removed; a user's hidden file is not."""
+    recipe, _, _ = setup
+    folder = tmp_path / "cap"
+    shutil.copytree(captures["float32"], folder)
+    (folder / MANIFEST).unlink()
+    leftovers = [folder / ".rank000-shard000003.safetensors.tmp-4242-abcdefgh", folder / ".tmpAbC123",
+                 folder / ".rank000-shard000004.safetensors.tmp", folder / ".rank000-shard000003.json.tmp-4242-x1y2z3w4"]
+    leftovers[0].mkdir()
+    (leftovers[0] / ".tmpQwErTy").write_bytes(b"half a shard")
+    for p in leftovers[1:]:
+        p.write_bytes(b"half")
+    (folder / ".keep-me").write_text("mine")
+    capture(recipe, folder, storage="float32", shard_mb=SHARD_MB, report=lambda *a, **k: None)
+    assert sorted(p.name for p in folder.glob(".*")) == [".keep-me"]
+    assert read_manifest(folder)["num_samples"] == len(setup[2])
+
+
+def test_capture_files_follow_the_umask(setup, tmp_path):
+    import stat
+
+    recipe, _, _ = setup
+    old = os.umask(0o022)
+    try:
+        folder = capture(recipe, tmp_path / "cap", storage="float32", shard_mb=1.0, report=lambda *a, **k: None)
+    finally:
+        os.umask(old)
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    assert modes == {0o644}

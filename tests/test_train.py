@@ -183,3 +183,25 @@ def test_bf16_autocast_trains_the_head_with_fp32_master_weights(tiny_target_dir,
     (fp32, _), (bf16, w16) = runs["no"], runs["bf16"]
     assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=3e-2)  # autocast ran, and agrees
     assert w16["fc.weight"].dtype == torch.float32  # master weights stay fp32
+
+
+def test_resume_refuses_a_corrupted_checkpoint_and_cleans_a_killed_save(tiny_target_dir, demo_data_dir, tmp_path):
+    """Flipped bits in the latest checkpoint: resume is refused by name (nothing carried forward);
+    with that checkpoint set aside, a killed save's temporary folder is removed by the next save."""
+    out = tmp_path / "run"
+    recipe = load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out))
+    train(recipe)
+    head = out / "checkpoint-000006" / "head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-3] ^= 0x01
+    head.write_bytes(bytes(data))
+    longer = load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out, **{"train.max_steps": 9}))
+    with pytest.raises(ValueError, match=r"checkpoint-000006/head\.safetensors: checksum mismatch.*latest"):
+        train(longer)
+    shutil.move(out / "checkpoint-000006", tmp_path / "set-aside")
+    (out / "latest").write_text("checkpoint-000003\n")
+    killed = out / ".checkpoint-000009.tmp-999999999-abcdefgh"  # a save cut short (no such process)
+    killed.mkdir()
+    (killed / "head.safetensors").write_bytes(b"half")
+    train(longer)
+    assert Checkpoint(out).trainer_state["step"] == 9 and not list(out.glob(".*"))

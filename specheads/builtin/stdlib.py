@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -160,18 +159,12 @@ def choose_prompts(convs: list[dict], n: int = DEFAULT_N_PROMPTS,
 
 def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> Path:
     """Write JSON lines to a temp file beside `path`, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from specheads.atomic import atomic_file
+
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return Path(path)
 
 
 def write_demo_data(out_dir: str | os.PathLike, n_prompts: int = DEFAULT_N_PROMPTS,

@@ -15,10 +15,13 @@ from pathlib import Path
 
 import torch
 
+from specheads.integrity import sha256_file
+
 FORMAT = "specheads-features"
 VERSION = 1
 MANIFEST = "manifest.json"
 PLAN = "capture.json"
+RECAPTURE = "capture again into a new folder (or restore the file from a good copy)"
 STORAGE = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
 INT8_NOTE = "per-row absmax int8: x ~= q * scale, scale = max|x| / 127 per token row (float32, key NAME.scale)"
 
@@ -60,14 +63,6 @@ def bytes_per_token(widths: dict[str, int], storage: str) -> int:
 
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 # ---------------------------------------------------------------- reading
 
 
@@ -79,10 +74,18 @@ def read_manifest(folder: str | Path) -> dict:
         what = "an unfinished capture (run `specheads capture` again to resume it)" if (folder / PLAN).is_file() \
             else "not a feature capture"
         raise FeatureCacheError(f"data.features {folder}: no {MANIFEST}; it is {what}")
-    manifest = json.loads(path.read_text())
+    manifest = _read_json(path)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise FeatureCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     return manifest
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FeatureCacheError(f"{path}: cannot be read ({err}); the capture is damaged: capture again "
+                                "into a new folder") from None
 
 
 class OnlineFeatures:
@@ -98,7 +101,7 @@ class OnlineFeatures:
 class OfflineFeatures:
     """Features read from a capture: the same dict `collect` gives, for any batch of cached samples."""
 
-    def __init__(self, folder: str | Path, target, head, verify: bool = False):
+    def __init__(self, folder: str | Path, target, head, verify: bool = True):
         from specheads.target import check_fingerprint
 
         self.folder = Path(folder)
@@ -111,22 +114,36 @@ class OfflineFeatures:
         check_fingerprint(m["target"], target, f"the feature capture {self.folder}")
         self.target, self.storage, self.tails = target, m["storage"], m["features"]
         self.index: dict[str, tuple[str, int, int]] = {}
+        self.expected = {s["file"]: s["sha256"] for s in m["shards"]} if verify else {}
         for shard in m["shards"]:
-            if verify and sha256_file(self.folder / shard["file"]) != shard["sha256"]:
-                raise FeatureCacheError(f"{self.folder / shard['file']}: checksum mismatch; capture again")
-            side = json.loads((self.folder / shard["sidecar"]).read_text())
+            side = _read_json(self.folder / shard["sidecar"])
             for e in side["samples"]:
                 self.index[e["key"]] = (shard["file"], e["offset"], e["length"])
         self._open: dict[str, object] = {}
+        self._verified: set[str] = set()
 
     def _handle(self, file: str):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         if file not in self._open:
+            self._verify(file)
             if len(self._open) >= 8:
                 self._open.pop(next(iter(self._open)))
-            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+            try:
+                self._open[file] = safe_open(str(self.folder / file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise FeatureCacheError(f"{self.folder / file}: cannot be read as safetensors ({err}); the shard "
+                                        f"is truncated or corrupt: {RECAPTURE}") from None
         return self._open[file]
+
+    def _verify(self, file: str) -> None:
+        """Check a shard against the manifest's sha256 the first time it is opened (each shard is
+        hashed once per process, when training first needs it)."""
+        if file in self.expected and file not in self._verified:
+            if sha256_file(self.folder / file) != self.expected[file]:
+                raise FeatureCacheError(f"{self.folder / file}: checksum mismatch (the shard changed since it was "
+                                        f"captured: corrupted or truncated); {RECAPTURE}")
+            self._verified.add(file)
 
     def rows(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """One unpadded sample's token ids [n] -> each feature [n, *tail] in the target's dtype."""
@@ -138,7 +155,11 @@ class OfflineFeatures:
         file, offset, length = self.index[key]
         f = self._handle(file)
         names = [k for k in f.keys() if not k.endswith(".scale")]
-        stored = {k: f.get_slice(k)[offset:offset + length] for k in f.keys()}
+        try:
+            stored = {k: f.get_slice(k)[offset:offset + length] for k in f.keys()}
+        except Exception as err:  # safetensors raises its own error type for damaged data
+            raise FeatureCacheError(f"{self.folder / file}: cannot be read ({err}); the shard is corrupt: "
+                                    f"{RECAPTURE}") from None
         return {k: decode(k, stored, self.storage, self.target.dtype).reshape(length, *self.tails[k]) for k in names}
 
     def __call__(self, batch: dict) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
+import re
 import shutil
 import sys
 import time
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.atomic import write_json
+from specheads.atomic import check_output, remove_stale, save_safetensors, write_json
 from specheads.data.feature_cache import (
     FORMAT,
     INT8_NOTE,
@@ -46,7 +46,6 @@ from specheads.data.feature_cache import (
     feature_source,
     read_manifest,
     sample_key,
-    sha256_file,
 )
 
 __all__ = ["capture", "main", "check_disk", "estimate_bytes", "plan_shards", "FeatureCacheError", "MANIFEST",
@@ -128,8 +127,6 @@ def _rows(feats: dict[str, torch.Tensor], attention_mask: torch.Tensor) -> list[
 def write_shard(folder: Path, shard: Shard, samples, collect, storage: str, batch_size: int, pad_id: int,
                 device) -> dict:
     """Collect one shard's features, write `<stem>.safetensors` then its sidecar (both atomically)."""
-    from safetensors.torch import save_file
-
     from specheads.data.tokenize import collate
 
     parts: dict[str, list[torch.Tensor]] = {}
@@ -146,10 +143,8 @@ def write_shard(folder: Path, shard: Shard, samples, collect, storage: str, batc
     for k, v in parts.items():
         tensors.update(encode(k, torch.cat(v), storage))
     path = folder / f"{shard.stem}.safetensors"
-    tmp = folder / f".{shard.stem}.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "storage": storage})
-    os.replace(tmp, path)
-    side = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size, "tokens": offset,
+    digest = save_safetensors(tensors, path, metadata={"format": FORMAT, "storage": storage})
+    side = {"file": path.name, "sha256": digest, "bytes": path.stat().st_size, "tokens": offset,
             "samples": entries}
     write_json(folder / f"{shard.stem}.json", side)
     return side
@@ -191,6 +186,9 @@ def capture(recipe, out: str | Path, storage: str = "bfloat16", shard_mb: float 
     # ranks wait for each other at the end, which after a resume can be hours apart: a long timeout
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=48))
     folder = Path(out)
+    if state.is_main_process:
+        check_output(folder, lambda f: (f / PLAN).is_file(), "a feature capture",
+                     "choose another --out, or move or remove it yourself")
     target = Target.load(recipe.target.path, dtype=recipe.target.dtype, device=str(state.device),
                          attn_implementation=recipe.target.attn_implementation)
     samples = prepare_samples(recipe, target.tokenizer, report=report if state.is_main_process else lambda *_: None)
@@ -248,10 +246,22 @@ def _written(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("rank*-shard*.*"))
 
 
+def remove_leftovers(folder: Path, rank: int) -> None:
+    """Temporaries a killed capture left for this rank's shards and sidecars (only this rank writes
+    them, so every one is stale), and the names older versions used."""
+    remove_stale(folder, rf"rank{rank:03d}-shard\d+\.(?:safetensors|json)", any_pid=True)
+    for old in folder.glob(f".rank{rank:03d}-shard*.safetensors.tmp"):
+        old.unlink(missing_ok=True)
+    if rank == 0:  # safetensors' own temporary, which older versions let it make here
+        for old in folder.iterdir():
+            if re.fullmatch(r"\.tmp[A-Za-z0-9]{6}", old.name) and old.is_file():
+                old.unlink(missing_ok=True)
+
+
 def _capture_rank(folder, shards, samples, collect, storage, batch_size, pad_id, device, report) -> None:
     """Write this rank's missing shards in order; finished ones (sidecar present) are skipped."""
-    for stale in folder.glob(f".rank{shards[0].rank:03d}-*") if shards else []:
-        stale.unlink(missing_ok=True)  # half-written files of a killed run
+    if shards:
+        remove_leftovers(folder, shards[0].rank)
     done = sum((folder / f"{s.stem}.json").is_file() for s in shards)
     if done:
         report(f"[specheads] resuming: {done} of {len(shards)} shard(s) of rank {shards[0].rank} already written")

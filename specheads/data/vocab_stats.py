@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -69,34 +67,29 @@ def count_parallel(tokenizer, convs: list, vocab_size: int, max_length: int, end
 
 def save_vocab_stats(path: str | Path, counts: torch.Tensor, meta: dict) -> Path:
     """Write counts [V] and their provenance as one safetensors file (atomically)."""
-    from safetensors.torch import save_file
+    from specheads.atomic import save_safetensors
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"counts": counts.to(torch.int64).contiguous()}, tmp,
-                  metadata={"format": FORMAT, "meta": json.dumps(meta)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    save_safetensors({"counts": counts.to(torch.int64).contiguous()}, path,
+                     metadata={"format": FORMAT, "meta": json.dumps(meta)})
+    return Path(path)
 
 
 def read_vocab_stats(path: str | Path) -> tuple[torch.Tensor, dict]:
     """counts [V] and the metadata dict of a vocab-stats file."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise VocabStatsError(f"data.vocab_stats {path}: no such file; write it with `specheads vocab-stats`")
-    with safe_open(str(path), framework="pt") as f:
-        info = f.metadata() or {}
-        if info.get("format") != FORMAT or "counts" not in f.keys():
-            raise VocabStatsError(f"data.vocab_stats {path}: not a file written by `specheads vocab-stats`")
-        return f.get_tensor("counts"), json.loads(info["meta"])
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = f.metadata() or {}
+            if info.get("format") != FORMAT or "counts" not in f.keys():
+                raise VocabStatsError(f"data.vocab_stats {path}: not a file written by `specheads vocab-stats`")
+            return f.get_tensor("counts"), json.loads(info["meta"])
+    except (SafetensorError, OSError, json.JSONDecodeError) as err:
+        raise VocabStatsError(f"data.vocab_stats {path}: cannot be read ({str(err)[:160]}); the file is truncated "
+                              "or corrupt: run `specheads vocab-stats` again") from None
 
 
 def load_vocab_stats(path: str | Path, target) -> torch.Tensor:

@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.atomic import write_json, write_text
+from specheads.atomic import check_output, write_json, write_text
 
 DEFAULT_CONCURRENCY = (1, 8, 32)
 
@@ -359,6 +359,8 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
 
     if api not in ("chat", "completions"):
         raise BenchError(f"api '{api}': expected chat or completions")
+    if out_dir:  # refused before any request: a folder of other files is not ours to write into
+        check_output(Path(out_dir), lambda f: (f / "bench.json").is_file(), "a bench output folder")
     levels = sorted({int(c) for c in concurrency})
     if not levels or levels[0] < 1 or max_tokens < 1:
         raise BenchError("concurrency levels and --max-tokens must be positive integers")

@@ -86,10 +86,11 @@ def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: 
     from specheads.data.tokenize import tokenize_all
     from specheads.eval.online import load_draft
     from specheads.eval.predict import simulated_tau
-    from specheads.eval.report import write_report
+    from specheads.eval.report import check_report_folder, write_report
     from specheads.provenance import provenance
     from specheads.target import Target
 
+    check_report_folder(out_dir)
     target = Target.load(target_path)
     head, _, checked = load_draft(draft_dir, target)
     convs, _ = read_conversations(data_file)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from specheads.verify.settings import (
     check_tree_fits, make_proposer, sampled_decode, sampling_from_args, spec_from_args,
     speculative_decode,
 )
-from specheads.metrics import predicted_speedup
+from specheads.metrics import broken_draft_warning, predicted_speedup
 from specheads.verify.decode import DecodeStats, generate
 from specheads.verify.proposers import NgramProposer
 
@@ -275,6 +276,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     check_acceptance(sampling or Sampling())
+    from specheads.eval.report import check_report_folder
+
+    check_report_folder(out_dir)
     rows = read_prompts(prompts_file, limit)
     target = Target.load(target_path)
     head, meta, checked = load_draft(draft_dir, target)
@@ -309,6 +313,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         "cost_ratio": spec["cost_ratio_c"],
         "predicted_speedup": spec["predicted_speedup"],
         "speculative": {**spec, "greedy_equal": equal},
+        "draft_warning": broken_draft_warning(spec),  # None unless the draft accepts (almost) nothing
         "ngram": {**method_metrics(totals.ngram, totals.plain, k), "max_ngram": 3, "min_ngram": 1,
                   "greedy_equal": None if sampled else not totals.ngram_mismatches,
                   "mismatched_ids": totals.ngram_mismatches},
@@ -378,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
           f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
           f"greedy_equal={m['greedy_equal']}{'' if m['lossless'] else ' LOSSY (typical acceptance)'}"
           f" -> {Path(a.out) / 'metrics.json'}")
+    if m.get("draft_warning"):
+        print(m["draft_warning"], file=sys.stderr)
     if m.get("advice"):
         from specheads.eval.predict import sglang_flags
 

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from specheads.atomic import write_json, write_text
+from specheads.atomic import write_bytes, write_json, write_text
 
 THROUGHPUT_KEYS = ("output_tokens_per_s", "output_throughput", "tokens_per_s")
 SERIES_KEYS = ("label", "name", "method")
@@ -51,11 +49,7 @@ def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(buf.getvalue())
-    os.replace(tmp, path)
+    write_bytes(path, buf.getvalue())
     return path
 
 
@@ -241,6 +235,22 @@ def read_json(path: str | Path | None) -> dict | None:
         raise ReportError(f"'{path}' does not exist") from None
     except json.JSONDecodeError as err:
         raise ReportError(f"'{path}' is not valid JSON ({err.msg}, line {err.lineno})") from None
+
+
+def is_report_folder(folder: Path) -> bool:
+    """A folder an earlier `specheads eval` wrote (its metrics.json carries our provenance)."""
+    try:
+        return "provenance" in json.loads((folder / "metrics.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_report_folder(out_dir: str | Path) -> None:
+    """Refuse (before any work) an --out holding files an eval did not write: they could be replaced."""
+    from specheads.atomic import check_output
+
+    check_output(Path(out_dir), is_report_folder, "an eval output folder",
+                 "choose another --out (a new or empty folder, or an earlier eval's)")
 
 
 def write_report(out_dir: str | Path, metrics: dict, outputs: list[dict] | None = None,

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import save_file
 
 import specheads
-from specheads.atomic import atomic_dir
 from specheads.export import draft, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.export.checkpoint import Checkpoint, CheckpointError
 from specheads.export.contract import ContractError, validate
@@ -23,6 +22,7 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, ENGINE_VERSIONS, META_FILE, WEIGHTS_FILE, contract_for,
 )
 from specheads.export.eagle3 import ExportRefused
+from specheads.export.folder import export_dir, identity, plan_replacement
 from specheads.export.load import ExportMeta, load, load_with_meta, read_export_meta
 from specheads.export.readme import TargetRef, readme_text, serve_commands, target_ref
 
@@ -51,33 +51,39 @@ def writer_for(kind: str, fmt: str):
 
 
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
-           verifier: str | None = None, dtype: str | None = None, adapter: str | None = None) -> Path:
+           verifier: str | None = None, dtype: str | None = None, adapter: str | None = None,
+           overwrite: bool = False) -> Path:
     """Write `checkpoint` (a path or Checkpoint) as an `fmt` folder at `out_dir`; returns out_dir.
 
     `verifier` names the target for the serve commands (a hub id, or a local folder); `dtype`
     casts floating weights (float32 / bfloat16 / float16), never d2t / t2d; `adapter` (medusa2
-    only): "merge" (default) or "ship" the target's LoRA adapters.
+    only): "merge" (default) or "ship" the target's LoRA adapters. `out_dir` may only be an earlier
+    export (see export/folder.py); `overwrite` drops what it carries that this export would not keep.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    ckpt.check_finite("the training diverged: export an earlier checkpoint, or train again (e.g. a lower train.lr)")
     writer = writer_for(ckpt.kind, fmt)
     if adapter is not None and not hasattr(writer, "ADAPTER_MODES"):
         raise ValueError(f"--adapter applies to heads trained with target adapters (medusa2), not '{ckpt.kind}'")
+    out_dir, ident = Path(out_dir), identity(ckpt, fmt, dtype)
+    plan_replacement(out_dir, ident, overwrite)  # refused before any work
     extra = {"adapter": adapter} if adapter is not None else {}
     if hasattr(writer, "export_folder"):  # kinds that write a whole model folder (MTP, draft model, Medusa-2)
-        return writer.export_folder(ckpt, fmt, Path(out_dir), num_speculative_tokens, verifier, dtype, **extra)
+        with export_dir(out_dir, ident, overwrite) as tmp:
+            writer.export_folder(ckpt, fmt, tmp, out_dir, num_speculative_tokens, verifier, dtype, **extra)
+        return out_dir
     head = ckpt.build_head()  # strict: every tensor present with the config's shape
     writer.check_exportable(head.config, fmt, ckpt.weights)
     k = head.config.ttt_steps if num_speculative_tokens is None else num_speculative_tokens
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"num_speculative_tokens {k!r}: expected a positive integer")
     tensors = writer.export_tensors(ckpt.weights, fmt, dtype)
-    out_dir = Path(out_dir)
     target = target_ref(ckpt.provenance, ckpt.recipe, verifier)
     record = export_record(ckpt, head.config, fmt, k, target, float_dtype(tensors))
     record["serve_commands"] = serve_commands(fmt, out_dir, target, k, ckpt.kind)
     config = writer.config_json(head.config, fmt, k, target.hub_id or target.name or "unknown",
                                 target.architectures, record["dtype"])
-    with atomic_dir(out_dir) as tmp:
+    with export_dir(out_dir, ident, overwrite) as tmp:
         weights_file = getattr(writer, "WEIGHTS_FILES", {}).get(fmt, WEIGHTS_FILE)
         save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
         _write_json(tmp / CONFIG_FILE, config)
@@ -107,6 +113,7 @@ def export_record(ckpt: Checkpoint, config, fmt: str, k: int, target: TargetRef,
         "format": fmt,
         "kind": ckpt.kind,
         "engine": {"name": engine, "version": ENGINE_VERSIONS[engine]},
+        "purpose": "export",  # marks the folder as ours (export/folder.py: what may be replaced)
         "engine_versions": dict(ENGINE_VERSIONS),
         "num_speculative_tokens": k,
         "dtype": dtype,

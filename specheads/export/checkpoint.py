@@ -4,7 +4,8 @@ Layout of OUTPUT_DIR:  checkpoint-000100/{head.safetensors, head_config.json, re
 provenance.json, trainer_state.json, scheduler.pt, optimizer[-rank{r}].pt, rng-rank{r}.pt},
 `latest` (a file naming the newest complete checkpoint) and `best` (the one with the highest
 validation tau). The last `keep_last` checkpoints plus the best are kept. Every checkpoint is
-written to a temp folder and renamed.
+written to a temp folder and renamed; trainer_state.json, written last, records the sha256 of every
+other file, checked when the checkpoint is exported or resumed.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from specheads.atomic import atomic_dir, write_text
+from specheads.atomic import atomic_dir, remove_stale, write_text
+from specheads.integrity import check_finite, file_hashes, read_safetensors, sha256_file, verify_files
 
 HEAD_FILE = "head.safetensors"
-REQUIRED = (HEAD_FILE, "head_config.json", "recipe.json", "provenance.json", "trainer_state.json")
+STATE_FILE = "trainer_state.json"
+SHA_KEY = "sha256"  # trainer_state.json: {file name: sha256} of every other file of the checkpoint
+REQUIRED = (HEAD_FILE, "head_config.json", "recipe.json", "provenance.json", STATE_FILE)
+CORRUPT_HINT = "use an earlier checkpoint (pass its checkpoint-NNNNNN folder) or re-run training"
 
 
 class CheckpointError(ValueError):
@@ -40,7 +44,8 @@ def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, prove
     """
     output_dir = Path(output_dir)
     dest = output_dir / f"checkpoint-{step:06d}"
-    with atomic_dir(dest) as tmp:
+    remove_stale(output_dir, r"checkpoint-\d+")  # what a killed save left
+    with atomic_dir(dest, owned=is_checkpoint, what="a training checkpoint") as tmp:
         if state is None:
             state = head.state_dict()
         state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
@@ -48,19 +53,26 @@ def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, prove
         _dump(tmp / "head_config.json", asdict(head.config))
         _dump(tmp / "recipe.json", recipe)
         _dump(tmp / "provenance.json", provenance)
-        _dump(tmp / "trainer_state.json", {"step": step, **trainer_state})
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
         if scheduler_state is not None:
             torch.save(scheduler_state, tmp / "scheduler.pt")
         if before_commit is not None:
             before_commit(tmp)
+        # written last: the checksum of every other file (verified on export and resume)
+        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        _dump(tmp / STATE_FILE, {"step": step, **trainer_state, SHA_KEY: file_hashes(tmp, files)})
     write_text(output_dir / "latest", dest.name + "\n")
     best = best_checkpoint(output_dir) if keep_best else None
     if best is not None:
         write_text(output_dir / "best", best.name + "\n")
     prune(output_dir, keep_last, keep=best)
     return dest
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """A folder save_checkpoint wrote (what may be replaced by a checkpoint of the same step)."""
+    return (folder / STATE_FILE).is_file() and (folder / "head_config.json").is_file()
 
 
 def _dump(path: Path, obj) -> None:
@@ -122,30 +134,60 @@ def read_json(path: Path) -> dict:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file, turning truncation/corruption into a CheckpointError."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(
-            f"{path}: cannot be read ({err}); the file is truncated or corrupt. "
-            "Use an earlier checkpoint or re-run training."
-        ) from None
+    return read_safetensors(path, CORRUPT_HINT, CheckpointError)
+
+
+def resume_hint(ckpt: Path) -> str:
+    """What to do when the checkpoint a run would resume from is corrupt."""
+    return (f"resuming would carry the damage forward: move {ckpt.name} out of {ckpt.parent} and write the "
+            f"name of the previous checkpoint into {ckpt.parent / 'latest'}, or train into a new output_dir")
 
 
 class Checkpoint:
     """A loaded native checkpoint: the head rebuilt with its weights, plus its metadata."""
 
-    def __init__(self, path: str | Path):
-        self.path = resolve_checkpoint(path)
+    def __init__(self, path: str | Path, remedy: str = CORRUPT_HINT):
+        """`remedy`: what a refused (corrupt) checkpoint's message tells the user to do."""
+        self.path, self._noticed, self._verified = resolve_checkpoint(path), False, set()
+        self.remedy = remedy
         for name in REQUIRED:
             if not (self.path / name).is_file():
                 raise CheckpointError(f"{self.path / name}: missing; the checkpoint is incomplete")
         self.head_config = read_json(self.path / "head_config.json")
         self.recipe = read_json(self.path / "recipe.json")
         self.provenance = read_json(self.path / "provenance.json")
-        self.trainer_state = read_json(self.path / "trainer_state.json")
+        self.trainer_state = read_json(self.path / STATE_FILE)
+        self.verify([n for n in self.recorded() or {} if n.endswith((".json", ".safetensors"))])  # not optimizer
         self.weights = read_weights(self.path / HEAD_FILE)
+
+    def recorded(self) -> dict[str, str] | None:
+        """{file: sha256} written with the checkpoint (None: an older version wrote it)."""
+        return self.trainer_state.get(SHA_KEY)
+
+    def verify(self, names: list[str] | None = None) -> None:
+        """Check the recorded checksums of `names` (default: every file, what resume reads); a
+        checkpoint without them (older version) gets a one-line notice, once."""
+        recorded = self.recorded()
+        if recorded is None and self._noticed:
+            return
+        self._noticed = recorded is None
+        if recorded is not None:
+            recorded = {n: d for n, d in recorded.items() if (names is None or n in names) and n not in self._verified}
+            self._verified |= set(recorded)
+        verify_files(self.path, recorded, self.remedy, CheckpointError, where=f"checkpoint {self.path}")
+
+    def verify_for_resume(self, rank: int) -> None:
+        """Check what resuming process `rank` reads: weights, configs, scheduler, its own shard."""
+        self.verify([n for n in self.recorded() or {} if not n.startswith("rank") or n == f"rank{rank:03d}.pt"])
+
+    @property
+    def weights_sha256(self) -> str:
+        """sha256 of head.safetensors (recorded, else computed: an older checkpoint)."""
+        return (self.recorded() or {}).get(HEAD_FILE) or sha256_file(self.path / HEAD_FILE)
+
+    def check_finite(self, remedy: str) -> None:
+        """Refuse a checkpoint whose weights hold NaN or inf."""
+        check_finite(self.weights, str(self.path / HEAD_FILE), remedy, CheckpointError)
 
     @property
     def kind(self) -> str:

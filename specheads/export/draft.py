@@ -54,9 +54,9 @@ def model_tensors(head: DraftHead, dtype: str | None) -> dict[str, torch.Tensor]
     return out
 
 
-def export_folder(ckpt, fmt: str, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
-    """Write the draft LM as an HF folder at out_dir (atomic, contract-checked)."""
-    from specheads.atomic import atomic_dir
+def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
+    """Write the draft LM as an HF folder into `tmp`, the atomic folder
+    that becomes `out_dir` (export/folder.py); contract-checked."""
     from specheads.export import export_record
     from specheads.export.readme import readme_text, serve_commands, target_ref
 
@@ -70,15 +70,14 @@ def export_folder(ckpt, fmt: str, out_dir: Path, k: int | None, verifier: str | 
     record = export_record(ckpt, head.config, fmt, k, target, dtype or "float32")
     record["serve_commands"] = serve_commands(fmt, out_dir, target, k, "draft")
     config = {**head.config.model_config, "architectures": ["LlamaForCausalLM"], "dtype": record["dtype"]}
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
-        (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
-        validate(tmp, fmt, expected=head.config)
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
+    validate(tmp, fmt, expected=head.config)
     return out_dir
 
 

@@ -21,6 +21,7 @@ from specheads.export.contract import aux_ids, config_rope, layer_config, valida
 from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, Violation, contract_for, detect_format,
 )
+from specheads.export.folder import verify_export
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
 
 # head kind -> module with `load_export(meta, attn_implementation, check) -> (head, meta)`
@@ -150,6 +151,7 @@ def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check:
     meta = read_export_meta(folder)
     if is_foreign(meta):
         return load_foreign(meta, attn_implementation, num_target_layers)
+    verify_export(meta.folder, meta.record)  # recorded weight checksums (older exports: a notice)
     if meta.kind in KIND_LOADERS:  # other kinds load through their writer module's `load_export`
         import importlib
 

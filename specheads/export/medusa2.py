@@ -118,12 +118,12 @@ def adapter_section(adapter: str, base: str) -> str:
     return "\n## Adapter\n\n" + what + "\n"
 
 
-def export_folder(ckpt, fmt: str, out_dir: Path, num_speculative_tokens: int | None, verifier: str | None,
+def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, num_speculative_tokens: int | None, verifier: str | None,
                   dtype: str | None, adapter: str = "merge") -> Path:
-    """Heads (as Medusa-1 in `fmt`) + target/ (merged) or adapter/ (peft), validated, written atomically."""
+    """Heads (as Medusa-1 in `fmt`) + target/ (merged) or adapter/ (peft), validated, into `tmp`, the
+    atomic folder that becomes `out_dir` (export/folder.py)."""
     from safetensors.torch import save_file
 
-    from specheads.atomic import atomic_dir
     from specheads.export import _write_json, export_record, float_dtype
     from specheads.export.readme import readme_text, target_ref
 
@@ -145,17 +145,16 @@ def export_folder(ckpt, fmt: str, out_dir: Path, num_speculative_tokens: int | N
     verifier_name = str(out_dir / "target")  # the verifier the heads were trained for is the adapted target
     config = medusa.config_json(head.config.medusa_config(), fmt, k, verifier_name, target.architectures,
                                 record["dtype"])
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_FILES[fmt]), metadata={"format": "pt"})
-        _write_json(tmp / CONFIG_FILE, config)
-        _write_json(tmp / META_FILE, record)
-        readme = readme_text(fmt, out_dir, record["serve_commands"], target, record)
-        (tmp / "README.md").write_text(readme + adapter_section(adapter, base_name))
-        if adapter == "merge":
-            write_merged(head, base_dir, tmp / "target", dtype)
-        else:
-            write_adapter(head, base_dir, tmp / "adapter", base_name)
-        medusa.validate(tmp, fmt, expected=head.config.medusa_config())
+    save_file(tensors, str(tmp / WEIGHTS_FILES[fmt]), metadata={"format": "pt"})
+    _write_json(tmp / CONFIG_FILE, config)
+    _write_json(tmp / META_FILE, record)
+    readme = readme_text(fmt, out_dir, record["serve_commands"], target, record)
+    (tmp / "README.md").write_text(readme + adapter_section(adapter, base_name))
+    if adapter == "merge":
+        write_merged(head, base_dir, tmp / "target", dtype)
+    else:
+        write_adapter(head, base_dir, tmp / "adapter", base_name)
+    medusa.validate(tmp, fmt, expected=head.config.medusa_config())
     return out_dir
 
 

@@ -241,9 +241,9 @@ def _numel(shape) -> int:
     return n
 
 
-def export_folder(ckpt, fmt: str, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
-    """Write the target checkpoint + trained MTP modules at out_dir (atomic, contract-checked)."""
-    from specheads.atomic import atomic_dir
+def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
+    """Write the target checkpoint + trained MTP modules into `tmp`, the atomic folder
+    that becomes `out_dir` (export/folder.py); contract-checked."""
     from specheads.export import export_record
     from specheads.export.readme import readme_text, serve_commands, target_ref
 
@@ -262,12 +262,11 @@ def export_folder(ckpt, fmt: str, out_dir: Path, k: int | None, verifier: str | 
     target = target_ref(ckpt.provenance, ckpt.recipe, verifier or str(src))
     record = export_record(ckpt, head.config, fmt, k, target, str(cast).removeprefix("torch."))
     record["serve_commands"] = serve_commands(fmt, out_dir, target, k, "mtp")
-    with atomic_dir(out_dir) as tmp:
-        write_checkpoint(src, tmp, tensors, config, (count_key, head.config.num_layers), layout,
-                         head.config.num_target_layers)
-        (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
-        validate(tmp, fmt, expected=head.config)
+    write_checkpoint(src, tmp, tensors, config, (count_key, head.config.num_layers), layout,
+                     head.config.num_target_layers)
+    (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
+    validate(tmp, fmt, expected=head.config)
     return out_dir
 
 

@@ -1,0 +1,468 @@
+"""`specheads check-engine`: an export loaded and run by the engine's own code, compared with ours.
+
+The engine side is a probe script (`probe_vllm.py`, `probe_sglang.py`) run as a subprocess under the
+engine's virtualenv (`venvs.py`); it imports nothing from specheads. Our side loads the same folder
+with `specheads.export.load` and the target with `specheads.target.Target`. Four stages per export:
+
+  config   the engine accepts the folder and derives the method, k, draft architecture, vocabulary
+           sizes and aux-layer ids we intended
+  weights  every draft parameter the engine creates is written by its loader (sentinel pre-fill),
+           every tensor we wrote reaches a parameter (none silently dropped), shapes match
+  layers   the target hidden states the engine taps for the draft equal ours (<= 1e-4)
+  forward  the engine's draft logits equal our head's (<= 1e-4, same argmax at every position),
+           and the same greedy chain of k tokens
+
+Probe protocol (every engine):
+  CLI      --target DIR --draft DIR --kind KIND --inputs FILE.safetensors --out DIR [--k N]
+  inputs   `input_ids` [1, T] int64 (the prompt) and `next_token` [1] int64 (the target's greedy
+           token after it, computed here, so both sides draft from the same token)
+  result   OUT/result.json: engine, version, config {method, num_speculative_tokens,
+           draft_architecture, vocab_size, draft_vocab_size, aux_layer_ids (the engine's own
+           numbering), ...}, weights {created, loaded, never_written, dropped, shape_mismatch},
+           layers / forward ("ok" | "not_run: why" | "failed: ..."), replaced_kernels, error
+           (null | {stage, type, message: the engine's own exception text})
+  tensors  OUT/tensors.safetensors: aux_hidden [T, n_aux*H] (the states the engine feeds the draft,
+           in its concatenation order), draft_logits [T, V] (the draft module on the first draft
+           pass: row t reads token t+1 and the state at t; scattered to the full vocabulary with
+           -inf elsewhere, as the engine does), chain [k] (greedy draft tokens after next_token)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specheads.engines import venvs
+
+PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
+TOLERANCE = 1e-4
+PASS, FAIL, NOT_RUN, REFUSED = "PASS", "FAIL", "NOT RUN", "REFUSED"
+# engine aux-layer id = specheads aux_layers id + offset (SGLang counts from the first decoder layer's input)
+AUX_OFFSET = {"vllm": 0, "sglang": -1}
+# (engine, kind) -> the method the engine must derive
+EXPECTED_METHOD = {
+    ("vllm", "eagle3"): "eagle3", ("vllm", "eagle"): "eagle", ("vllm", "draft"): "draft_model",
+    ("vllm", "mtp"): "mtp",
+    ("sglang", "eagle3"): "EAGLE3", ("sglang", "eagle"): "EAGLE", ("sglang", "draft"): "STANDALONE",
+    ("sglang", "mtp"): "EAGLE",  # NEXTN resolves to EAGLE in SGLang 0.5.23
+}
+# (engine, kind, layout) -> the draft class the engine must build (layout: MTP family, else "")
+EXPECTED_ARCH = {
+    ("vllm", "eagle3", ""): "Eagle3LlamaForCausalLM", ("vllm", "eagle", ""): "EagleLlamaForCausalLM",
+    ("vllm", "draft", ""): "LlamaForCausalLM", ("vllm", "mtp", "deepseek_v3"): "DeepSeekMTPModel",
+    ("vllm", "mtp", "qwen3_next"): "Qwen3NextMTP", ("vllm", "mtp", "qwen3_5_text"): "Qwen3_5MTP",
+    ("vllm", "mtp", "qwen3_5_moe_text"): "Qwen3_5MoeMTP",
+}
+# (engine, kind) the engine does not serve at all: the check passes when the engine refuses it
+ENGINE_REFUSES = {("vllm", "medusa"): "vLLM 0.33 removed Medusa", ("vllm", "medusa2"): "vLLM 0.33 removed Medusa",
+                  ("sglang", "medusa"): "SGLang 0.5.23 has no Medusa", ("sglang", "medusa2"): "SGLang 0.5.23 has no Medusa"}
+# (engine, kind) -> tensor names of ours the engine's loader receives and deliberately ignores
+ENGINE_IGNORES = {("vllm", "eagle3"): (r"^t2d$",)}
+
+
+@dataclass
+class Stage:
+    status: str  # PASS | FAIL | NOT RUN | REFUSED
+    detail: str = ""
+
+
+@dataclass
+class EngineCheck:
+    """One export checked by one engine."""
+
+    export: str
+    engine: str
+    kind: str
+    format: str
+    stages: dict[str, Stage] = field(default_factory=dict)
+    numbers: dict = field(default_factory=dict)
+    engine_config: dict = field(default_factory=dict)
+    engine_version: str | None = None
+    replaced_kernels: list[str] = field(default_factory=list)
+    error: dict | None = None
+    stderr_tail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(s.status != FAIL for s in self.stages.values())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+class EngineCheckError(ValueError):
+    """The check cannot run (bad export path, unknown engine); the message says what to do."""
+
+
+# --- inputs --------------------------------------------------------------------------------------
+def make_inputs(target, positions: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """input_ids [1, T] (seeded random ids) and next_token [1] (our target's greedy token after them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (1, positions), generator=g)
+    with torch.no_grad():
+        logits = target.forward(ids).logits  # [1, T, V]
+    return {"input_ids": ids, "next_token": logits[0, -1].argmax().reshape(1)}
+
+
+def num_positions(max_positions: int, k: int, wanted: int = 256) -> int:
+    return max(8, min(wanted, max_positions - k - 2))
+
+
+# --- running the probe ----------------------------------------------------------------------------
+def run_probe(engine: str, target: Path, draft: Path, kind: str, inputs: Path, out: Path, k: int,
+              timeout: float) -> tuple[dict, dict, str]:
+    """Run the engine's probe; (result.json, tensors, the log's tail). A probe that dies is an error."""
+    python = venvs.ensure(engine, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    script = Path(__file__).with_name(PROBES[engine])
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(python), str(script), "--target", str(target), "--draft", str(draft), "--kind", kind,
+           "--inputs", str(inputs), "--out", str(out), "--k", str(k)]
+    env = {k_: v for k_, v in os.environ.items() if k_ not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    log = out / "probe.log"
+    with log.open("w") as fh:
+        try:
+            done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout)
+            rc = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    tail = log.read_text(errors="replace")[-4000:]
+    result_file = out / "result.json"
+    if not result_file.is_file():
+        why = f"timed out after {timeout:.0f} s" if rc is None else f"exited {rc} without a result"
+        return {"error": {"stage": "probe", "type": "ProbeDied", "message": f"the {engine} probe {why}"}}, {}, tail
+    result = json.loads(result_file.read_text())
+    tensors = {}
+    if (out / "tensors.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(out / "tensors.safetensors"))
+    return result, tensors, tail
+
+
+# --- our side ---------------------------------------------------------------------------------------
+class Ours:
+    """The export as specheads loads it, on the same inputs as the probe."""
+
+    def __init__(self, export: Path, target_path: Path | None):
+        from specheads.export.load import read_export_meta
+
+        self.meta = read_export_meta(export)
+        self.kind, self.format = self.meta.kind, self.meta.format
+        self.target_path = target_path
+        self._target = self._head = None
+        self.load_error = None
+
+    @property
+    def target(self):
+        if self._target is None:
+            from specheads.target import Target
+
+            self._target = Target.load(str(self.target_path), dtype="float32", device="cpu")
+        return self._target
+
+    @property
+    def head(self):
+        if self._head is None:
+            from specheads.export.load import load
+
+            self._head = load(self.meta.folder, attn_implementation="eager", check=False)
+            if self.kind == "eagle":
+                from specheads.verify.eagle1_proposers import bind_to_target
+
+                bind_to_target(self._head, self.target)
+        return self._head
+
+    def k(self) -> int:
+        return int(self.meta.num_speculative_tokens or 3)
+
+    def target_config(self) -> dict:
+        return json.loads((self.meta.folder / "config.json").read_text()) if self.kind == "mtp" else {}
+
+    def aux_layers(self) -> list[int]:
+        return list((self.meta.head_config or {}).get("aux_layers") or [])
+
+    def features(self, ids: torch.Tensor):
+        """(target output, the states the draft reads [T, n*H])."""
+        if self.kind == "eagle3":
+            out = self.target.forward(ids, layers=self.aux_layers())
+            return out, torch.cat([out.hidden[i][0] for i in self.aux_layers()], dim=-1)
+        out = self.target.forward(ids)
+        return out, out.final[0]
+
+    @torch.no_grad()
+    def draft_logits(self, ids: torch.Tensor, next_token: int, out) -> torch.Tensor:
+        """Our draft module on the first pass, as full-vocabulary logits [T, V] (-inf off the draft vocab)."""
+        from specheads.verify.decode import causal_mask, positions
+
+        T = ids.shape[1]
+        if self.kind == "draft":
+            model = self.head.model
+            return model(input_ids=ids, attention_mask=causal_mask(0, T, torch.float32, ids.device),
+                         position_ids=positions(0, T, ids.device)).logits[0].float()
+        head = self.head
+        shifted = torch.cat([ids[0, 1:], ids.new_tensor([next_token])])[None]  # [1, T]
+        hidden = head.fuse([out.hidden[i] for i in self.aux_layers()]) if self.kind == "eagle3" else out.final
+        o = head.step(hidden, self.target.embed(shifted), positions(0, T, ids.device),
+                      causal_mask(0, T, hidden.dtype, ids.device))
+        logits = head.logits(o)[0].float()  # [T, Vd]
+        if logits.shape[-1] == self.target.vocab_size and self.kind != "eagle3":
+            return logits
+        full = logits.new_full((T, self.target.vocab_size), float("-inf"))
+        full[:, head.to_target_ids(torch.arange(logits.shape[-1]))] = logits
+        return full
+
+    @torch.no_grad()
+    def chain(self, ids: torch.Tensor, next_token: int, out, k: int) -> list[int]:
+        """The greedy chain our verifier drafts after `next_token`."""
+        from specheads.verify.settings import TreeSpec, make_proposer
+
+        proposer = make_proposer(TreeSpec(kind="chain", k=k), self.head, self.target)
+        proposer.start(ids[0], next_token, out)
+        return [int(t) for t in proposer.propose(k)]
+
+
+# --- verdicts ----------------------------------------------------------------------------------------
+def _engine_error(result: dict, stage: str) -> str | None:
+    err = result.get("error")
+    if err and err.get("stage") == stage:
+        return f"{err.get('type')}: {err.get('message')}"
+    return None
+
+
+def judge_config(result: dict, ours: Ours, engine: str, k: int) -> Stage:
+    msg = _engine_error(result, "config") or _engine_error(result, "probe")
+    if msg:
+        return Stage(FAIL, f"the engine refused the folder: {msg}")
+    cfg, problems = result.get("config") or {}, []
+    want = {"method": EXPECTED_METHOD.get((engine, ours.kind)), "num_speculative_tokens": k}
+    layout = ours.target_config().get("model_type", "") if ours.kind == "mtp" else ""
+    want["draft_architecture"] = EXPECTED_ARCH.get((engine, ours.kind, layout))
+    if ours.kind in ("eagle3", "eagle", "draft"):
+        want["vocab_size"] = ours.target.vocab_size
+    if ours.kind == "eagle3":
+        hc = ours.meta.head_config or {}
+        want["draft_vocab_size"] = hc.get("draft_vocab_size")
+        want["aux_layer_ids"] = [a + AUX_OFFSET[engine] for a in ours.aux_layers()]
+    for key, value in want.items():
+        if value is not None and cfg.get(key) != value:
+            problems.append(f"{key}: engine {cfg.get(key)!r}, intended {value!r}")
+    shown = ", ".join(f"{key} {cfg.get(key)!r}" for key in want if key in cfg)
+    return Stage(FAIL, "; ".join(problems) + f" (engine: {shown})") if problems else Stage(PASS, shown)
+
+
+def our_tensor_names(ours: Ours) -> set[str]:
+    """Tensor names in the weight files this export wrote (an MTP export: only its module file)."""
+    from safetensors import safe_open
+
+    names = set()
+    for rel in (ours.meta.record.get("sha256") or {"model.safetensors": None}):
+        path = ours.meta.folder / rel
+        if path.is_file():
+            with safe_open(str(path), "pt") as fh:
+                names |= set(fh.keys())
+    return names
+
+
+def judge_weights(result: dict, ours: Ours, engine: str) -> Stage:
+    msg = _engine_error(result, "weights")
+    if msg:
+        return Stage(FAIL, f"the engine's loader failed: {msg}")
+    if result.get("error"):
+        return Stage(NOT_RUN, "an earlier stage failed")
+    w = result.get("weights") or {}
+    ignored = [re.compile(p) for p in ENGINE_IGNORES.get((engine, ours.kind), ())]
+    mine = our_tensor_names(ours)
+    received, dropped = set(w.get("loaded") or []), set(w.get("dropped") or [])
+    problems = []
+    if w.get("never_written"):
+        problems.append(f"parameters the loader never wrote (still the sentinel): {sorted(w['never_written'])}")
+    if w.get("shape_mismatch"):
+        problems.append(f"shape mismatches: {w['shape_mismatch']}")
+    lost = sorted(n for n in mine if n not in received)
+    if lost:
+        problems.append(f"tensors of ours the loader never received: {lost}")
+    silent = sorted(n for n in mine & dropped if not any(p.search(n) for p in ignored))
+    if silent:
+        problems.append(f"tensors of ours the loader received but dropped: {silent}")
+    if problems:
+        return Stage(FAIL, "; ".join(problems))
+    return Stage(PASS, f"{len(w.get('created') or [])} draft parameters all written; {len(mine)} tensors of ours "
+                       f"all loaded" + (f" (ignored by design: {sorted(mine & dropped)})" if mine & dropped else ""))
+
+
+def _not_run(result: dict, stage: str) -> Stage | None:
+    status = result.get(stage) or "not_run: no result"
+    if status.startswith("not_run"):
+        return Stage(NOT_RUN, status.split(":", 1)[1].strip() if ":" in status else "")
+    return None
+
+
+def judge_layers(result: dict, tensors: dict, ours_states: torch.Tensor | None, numbers: dict) -> Stage:
+    msg = _engine_error(result, "layers")
+    if msg:
+        return Stage(FAIL, f"the engine's target forward failed: {msg}")
+    skipped = _not_run(result, "layers")
+    if skipped:
+        return skipped
+    theirs = tensors.get("aux_hidden")
+    if theirs is None or ours_states is None:
+        return Stage(FAIL, "no aux_hidden from the engine" if theirs is None else "our side could not run")
+    if theirs.shape != ours_states.shape:
+        return Stage(FAIL, f"the engine taps {list(theirs.shape)}, ours {list(ours_states.shape)}")
+    diff = float((theirs.float() - ours_states.float()).abs().max())
+    numbers["aux_hidden_max_abs_diff"] = diff
+    if diff > TOLERANCE:
+        return Stage(FAIL, f"the engine taps other states: max |diff| {diff:.3g} > {TOLERANCE} "
+                           f"(wrong layers, or an off-by-one in their numbering)")
+    return Stage(PASS, f"{theirs.shape[0]} positions x {theirs.shape[1]} features, max |diff| {diff:.2g}")
+
+
+def judge_forward(result: dict, tensors: dict, mine: torch.Tensor | None, chain: list[int] | None,
+                  numbers: dict) -> Stage:
+    msg = _engine_error(result, "forward")
+    if msg:
+        return Stage(FAIL, f"the engine's draft forward failed: {msg}")
+    skipped = _not_run(result, "forward")
+    if skipped:
+        return skipped
+    theirs = tensors.get("draft_logits")
+    if theirs is None or mine is None:
+        return Stage(FAIL, "no draft_logits from the engine" if theirs is None else "our side could not run")
+    if theirs.shape != mine.shape:
+        return Stage(FAIL, f"logits shape: engine {list(theirs.shape)}, ours {list(mine.shape)}")
+    theirs, mine = theirs.float(), mine.float()
+    same_support = bool((torch.isfinite(theirs) == torch.isfinite(mine)).all())
+    finite = torch.isfinite(mine) & torch.isfinite(theirs)
+    diff = float((theirs[finite] - mine[finite]).abs().max()) if finite.any() else float("inf")
+    argmax_equal = int((theirs.argmax(-1) == mine.argmax(-1)).sum())
+    engine_chain = [int(t) for t in tensors.get("chain", torch.empty(0, dtype=torch.long)).tolist()]
+    numbers.update(logits_max_abs_diff=diff, positions=int(mine.shape[0]), argmax_equal=argmax_equal,
+                   chain_engine=engine_chain, chain_ours=chain)
+    problems = []
+    if not same_support:
+        problems.append("the engine's draft vocabulary (finite logits) differs from ours: the d2t mapping differs")
+    if diff > TOLERANCE:
+        problems.append(f"max |logit diff| {diff:.3g} > {TOLERANCE}")
+    if argmax_equal != mine.shape[0]:
+        problems.append(f"argmax equal on {argmax_equal} of {mine.shape[0]} positions")
+    if engine_chain != chain:
+        problems.append(f"greedy chain: engine {engine_chain}, ours {chain}")
+    if problems:
+        return Stage(FAIL, "; ".join(problems))
+    return Stage(PASS, f"max |logit diff| {diff:.2g} over {mine.shape[0]} positions, argmax equal on all, "
+                       f"chain {chain} equal")
+
+
+# --- the check -----------------------------------------------------------------------------------
+def check_export(export: str | Path, engine: str, target: str | Path | None = None, k: int | None = None,
+                 positions: int = 256, work: str | Path | None = None, timeout: float = 1200.0) -> EngineCheck:
+    """Run `engine`'s own loader and draft module on `export` and compare with specheads' (see module doc)."""
+    export = Path(export)
+    if engine not in PROBES:
+        raise EngineCheckError(f"engine '{engine}': expected one of {', '.join(PROBES)}")
+    if not (export / "config.json").is_file():
+        raise EngineCheckError(f"{export}: no config.json; pass a folder written by `specheads export`")
+    ours = Ours(export, Path(target) if target else None)
+    if ours.kind == "mtp":
+        ours.target_path = export  # the MTP export is the target checkpoint with its modules written in
+    if ours.target_path is None:
+        raise EngineCheckError(f"{export}: pass --target, the target folder the head was trained on")
+    k = k or ours.k()
+    report = EngineCheck(str(export), engine, ours.kind, ours.format)
+    started = time.time()
+    work = Path(work) if work else Path(tempfile.mkdtemp(prefix="specheads-engine-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    feats = mine = chain = None
+    if ours.kind in ("eagle3", "eagle", "draft"):
+        max_pos = int(getattr(ours.target.config, "max_position_embeddings", 256))
+        inputs = make_inputs(ours.target, num_positions(max_pos, k, positions))
+    else:
+        inputs = {"input_ids": torch.arange(8)[None] % 7 + 1, "next_token": torch.tensor([1])}
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in inputs.items()}, str(work / "inputs.safetensors"))
+    result, tensors, tail = run_probe(engine, ours.target_path, export, ours.kind, work / "inputs.safetensors",
+                                      work / engine, k, timeout)
+    report.engine_version, report.engine_config = result.get("version"), result.get("config") or {}
+    report.replaced_kernels, report.error, report.stderr_tail = (result.get("replaced_kernels") or [],
+                                                                 result.get("error"), tail)
+    if (engine, ours.kind) in ENGINE_REFUSES:
+        report.stages = _judge_refusal(result, ENGINE_REFUSES[(engine, ours.kind)])
+        report.seconds = time.time() - started
+        return report
+    report.stages["config"] = judge_config(result, ours, engine, k)
+    report.stages["weights"] = judge_weights(result, ours, engine)
+    if tensors:
+        ids, next_token = inputs["input_ids"], int(inputs["next_token"][0])
+        try:
+            out, feats = ours.features(ids) if ours.kind != "draft" else (None, None)
+            mine = ours.draft_logits(ids, next_token, out)
+            chain = ours.chain(ids, next_token, out, k)
+        except Exception as err:  # noqa: BLE001 - reported as our side's failure, next to the engine's result
+            report.numbers["ours_error"] = f"{type(err).__name__}: {err}"
+    report.stages["layers"] = judge_layers(result, tensors, feats, report.numbers)
+    report.stages["forward"] = judge_forward(result, tensors, mine, chain, report.numbers)
+    if "ours_error" in report.numbers:
+        for name in ("layers", "forward"):
+            if report.stages[name].status == FAIL:
+                report.stages[name].detail += f" (specheads could not load the folder: {report.numbers['ours_error']})"
+    report.seconds = time.time() - started
+    return report
+
+
+def _judge_refusal(result: dict, why: str) -> dict[str, Stage]:
+    err = result.get("error") or {}
+    if err.get("stage") == "config":
+        return {"config": Stage(REFUSED, f"{why}; the engine says: {err.get('type')}: {err.get('message')}"),
+                "weights": Stage(NOT_RUN, "refused"), "layers": Stage(NOT_RUN, "refused"),
+                "forward": Stage(NOT_RUN, "refused")}
+    return {"config": Stage(FAIL, f"expected the engine to refuse this kind ({why}), but it accepted it: "
+                                  f"{json.dumps(result.get('config'))[:300]}")}
+
+
+# --- output --------------------------------------------------------------------------------------------
+def format_report(r: EngineCheck) -> str:
+    lines = [f"{r.export}: {r.kind} ({r.format}) in {r.engine} {r.engine_version or '?'}  "
+             f"[{'PASS' if r.passed else 'FAIL'}, {r.seconds:.0f} s]"]
+    for name, stage in r.stages.items():
+        lines.append(f"  {name:<8} {stage.status:<8} {stage.detail}")
+    for kernel in r.replaced_kernels:
+        lines.append(f"  replaced: {kernel}")
+    if r.error:
+        lines.append(f"  engine error ({r.error.get('stage')}): {r.error.get('type')}: {r.error.get('message')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specheads check-engine", description=__doc__.split("\n")[0])
+    p.add_argument("export", help="an export folder written by `specheads export`")
+    p.add_argument("--engine", required=True, choices=sorted(PROBES))
+    p.add_argument("--target", help="the target folder (not needed for MTP: the export is the target)")
+    p.add_argument("--k", type=int, help="draft length (default: the export's)")
+    p.add_argument("--positions", type=int, default=256, help="prompt positions compared (capped by the context)")
+    p.add_argument("--work", help="keep the probe's files here (default: a temp folder)")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed for the engine probe")
+    p.add_argument("--json", help="write the report as JSON here")
+    a = p.parse_args(argv)
+    report = check_export(a.export, a.engine, a.target, a.k, a.positions, a.work, a.timeout)
+    print(format_report(report))
+    if not report.passed and report.stderr_tail:
+        print("--- engine log (tail) ---\n" + report.stderr_tail[-1500:], file=sys.stderr)
+    if a.json:
+        from specheads.atomic import write_json
+
+        write_json(a.json, report.to_dict())
+    return 0 if report.passed else 1
