@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specheads.builtin.tiny_target import cache_dir
+from specheads.engines.venvs import python_of
 
-SGLANG_PYTHON = cache_dir() / "engines" / "sglang-0.5.23" / "bin" / "python"
+SGLANG_PYTHON = python_of("sglang")
 PROBE = Path(__file__).resolve().parents[1] / "specheads" / "engines" / "probe_sglang.py"
 pytestmark = pytest.mark.skipif(
     os.environ.get("SPECHEADS_ENGINE_TESTS") != "1" or not SGLANG_PYTHON.exists(),
