@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specheads.engines import probe_sglang as probe
+from specheads.engines import probe_sglang_forward as fwd
+from specheads.engines import probe_sglang_weights as wts
 
 
 def _layer(nh=4, kvh=2, hd=8):
@@ -30,15 +31,15 @@ def test_attention_equals_causal_sdpa_and_continues_from_its_cache():
     layer, T = _layer(), 9
     q, k, v = torch.randn(T, 32), torch.randn(T, 16), torch.randn(T, 16)
     ref = _reference(q, k, v, 4, 2, 8)
-    probe.KV.reset()
-    whole = probe.causal_attention(layer, q, k, v, None)
+    fwd.KV.reset()
+    whole = fwd.causal_attention(layer, q, k, v, None)
     torch.testing.assert_close(whole, ref, rtol=0, atol=1e-6)
-    probe.KV.reset()
-    first = probe.causal_attention(layer, q[:6], k[:6], v[:6], None)
-    rest = [probe.causal_attention(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], None) for i in range(6, T)]
+    fwd.KV.reset()
+    first = fwd.causal_attention(layer, q[:6], k[:6], v[:6], None)
+    rest = [fwd.causal_attention(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], None) for i in range(6, T)]
     torch.testing.assert_close(torch.cat([first] + rest), ref, rtol=0, atol=1e-6)
-    probe.KV.reset()
-    shifted = probe.causal_attention(layer, q[1:], k[1:], v[1:], None)  # a different sequence
+    fwd.KV.reset()
+    shifted = fwd.causal_attention(layer, q[1:], k[1:], v[1:], None)  # a different sequence
     assert not torch.allclose(shifted[-1], ref[-1], atol=1e-3)
 
 
@@ -67,9 +68,9 @@ class _Fused(torch.nn.Module):
 
 
 def _load(model, names):
-    rec = probe.LoadRecorder(model)
-    model.load_weights(rec.wrap((n, torch.full((5, 3) if n.startswith(("head", "model.head")) else (2, 3),
-                                               float(i + 1))) for i, n in enumerate(names)))
+    rec = wts.LoadRecorder(model)
+    shapes = {n: (5, 3) if n.startswith(("head", "model.head")) else (2, 3) for n in names}
+    model.load_weights(rec.wrap((n, torch.full(shapes[n], float(i + 1))) for i, n in enumerate(names)))
     rec.settle()
     return rec
 
@@ -88,18 +89,18 @@ def test_recorder_credits_fused_and_buffered_writes_and_finds_a_dropped_name():
 
 def test_hot_token_mapping_places_draft_logits_at_target_ids():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    full = probe.to_target_vocab(logits, torch.tensor([4, 0, 7]), 8)
+    full = fwd.to_target_vocab(logits, torch.tensor([4, 0, 7]), 8)
     assert full[0, 4] == 1.0 and full[0, 0] == 3.0 and full[0, 7] == 2.0
     assert torch.isinf(full[0, [1, 2, 3, 5, 6]]).all()
-    assert int(probe.greedy_token(logits, torch.tensor([4, 0, 7]))) == 0
-    no_map = probe.to_target_vocab(logits, None, 8)  # SGLang without d2t: draft id i is target id i
+    assert int(fwd.greedy_token(logits, torch.tensor([4, 0, 7]))) == 0
+    no_map = fwd.to_target_vocab(logits, None, 8)  # SGLang without d2t: draft id i is target id i
     assert no_map[0, 1] == 3.0 and torch.isinf(no_map[0, 3:]).all()
-    assert "draft id i as target id i" in probe.vocab_warnings(None, 3, 8)[0]
-    assert probe.vocab_warnings(torch.arange(8), 8, 8) == []
+    assert "draft id i as target id i" in wts.vocab_warnings(None, 3, 8)[0]
+    assert wts.vocab_warnings(torch.arange(8), 8, 8) == []
 
 
 @pytest.mark.parametrize("name,expect", [("model.layers.3.eh_proj.weight", True), ("mtp.fc.weight", True),
                                          ("model.layers.2.mlp.up_proj.weight", False),
                                          ("model.embed_tokens.weight", False)])
 def test_mtp_module_names(name, expect):
-    assert probe.module_names("mtp", name, SimpleNamespace(num_hidden_layers=3)) is expect
+    assert wts.module_names("mtp", name, SimpleNamespace(num_hidden_layers=3)) is expect

@@ -18,7 +18,15 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
+
+sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
+from probe_sglang_forward import (  # noqa: E402
+    STANDALONE_NOTE, replace_attention_kernel, run_draft, run_target, standalone_chain_as_served,
+)
+from probe_sglang_weights import (  # noqa: E402
+    draft_vocab, load_draft_recorded, load_model, share_with_target, synchronous_weight_loading,
+    vocab_warnings, weights_report,
+)
 
 ENGINE = "sglang"
 ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft": "STANDALONE", "mtp": "NEXTN",
@@ -129,55 +137,6 @@ def init_runtime(sa) -> None:
     initialize_model_parallel(backend="gloo")
 
 
-# --- attention without CUDA -------------------------------------------------------------------
-class KVStore:
-    """Keys and values each RadixAttention layer has seen since the last reset (a plain KV cache)."""
-
-    def __init__(self):
-        self.kv: dict[int, tuple] = {}
-
-    def reset(self) -> None:
-        self.kv.clear()
-
-
-KV = KVStore()
-
-
-def causal_attention(self, q, k, v, forward_batch, save_kv_cache=True, **kwargs):
-    """Causal softmax attention over this layer's own cached and new q/k/v (replaces the kernel).
-
-    q: [N, nh*hd], k: [N, kvh*hd], v: [N, kvh*vd] -> [N, nh*vd]. Rows are one sequence, appended
-    after whatever this layer cached since KV.reset().
-    """
-    import torch
-
-    nh, kvh, hd, vd = self.tp_q_head_num, self.tp_k_head_num, self.qk_head_dim, self.v_head_dim
-    q = q.reshape(-1, nh, hd)
-    k, v = k.reshape(-1, kvh, hd), v.reshape(-1, kvh, vd)
-    past_k, past_v = KV.kv.get(id(self), (k[:0], v[:0]))
-    k, v = torch.cat([past_k, k]), torch.cat([past_v, v])  # [P+N, kvh, *]
-    KV.kv[id(self)] = (k, v)
-    n, total = q.shape[0], k.shape[0]
-    rep = nh // kvh
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [P+N, nh, *]
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * self.scaling  # [nh, N, P+N]
-    if getattr(self, "logit_cap", 0) and self.logit_cap > 0:
-        scores = self.logit_cap * torch.tanh(scores / self.logit_cap)
-    rows = torch.arange(total - n, total).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(total).unsqueeze(0) > rows, float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())  # [N, nh, vd]
-    return out.reshape(n, nh * vd).to(q.dtype)
-
-
-def replace_attention_kernel() -> None:
-    from sglang.srt.layers.radix_attention import RadixAttention
-
-    RadixAttention.forward = causal_attention
-    REPLACED.append("RadixAttention.forward: plain causal softmax over the layer's own q/k/v (SGLang's "
-                    "attention kernels need CUDA and a paged KV pool); projections, RoPE, norms, MLP, "
-                    "fc and lm_head are SGLang's own modules")
-
-
 # --- stage 1: config --------------------------------------------------------------------------
 def load_configs(args, sa):
     """Target and draft ModelConfig as the scheduler builds them, plus the aux-capture config."""
@@ -216,191 +175,6 @@ def config_report(sa, algo, draft_cfg, aux) -> dict:
 
 
 # --- stage 2: weights -------------------------------------------------------------------------
-class LoadRecorder:
-    """Pre-fills a model's parameters with NaN and records, per name the loader receives, whether
-    any parameter changed while the engine handled it (stored) or not (dropped)."""
-
-    def __init__(self, model):
-        import torch
-
-        self.params = dict(model.named_parameters())
-        with torch.no_grad():
-            for p in self.params.values():
-                if p.is_floating_point():
-                    p.fill_(float("nan"))
-        self.snap = {n: p.detach().clone() for n, p in self.params.items()}
-        self.received: list[tuple[str, list[int]]] = []
-        self.pending: dict = {}  # name -> tensor, for names that wrote nothing on arrival
-        self.stored: dict[str, list[str]] = {}
-        self.current: str | None = None
-
-    def changed(self) -> list[str]:
-        import torch
-
-        out = []
-        for n, p in self.params.items():
-            old = self.snap[n]
-            if old.shape != p.shape or not torch.equal(torch.nan_to_num(old, nan=1.5e38), torch.nan_to_num(p.detach(), nan=1.5e38)):
-                out.append(n)
-                self.snap[n] = p.detach().clone()
-        return out
-
-    def wrap(self, weights):
-        for name, tensor in weights:
-            self.current = name
-            self.received.append((name, list(tensor.shape)))
-            yield name, tensor
-            changed = self.changed()
-            self.stored[name] = list(changed)
-            if not changed:
-                self.pending[name] = tensor
-            self.credit_pending(changed)
-        self.current = None
-
-    def credit_pending(self, changed: list[str]) -> None:
-        """Credit earlier names that wrote nothing when they arrived but whose exact values now sit
-        in a changed parameter (loaders that buffer a tensor until its partner arrives, e.g. the
-        fused q_a / kv_a projection of DeepSeek)."""
-        for name, tensor in list(self.pending.items()):
-            hits = [p for p in changed if holds_block(self.params[p].detach(), tensor)]
-            if hits:
-                self.stored[name] = hits
-                del self.pending[name]
-
-    def settle(self) -> list[str]:
-        """Parameters written after the last name arrived (deferred loads)."""
-        late = self.changed()
-        self.credit_pending(late)
-        return late
-
-
-def holds_block(param, tensor) -> bool:
-    """Whether `tensor` [n, ...] equals a block of consecutive rows of `param` [m, ...]."""
-    import torch
-
-    if tensor.dim() != param.dim() or tensor.shape[1:] != param.shape[1:] or tensor.shape[0] > param.shape[0]:
-        return False
-    t = tensor.to(param.dtype)
-    n = t.shape[0]
-    return any(torch.equal(param[i:i + n], t) for i in range(param.shape[0] - n + 1))
-
-
-def load_model(model_cfg):
-    """get_model as the model runner calls it on a CPU (after its unaligned-TP config adjustment)."""
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
-    from sglang.srt.model_loader import get_model
-
-    load_cfg = LoadConfig(load_format="auto")
-    model_cfg = adjust_config_with_unaligned_cpu_tp(model_cfg, load_cfg, 1)
-    return get_model(model_config=model_cfg, load_config=load_cfg, device_config=DeviceConfig("cpu", 0))
-
-
-def load_draft_recorded(draft_cfg):
-    """The draft through SGLang's loader, with a LoadRecorder around its load_weights call."""
-    from sglang.srt.model_loader.loader import DefaultModelLoader
-
-    original = DefaultModelLoader.load_weights_only
-    box = {}
-
-    def recorded(model, weights, target_device):
-        box["rec"] = rec = LoadRecorder(model)
-        try:
-            original(model, rec.wrap(weights), target_device)
-        except Exception as exc:
-            box["failed_on"] = rec.current
-            raise exc
-        box["late"] = rec.settle()
-
-    DefaultModelLoader.load_weights_only = staticmethod(recorded)
-    synchronous_weight_loading()
-    try:
-        model = load_model(draft_cfg)
-    except Exception as exc:
-        name = box.get("failed_on")
-        text = engine_message(exc)
-        raise StageError("weights", exc, message=f"{text} (while loading '{name}')" if name else text) from exc
-    finally:
-        DefaultModelLoader.load_weights_only = original
-    return model, box["rec"], box.get("late", [])
-
-
-def synchronous_weight_loading() -> None:
-    """Loaders that copy host tensors from a thread pool (DeepSeek, LongCat) do it inline instead,
-    so every write happens while its tensor name is being handled (same values, same order)."""
-    for module in list(sys.modules.values()):
-        if getattr(module, "should_async_load", None) is not None and \
-                getattr(module, "__name__", "").startswith("sglang."):
-            module.should_async_load = lambda weight: False
-    note = ("should_async_load -> False: thread-pool weight copies run inline, so each write is "
-            "attributed to the tensor name being loaded")
-    if note not in REPLACED:
-        REPLACED.append(note)
-
-
-def share_with_target(kind: str, algo, target_model, draft_model, target_cfg):
-    """The draft worker's own init_token_map / init_lm_head, run on the two loaded models."""
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
-    from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker
-
-    worker_cls = StandaloneDraftWorker if kind == "draft" else EagleDraftWorker
-    runner = SimpleNamespace(model=target_model, model_config=target_cfg, load_config=LoadConfig(load_format="auto"))
-    worker = SimpleNamespace(speculative_algorithm=algo, hot_token_id=None,
-                             target_worker=SimpleNamespace(model_runner=runner),
-                             draft_runner=SimpleNamespace(model=draft_model))
-    worker._resolve_shared_embed_and_head = lambda: worker_cls._resolve_shared_embed_and_head(worker)
-    worker_cls.init_token_map(worker)
-    worker_cls.init_lm_head(worker)
-    return worker.hot_token_id
-
-
-def module_names(kind: str, name: str, target_hf) -> bool:
-    """Whether a checkpoint name belongs to the draft (MTP folders also hold the whole target)."""
-    if kind != "mtp":
-        return True
-    first = getattr(target_hf, "num_hidden_layers", 0)
-    return name.startswith(("mtp.", f"model.layers.{first}.")) or any(
-        name.startswith(f"model.layers.{first + i}.") for i in range(1, 4))
-
-
-def weights_report(kind, rec: LoadRecorder, late: list[str], draft_model, target_hf) -> dict:
-    """created / loaded / never_written / dropped / shape_mismatch, after the sharing step."""
-    import torch
-
-    params = dict(draft_model.named_parameters())
-    never = sorted(n for n, p in params.items() if p.is_floating_point() and bool(torch.isnan(p).any()))
-    consumed, ignored, dropped, skipped = {}, [], [], 0
-    for name, _ in rec.received:
-        if rec.stored.get(name):
-            continue
-        if kind == "eagle3" and "d2t" in name and getattr(draft_model, "hot_token_id", None) is not None:
-            consumed[name] = "hot_token_id (d2t + arange)"
-        elif not module_names(kind, name, target_hf):
-            skipped += 1  # a target tensor in an MTP folder: the NextN loader reads only its layer
-        elif kind == "eagle3" and "t2d" in name:
-            ignored.append(name)  # LlamaForCausalLMEagle3.load_weights skips t2d by design
-        elif kind == "mtp" and ("shared_head.head" in name or "embed_tokens" in name):
-            ignored.append(name)  # the NextN loader skips these and shares the target's
-        else:
-            dropped.append(name)
-    return {
-        "created": sorted(rec.params),
-        "loaded": [n for n, _ in rec.received if module_names(kind, n, target_hf)],
-        "shapes": {"created": {n: list(p.shape) for n, p in rec.params.items()},
-                   "loaded": {n: s for n, s in rec.received if module_names(kind, n, target_hf)}},
-        "stored_into": {n: v for n, v in rec.stored.items() if v},
-        "written_after_loading": late,
-        "never_written": never,
-        "dropped": dropped,
-        "consumed": consumed,
-        "ignored_by_design": ignored,
-        "target_tensors_not_for_the_draft": skipped,
-        "shape_mismatch": [],
-    }
-
-
 def weights_failure(report: dict) -> StageError | None:
     problems = []
     if report["dropped"]:
@@ -411,100 +185,6 @@ def weights_failure(report: dict) -> StageError | None:
     if not problems:
         return None
     return StageError("weights", type_="SilentlyNotLoaded", message="; ".join(problems))
-
-
-# --- stage 3 / 4: forward passes --------------------------------------------------------------
-def forward_batch(ids, positions, mode, capture, hidden=None):
-    """A one-sequence ForwardBatch: every position of `ids` [N] new, at `positions` [N]."""
-    import torch
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-
-    n = ids.shape[0]
-    end = int(positions[-1]) + 1
-    return ForwardBatch(
-        forward_mode=getattr(ForwardMode, mode), batch_size=1, input_ids=ids,
-        req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=torch.tensor([end]),
-        out_cache_loc=positions.clone(), seq_lens_sum=end, seq_lens_cpu=torch.tensor([end]),
-        positions=positions, extend_num_tokens=n, extend_seq_lens=torch.tensor([n]),
-        extend_prefix_lens=torch.tensor([end - n]), extend_start_loc=torch.zeros(1, dtype=torch.int64),
-        extend_seq_lens_cpu=[n], extend_prefix_lens_cpu=[end - n], extend_logprob_start_lens_cpu=[n],
-        capture_hidden_mode=getattr(CaptureHiddenMode, capture), return_logprob=False,
-        spec_info=None if hidden is None else SimpleNamespace(hidden_states=hidden),
-    )
-
-
-def run_target(target_model, ids):
-    """Target prefill in EXTEND mode, capturing hidden states for the draft as the worker does.
-    ids [T] -> (hidden for the draft [T, n_aux*H or H], next token id)."""
-    import torch
-
-    KV.reset()
-    fb = forward_batch(ids, torch.arange(ids.shape[0]), "EXTEND", "FULL")
-    out = target_model.forward(ids, fb.positions, fb)
-    return out.hidden_states, int(out.next_token_logits[-1].argmax())
-
-
-def draft_step(draft_model, ids, positions, hidden):
-    """One draft forward with SGLang's module: -> (logits [N, Vd], carried hidden [N, H])."""
-    from sglang.srt.layers.logits_processor import LogitsMetadata
-
-    fb = forward_batch(ids, positions, "EXTEND", "LAST", hidden)
-    out = draft_model.model(ids, positions, fb)
-    if isinstance(out, tuple):  # EAGLE-3: (normed for logits, [carried])
-        to_logits, carried = out[0], out[1][0]
-    else:
-        to_logits = carried = out
-    logits = draft_model.logits_processor._get_logits(to_logits, draft_model.lm_head,
-                                                      LogitsMetadata.from_forward_batch(fb))
-    return logits, carried
-
-
-def to_target_vocab(logits, hot, vocab: int):
-    """Draft-vocab logits [N, Vd] placed at target ids [N, V]: through the hot-token map when SGLang
-    has one, else draft id i is target id i (what the worker does without a map)."""
-    import torch
-
-    full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
-    if hot is None:
-        full[:, :logits.shape[1]] = logits[:, :vocab]
-    else:  # a float map (from a float d2t) is used the way SGLang's embedding uses ids: .long()
-        full[:, hot.long()] = logits
-    return full
-
-
-def greedy_token(logits, hot):
-    """The worker's top-1 draft id mapped to a target id (`hot_token_id[topk_index]`), as the
-    0-d tensor the worker feeds to the next step (a float map stays float, as in SGLang)."""
-    idx = logits[-1].argmax()
-    return hot[idx] if hot is not None else idx
-
-
-def run_draft(kind, draft_model, ids, hidden, next_token, hot, vocab: int, k: int):
-    """Draft logits at every prompt position [T, V] and the greedy chain [k] after the prompt.
-
-    EAGLE drafts read token x_{t+1} and the target state at t (SGLang's draft extend shifts the ids
-    and appends the target's next token x_T), so row T-1 proposes chain[0] = x_{T+1}; the chain then
-    feeds each proposal back with the carried draft state. A standalone draft model reads the prompt
-    itself (row t predicts x_{t+1}), then x_T at position T, then its own proposals."""
-    import torch
-
-    KV.reset()
-    t = ids.shape[0]
-    if kind == "draft":
-        logits, _ = draft_step(draft_model, ids, torch.arange(t), None)
-        chain, carried, tok = [], None, torch.tensor(next_token)
-    else:
-        shifted = torch.cat([ids[1:], torch.tensor([next_token])])
-        logits, carried = draft_step(draft_model, shifted, torch.arange(t), hidden)
-        chain = [greedy_token(logits, hot)]
-        tok = chain[-1]
-    prompt_logits, pos = logits, t
-    while len(chain) < k:
-        state = None if kind == "draft" else carried[-1:]
-        step_logits, carried = draft_step(draft_model, tok.reshape(1), torch.tensor([pos]), state)
-        chain.append(greedy_token(step_logits, hot))
-        tok, pos = chain[-1], pos + 1
-    return to_target_vocab(prompt_logits, hot, vocab), torch.stack(chain).to(torch.int64)
 
 
 # --- the probe --------------------------------------------------------------------------------
@@ -530,7 +210,7 @@ def stage_config(args, result: dict):
     algorithm = ALGORITHMS[args.kind] if args.kind != "peagle" else "EAGLE3"
     try:
         SpeculativeAlgorithm.from_string(algorithm)  # the engine's own refusal for unknown methods
-        replace_attention_kernel()
+        REPLACED.append(replace_attention_kernel())
         sa = server_args(args, algorithm)
         init_runtime(sa)
         algo, target_cfg, draft_cfg, aux = load_configs(args, sa)
@@ -553,7 +233,12 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
         target_model = load_model(target_cfg)
     except Exception as exc:
         raise StageError("weights", exc, message=f"target: {engine_message(exc)}") from exc
-    draft_model, rec, late = load_draft_recorded(draft_cfg)
+    REPLACED.append(synchronous_weight_loading())
+    try:
+        draft_model, rec, late = load_draft_recorded(draft_cfg)
+    except Exception as exc:
+        text, name = engine_message(exc), getattr(exc, "failed_on", None)
+        raise StageError("weights", exc, message=f"{text} (while loading '{name}')" if name else text) from exc
     try:
         hot = share_with_target(args.kind, algo, target_model, draft_model, target_cfg)
         configure_aux_hidden_state_capture(
@@ -576,26 +261,6 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
     if failure is not None:
         raise failure
     return target_model, draft_model, hot
-
-
-def vocab_warnings(hot, draft_vocab: int, vocab: int) -> list[str]:
-    """What SGLang does, without an error, with a draft vocabulary map it cannot use as intended."""
-    out = []
-    if hot is None and draft_vocab < vocab:
-        out.append(f"no hot-token map (d2t) for a {draft_vocab}-token draft head over a {vocab}-token "
-                   f"target: SGLang takes draft id i as target id i, without an error")
-    if hot is not None and hot.is_floating_point():
-        out.append(f"hot_token_id is {hot.dtype} (a floating d2t): SGLang loads it without an error and "
-                   "its embedding casts the ids with .long(); ids are exact only while the float holds them")
-    return out
-
-
-def draft_vocab(draft_model, hot) -> int:
-    """Rows of the draft's output layer in token ids (hot vocab, else the unpadded head size)."""
-    if hot is not None:
-        return int(hot.shape[0])
-    head = draft_model.lm_head
-    return int(getattr(head, "org_vocab_size", head.weight.shape[0]))
 
 
 def aux_layer_ids(kind: str, target_model, target_cfg):
@@ -654,25 +319,6 @@ def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg
         result["config"]["standalone_prefill"] = STANDALONE_NOTE
     result["forward"] = "ok"
     return tensors
-
-
-STANDALONE_NOTE = ("SGLang 0.5.23's draft extend after prefill shifts the ids for STANDALONE as for EAGLE: the "
-                   "draft model reads x_1..x_T at positions 0..T-1 (x_0 never enters its KV cache); "
-                   "`chain` feeds the whole prompt like our verifier, `chain_as_served` feeds it as SGLang does")
-
-
-def standalone_chain_as_served(draft_model, ids, next_token: int, k: int):
-    """The STANDALONE chain with SGLang's shifted prefill: [x_1..x_T] at 0..T-1, then proposals."""
-    import torch
-
-    KV.reset()
-    t = ids.shape[0]
-    logits, _ = draft_step(draft_model, torch.cat([ids[1:], torch.tensor([next_token])]), torch.arange(t), None)
-    chain = [logits[-1].argmax()]
-    while len(chain) < k:
-        logits, _ = draft_step(draft_model, chain[-1].reshape(1), torch.tensor([t - 1 + len(chain)]), None)
-        chain.append(logits[-1].argmax())
-    return torch.stack(chain).to(torch.int64)
 
 
 def probe(args) -> tuple[dict, dict]:
