@@ -36,44 +36,7 @@ def make_head(target: Target, attn: str = "sdpa", seed: int = 1) -> Eagle3Head:
 
 def save_family_target(folder: Path, family: str, vocab: int, tokenizer_dir: Path | None = None,
                        seed: int = 0) -> Path:
-    """A tiny random DeepSeek-V3 (MLA + MoE), Qwen3-Next or Qwen3.5 (hybrid attention; dense or MoE) HF folder."""
-    import shutil
+    """A tiny random DeepSeek-V3 (MLA + MoE), Qwen3-Next or Qwen3.5 HF folder, faithful to the released config."""
+    from specheads.builtin.family_targets import save_family_target as save
 
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                  num_attention_heads=4, max_position_embeddings=CTX, initializer_range=0.1)
-    if family == "deepseek_v3":
-        cfg = DeepseekV3Config(**common, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=4,
-                               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                               q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                               v_head_dim=8, n_shared_experts=1, num_nextn_predict_layers=0)
-        model = DeepseekV3ForCausalLM(cfg)
-    elif family in ("qwen3_5", "qwen3_5_moe"):  # text-only Qwen3.5 (gated DeltaNet + gated attention)
-        model = _qwen3_5(family, common)
-    else:
-        cfg = Qwen3NextConfig(**common, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
-                              shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                              linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-                              linear_value_head_dim=8)
-        model = Qwen3NextForCausalLM(cfg)
-    model.save_pretrained(folder)
-    for path in (tokenizer_dir.iterdir() if tokenizer_dir else []):
-        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy2(path, folder / path.name)
-    return folder
-
-
-def _qwen3_5(family: str, common: dict):
-    """Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM from the text configs: 3 linear-attention + 1 full layer."""
-    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
-
-    linear = dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=8, linear_num_value_heads=4,
-                  linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
-    if family == "qwen3_5":
-        cfg = Qwen3_5TextConfig(**{k: v for k, v in common.items() if k != "moe_intermediate_size"}, **linear)
-    else:
-        cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in common.items() if k != "intermediate_size"}, **linear,
-                                   shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
-    return AutoModelForCausalLM.from_config(cfg)
+    return save(folder, family, vocab, tokenizer_dir, seed)

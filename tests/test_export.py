@@ -218,3 +218,75 @@ def test_load_names_a_folder_that_is_no_export(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="config.json: architectures"):
         load(tmp_path)
+
+
+# --- a draft vocabulary equal to the target's (Vd == V): no d2t / t2d (vLLM rejects them) -------------
+def full_vocab_names(out) -> set[str]:
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        return set(fh.keys())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_full_vocab_head_ships_no_vocab_map_and_loads_as_identity(tmp_path, fmt):
+    """vLLM builds draft_id_to_target_id only when Vd != V and raises "There is no module or parameter
+    named 'draft_id_to_target_id'" on a d2t otherwise; our loader reads the folder as identity offsets."""
+    head = make_head(draft_vocab_size=96)
+    head.set_vocab_map(torch.zeros(96, dtype=torch.int64), torch.ones(96, dtype=torch.bool))
+    out = export(save(tmp_path, head), fmt, tmp_path / fmt)
+    names = full_vocab_names(out)
+    assert "d2t" not in names and "t2d" not in names and "lm_head.weight" in names
+    validate(out, fmt, expected=head.config)
+    loaded = load(out)
+    assert torch.equal(loaded.d2t, torch.zeros(96, dtype=torch.int64)) and bool(loaded.t2d.all())
+    same_outputs(head.eval(), loaded)
+
+
+def test_full_vocab_head_with_a_permuted_map_keeps_its_logits(tmp_path):
+    """A Vd == V head whose d2t permutes the ids: lm_head rows are written in target order instead."""
+    head = make_head(draft_vocab_size=96).eval()
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(3))
+    head.set_vocab_map(perm - torch.arange(96), torch.ones(96, dtype=torch.bool))
+    loaded = load(export(save(tmp_path, head), "vllm-native", tmp_path / "out"))
+    out = torch.randn(2, 5, head.config.hidden_size)
+
+    def in_target_order(h):
+        full = torch.empty(2, 5, 96)
+        full[..., h.to_target_ids(torch.arange(96))] = h.logits(out)
+        return full
+    with torch.no_grad():
+        assert torch.allclose(in_target_order(head), in_target_order(loaded), atol=1e-6)
+
+
+def test_contract_refuses_a_vocab_map_with_a_full_draft_vocab(tmp_path):
+    """A Vd == V folder that still carries d2t is what vLLM 0.33 rejects at weight load."""
+    from safetensors.torch import load_file, save_file
+
+    from specheads.export import ContractError
+
+    head = make_head(draft_vocab_size=96)
+    head.set_vocab_map(torch.zeros(96, dtype=torch.int64), torch.ones(96, dtype=torch.bool))
+    out = export(save(tmp_path, head), "vllm", tmp_path / "v")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["d2t"] = torch.zeros(96, dtype=torch.int64)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ContractError, match="draft_id_to_target_id"):
+        validate(out, "vllm")
+
+
+def test_full_vocab_export_decodes_greedy_equal(tiny_target_dir, tmp_path):
+    from specheads.provenance import provenance
+    from specheads.target import Target
+    from specheads.verify.decode import generate, greedy_decode
+    from specheads.verify.proposers import Eagle3Proposer
+
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=target.vocab_size), target.config)
+    ckpt = save_checkpoint(tmp_path / "run", 1, head, recipe={}, provenance=provenance(target=target.fingerprint()),
+                           trainer_state={})
+    out = export(ckpt, "vllm", tmp_path / "export")
+    assert "d2t" not in full_vocab_names(out)
+    prompt = target.tokenizer("def add(a, b):\n    return")["input_ids"]
+    ref = greedy_decode(target, prompt, 24)
+    got = generate(target, Eagle3Proposer(load(out), target), prompt, 24, k=3)
+    assert got.tokens == ref.tokens and got.stats.drafts > 0

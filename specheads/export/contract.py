@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from specheads.export.contract_rules import (  # noqa: F401  (FORMATS, detect_format: re-exported)
     CONFIG_FILE, DTYPE_NAMES, ENGINE_NAMES, FLOAT_DTYPES, FORBIDDEN_TENSORS, FORMATS, LAYER_KEYS,
-    META_FILE, WEIGHTS_FILE, ContractError, FormatContract, Violation, contract_for, detect_format,
+    META_FILE, VOCAB_MAP_FIX, WEIGHTS_FILE, ContractError, FormatContract, Violation, contract_for, detect_format,
 )
 
 # --- reading ---------------------------------------------------------------------------------
@@ -190,8 +190,13 @@ def check_tensors(specs: dict, dims: dict, contract: FormatContract) -> list[Vio
     """Required names present with the config's shapes and the right dtypes; no stray names."""
     allowed = {r.name.format(layer=contract.layer_prefix): r for r in contract.tensors}
     out = []
+    reduced = dims.get("Vd") != dims.get("V")
     for name, rule in allowed.items():
         where = f"{WEIGHTS_FILE}: {name}"
+        if rule.vocab_map and not reduced:
+            if name in specs:
+                out.append(Violation(where, "no such tensor", "the tensor", VOCAB_MAP_FIX))
+            continue
         if name not in specs:
             if rule.need == "required" or (rule.need == "if_hidden_differs" and dims.get("Hd") != dims.get("H")):
                 out.append(Violation(where, "the tensor", "no tensor", f"{ENGINE_NAMES[contract.engine]} does not "

@@ -52,6 +52,7 @@ class TensorRule:
     shape: tuple[str, ...]
     dtype: str = "float"  # float | int64 | bool
     need: str = "required"  # required | optional | if_hidden_differs
+    vocab_map: bool = False  # only with a reduced draft vocabulary (Vd < V); forbidden when Vd == V
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,16 @@ EAGLE3_TENSORS = (
     TensorRule("{layer}post_attention_layernorm.weight", ("Hd",)),
     TensorRule("norm.weight", ("Hd",)),
     TensorRule("lm_head.weight", ("Vd", "Hd")),
-    TensorRule("d2t", ("Vd",), dtype="int64"),
-    TensorRule("t2d", ("V",), dtype="bool", need="optional"),
+    # only with a reduced draft vocabulary (Vd < V): vLLM creates draft_id_to_target_id only when
+    # draft_vocab_size != vocab_size and raises on a d2t otherwise (llama_eagle3.py, vllm_contract.md §3.2)
+    TensorRule("d2t", ("Vd",), dtype="int64", vocab_map=True),
+    TensorRule("t2d", ("V",), dtype="bool", need="optional", vocab_map=True),
     TensorRule("embed_tokens.weight", ("V", "Hd"), need="if_hidden_differs"),
 )
+
+VOCAB_MAP_FIX = ("the draft vocabulary is the whole target vocabulary (draft_vocab_size == vocab_size), so vLLM "
+                 "builds no draft_id_to_target_id and rejects the folder (\"There is no module or parameter "
+                 "named 'draft_id_to_target_id'\"); leave d2t and t2d out (re-export)")
 
 # Names no engine should see: (pattern, why + what to do). The first match is reported.
 FORBIDDEN_TENSORS = (

@@ -43,14 +43,32 @@ def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     out = {}
-    for name, tensor in weights.items():
+    for name, tensor in without_full_vocab_map(weights).items():
         if name.startswith("layers.0."):
             name = LAYER_PREFIX[fmt] + name[len("layers.0."):]
         tensor = tensor.detach().cpu()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(DTYPES[dtype])
         out[name] = tensor.contiguous()
-    return out  # fc.weight [Hd, n_aux*H], ..., lm_head.weight [Vd, Hd], d2t [Vd] int64, t2d [V] bool
+    return out  # fc.weight [Hd, n_aux*H], ..., lm_head.weight [Vd, Hd], d2t [Vd] int64, t2d [V] bool (Vd < V)
+
+
+def without_full_vocab_map(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A head whose draft vocabulary is the whole target vocabulary (Vd == V) ships no d2t / t2d:
+    vLLM has no draft_id_to_target_id then and rejects a d2t. lm_head rows move to target order."""
+    d2t, t2d, lm_head = weights.get("d2t"), weights.get("t2d"), weights.get("lm_head.weight")
+    if d2t is None or t2d is None or lm_head is None or lm_head.shape[0] != t2d.shape[0]:
+        return weights  # a reduced vocabulary (Vd < V): the engines need the map
+    out = {n: t for n, t in weights.items() if n not in ("d2t", "t2d")}
+    target_ids = torch.arange(d2t.numel()) + d2t.long()  # [Vd]: a permutation of 0..V-1
+    if bool(d2t.any()):
+        if not torch.equal(torch.sort(target_ids).values, torch.arange(d2t.numel())):
+            raise ValueError("d2t of a full-vocabulary head is not a permutation of the target ids; "
+                             "the checkpoint's vocabulary map is corrupt")
+        reordered = torch.empty_like(lm_head)
+        reordered[target_ids] = lm_head  # row of draft id i -> row of target id i + d2t[i]
+        out["lm_head.weight"] = reordered
+    return out
 
 
 def rope_keys(config: Eagle3Config) -> dict:

@@ -121,13 +121,16 @@ def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> Eagl
 
 def head_weights(weights: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:
     """Export names -> head state-dict names (midlayer. -> layers.0.). embed_tokens.weight is the
-    engines' business (the head takes embeddings as input); a missing t2d is rebuilt from d2t."""
+    engines' business (the head takes embeddings as input); a full-vocabulary head (Vd == V) ships no
+    d2t (identity offsets); a missing t2d is rebuilt from d2t."""
     head = {}
     for name, tensor in weights.items():
         if name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer."):]
         if name != "embed_tokens.weight":
             head[name] = tensor
+    if "d2t" not in head and config.draft_vocab_size == config.vocab_size:
+        head["d2t"] = torch.zeros(config.vocab_size, dtype=torch.int64)  # [V]: identity (none shipped when Vd == V)
     if "t2d" not in head and "d2t" in head:
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)  # [V]
         t2d[torch.arange(config.draft_vocab_size) + head["d2t"]] = True
