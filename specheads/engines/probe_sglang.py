@@ -4,7 +4,14 @@ Runs under the SGLang virtualenv's python (never imports specheads): parses the 
 `launch_server` does (ServerArgs -> ModelConfig), builds target and draft with SGLang's model
 loader, shares embedding / lm_head through the draft worker's own methods, captures the target
 hidden states SGLang hands the draft, runs the draft module forward and a greedy chain.
-Writes OUT/result.json and OUT/tensors.safetensors (aux_hidden, draft_logits, chain).
+Writes OUT/result.json and OUT/tensors.safetensors (aux_hidden, draft_logits, chain) in the protocol
+of specheads/engines/check.py. SGLang specifics in result.json:
+  config.aux_layer_ids            SGLang's numbering (eagle_config ids: it captures the input of decoder
+                                  layer id + 1); aux_layer_ids_specheads gives ours (HF hidden_states[k])
+  weights.dropped                 names received but written nowhere; `consumed` (d2t -> hot_token_id)
+                                  and `ignored_by_design` (t2d; NextN's shared_head.head / embed_tokens,
+                                  replaced by the target's) are listed apart
+  warnings                        what SGLang does silently with a vocabulary map it cannot use as meant
 
 Only what has no CPU path is replaced, and each replacement is listed in `replaced_kernels`.
 """
