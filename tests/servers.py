@@ -8,11 +8,12 @@ import sys
 import threading
 
 
-def launch(args: list[str]) -> subprocess.Popen:
-    """`python -m specheads serve ... --port 0`, started (not yet listening)."""
+def launch(args: list[str], stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`python -m specheads serve ... --port 0`, started (not yet listening); `stderr` may be an
+    open file, for tests that read the server's log while it runs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "specheads", "serve", *args, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
 
 
 def wait_listening(proc: subprocess.Popen, timeout: float = 180.0) -> str:
@@ -30,7 +31,8 @@ def wait_listening(proc: subprocess.Popen, timeout: float = 180.0) -> str:
     reader.join(timeout)
     if "url" not in found:
         proc.kill()
-        raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
+        log = proc.stderr.read()[-2000:] if proc.stderr else "(stderr went to a file)"
+        raise RuntimeError(f"server did not start: {log}")
     return found["url"]
 
 

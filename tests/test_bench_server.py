@@ -142,6 +142,73 @@ def test_greedy_match_catches_a_lossy_server(servers, prompts_file, tmp_path):
     assert "NOT LOSSLESS" in (tmp_path / "bench.md").read_text()
 
 
+class FlakyProxy(BaseHTTPRequestHandler):
+    """Forwards to `server.upstream`; of the streamed requests, the 2nd gets a 500 and the 3rd a
+    stream cut off before [DONE] (a server that drops requests)."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _reply(self, status: int, data: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        with urllib.request.urlopen(self.server.upstream + self.path, timeout=60) as resp:
+            self._reply(200, resp.read(), resp.headers.get("Content-Type", "text/plain"))
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if json.loads(body).get("stream"):
+            with self.server.lock:
+                self.server.streams += 1
+                n = self.server.streams
+            if n == 2:
+                err = {"error": {"message": "injected failure", "type": "InternalServerError",
+                                 "param": None, "code": 500}}
+                return self._reply(500, json.dumps(err).encode(), "application/json")
+        req = urllib.request.Request(self.server.upstream + self.path, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            data, ctype = resp.read(), resp.headers.get("Content-Type", "application/json")
+        if json.loads(body).get("stream") and n == 3:
+            data = data[: data.index(b"data: [DONE]")]
+        self._reply(200, data, ctype)
+
+
+def test_bench_reports_failed_requests_and_exits_nonzero(servers, prompts_file, tmp_path, capsys):
+    spec_url, base_url = servers
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), FlakyProxy)
+    proxy.upstream, proxy.streams, proxy.lock = spec_url, 0, threading.Lock()
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{proxy.server_address[1]}"
+        code = bench_main(["--url", url, "--baseline-url", base_url, "--prompts", str(prompts_file),
+                           "--concurrency", "1,2", "--max-tokens", "4", "--num-prompts", "3",
+                           "--match-sample", "2", "--out", str(tmp_path), "--no-progress"])
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    term = capsys.readouterr()
+    assert code == 1
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = {(r["label"], r["concurrency"]): r for r in report["results"]}
+    assert rows[("speculative", 1)]["failed"] == 2 and rows[("speculative", 2)]["failed"] == 0
+    assert report["failed_requests"] == 2 and all(rows[("baseline", c)]["failed"] == 0 for c in (1, 2))
+    errors = rows[("speculative", 1)]["errors"]
+    assert any("HTTP 500: injected failure" in e for e in errors) and any("[DONE]" in e for e in errors)
+    # no speed-up from the partial level; the complete one keeps its figure
+    assert set(report["speedup"]) == {"2"}
+    md = (tmp_path / "bench.md").read_text()
+    assert "| speculative | 1 | 1 / 3 **2 FAILED** |" in md and "1: not computed (requests failed)" in md
+    assert "2 requests FAILED" in md and "2: " in md.split("Speed-up")[1]
+    assert "speculative @ concurrency 1: 2 of 3 requests FAILED" in term.err
+    assert "HTTP 500: injected failure" in term.err and "Traceback" not in term.err
+
+
 def test_prometheus_parsing_and_percentiles():
     text = "\n".join([
         "# TYPE vllm:spec_decode_num_drafts_total counter",

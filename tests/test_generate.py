@@ -174,3 +174,23 @@ def test_eval_records_the_tree(tiny_target_dir, export_dir, tmp_path, capsys):
     m = json.loads((out / "metrics.json").read_text())
     assert m["tree"] == {"kind": "chain", "k": 2, "nodes": 3} and m["greedy_equal"] is True
     assert len(m["speculative"]["acceptance_per_position"]) == 2
+
+
+@pytest.mark.parametrize("tree", ["chain", "eagle2"])
+def test_generate_tiny_temperatures_equal_greedy(tiny_target_dir, export_dir, target, tree, capsys):
+    """Temperatures 1e-3 .. 1e-300 sampled garbage once (float32 overflow in the warp): at these
+    temperatures the target's distribution is one-hot on its argmax, so the sampled text is the
+    greedy text, for the speculative loop and plain sampling alike."""
+    greedy = plain_text(target, PROMPT, 12)
+    args = ["generate", "--target", str(tiny_target_dir), "--draft", str(export_dir), "--prompt",
+            PROMPT, "--max-new-tokens", "12", "--device", "cpu", "--tree", tree,
+            "--total-tokens", "8", "--depth", "2", "--seed", "5"]
+    for temperature in ("1e-300", "1e-40", "1e-20", "1e-3"):
+        assert cli(args + ["--temperature", temperature]) == 0, temperature
+        run = capsys.readouterr()
+        assert run.out.rstrip("\n") == greedy, temperature
+        assert f"temperature {float(temperature):g}" in run.err and "lossless" in run.err
+    for bad in ("nan", "inf"):
+        assert cli(args + ["--temperature", bad]) == 1
+        err = capsys.readouterr().err
+        assert "temperature must be >= 0 and finite" in err and "Traceback" not in err

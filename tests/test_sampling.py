@@ -157,6 +157,26 @@ def test_warp():
             warp(logits, **{"temperature": 1.0, **bad})
 
 
+def test_warp_tiny_temperatures_are_argmax_not_nan():
+    """1e-40 overflowed float32 (x / T = inf, softmax NaN) and sampled garbage; now any tiny
+    positive temperature gives the one-hot argmax row, in float32 or float64, -inf entries kept."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        logits = (torch.randn(4, 50) * 20).to(dtype)
+        logits[0, 7] = float("-inf")
+        for t in (1e-3, 1e-20, 1e-40, 1e-300, 5e-324):
+            p = warp(logits, t)
+            assert not p.isnan().any() and p.sum(-1).tolist() == pytest.approx([1.0] * 4), (dtype, t)
+            if t < 1e-3:  # tiny: exactly greedy
+                assert p.max(-1).values.tolist() == [1.0] * 4, (dtype, t)
+            assert p.argmax(-1).tolist() == logits.argmax(-1).tolist(), (dtype, t)
+    tie = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
+    assert warp(tie, 1e-300).tolist() == [[0.0, 0.5, 0.5, 0.0]]  # an exact tie splits evenly
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            warp(tie, bad)
+
+
 def test_sample_is_exact_and_seeded():
     probs = torch.tensor([0.0, 0.2, 0.0, 0.8, 0.0], dtype=torch.float64)
     assert int(inverse_cdf(probs, torch.tensor(0.0))) == 1  # never a zero-mass id, even at u = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 
@@ -108,6 +107,21 @@ def test_completions_token_prompt_stop_string_and_seed(server, target):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_tiny_temperatures_sample_the_greedy_text(server, target):
+    """At 1e-300 .. 1e-3 the warped target is one-hot on its argmax: speculative sampling must
+    give the greedy text (it gave garbage once: the warp overflowed float32)."""
+    prompt = PROMPTS[0]
+    greedy = text_of(target, reference(target, prompt, 16))
+    for temperature in (1e-300, 1e-40, 1e-20, 1e-3):
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+                "temperature": temperature, "seed": 11}
+        out = post(f"{server}/v1/chat/completions", body)
+        assert out["choices"][0]["message"]["content"] == greedy, temperature
+        events = sse_events(post(f"{server}/v1/chat/completions", {**body, "stream": True}, raw=True))
+        streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert streamed == greedy, temperature
+
+
 def test_metrics_count_drafts_with_vllm_names(server):
     before = parse_metrics(get(f"{server}/metrics"))
     out = post(f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "def f(x):"}],
@@ -150,13 +164,9 @@ def test_models_health_and_errors(server):
 
 def test_no_draft_server_in_process_is_plain_greedy(target):
     from specheads.serve.engine import Engine
-    from specheads.serve.server import build_server
+    from specheads.serve.server import serve_in_thread
 
-    server = build_server(Engine(target, model_name="plain"))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = "http://%s:%d" % server.server_address[:2]
-    try:
+    with serve_in_thread(Engine(target, model_name="plain")) as url:
         before = parse_metrics(get(f"{url}/metrics"))
         ref = reference(target, PROMPTS[1], 20)
         body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 20,
@@ -164,8 +174,5 @@ def test_no_draft_server_in_process_is_plain_greedy(target):
         chunks = [json.loads(e) for e in sse_events(post(f"{url}/v1/chat/completions", body, raw=True))[:-1]]
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text_of(target, ref)
         after = parse_metrics(get(f"{url}/metrics"))
-        key = PREFIX + 'drafts_total{model_name="plain",engine="0"}'
+        key = PREFIX + 'drafts_total{engine="0",model_name="plain"}'
         assert after[key] == before[key] == 0
-    finally:
-        server.shutdown()
-        server.server_close()

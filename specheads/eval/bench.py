@@ -25,7 +25,9 @@ JSON written to OUT/bench.json (OUT/bench.md renders it):
                               "accepted_tokens": int|null, "acceptance_rate": float|null,
                               "acceptance_length": float|null,  # tokens per target step, bonus included
                               "per_position": [float, ...]}}],
-     "speedup": {"<concurrency>": speculative / baseline output tokens/s},
+     "speedup": {"<concurrency>": speculative / baseline output tokens/s},  # only levels where no
+                                                    # request of either server failed
+     "failed_requests": int,                        # over all rows; > 0 makes the command exit 1
      "greedy_match": null | {"sample": int, "matched": int, "rate": float,
                              "mismatches": [{"prompt": id, "first_difference": int,
                                              "speculative": str, "baseline": str}]}}
@@ -37,8 +39,11 @@ import argparse
 import json
 import math
 import re
+import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +52,7 @@ from pathlib import Path
 from specheads.atomic import check_output, write_json, write_text
 
 DEFAULT_CONCURRENCY = (1, 8, 32)
+MAX_ERRORS = 10  # failure messages kept per row
 
 
 class BenchError(ValueError):
@@ -108,27 +114,44 @@ def _delta_text(chunk: dict) -> str:
     return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
 
 
+def describe_error(err: Exception) -> str:
+    """A failed request in one line: the HTTP status and the server's own message when there is one."""
+    if isinstance(err, urllib.error.HTTPError):
+        try:
+            detail = json.loads(err.read().decode("utf-8", "replace"))["error"]["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            detail = err.reason
+        return f"HTTP {err.code}: {detail}"[:300]
+    return f"{type(err).__name__}: {err}"[:300]
+
+
 def stream_request(url: str, body: dict, timeout: float) -> Outcome:
     """POST with stream=true; read server-sent events, timing the first text delta."""
     start = time.perf_counter()
-    ttft, parts, usage, chunks = None, [], None, 0
+    ttft, parts, usage, chunks, done = None, [], None, 0, False
     try:
         with urllib.request.urlopen(_request(url, body), timeout=timeout) as resp:
             for raw in resp:
                 line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
+                if line == "data: [DONE]":
+                    done = True
+                if not line.startswith("data:") or done:
                     continue
                 chunk = json.loads(line[len("data:"):])
                 if "error" in chunk:
-                    return Outcome(False, error=str(chunk["error"])[:300])
+                    return Outcome(False, latency=time.perf_counter() - start,
+                                   error=f"error event in the stream: {chunk['error']}"[:300])
                 text = _delta_text(chunk)
                 if text:
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     parts.append(text)
                     chunks += 1
                 usage = chunk.get("usage") or usage
-    except (OSError, ValueError) as err:
-        return Outcome(False, error=f"{type(err).__name__}: {err}"[:300])
+    except (OSError, ValueError) as err:  # HTTPError, resets, timeouts, broken JSON
+        return Outcome(False, latency=time.perf_counter() - start, error=describe_error(err))
+    if not done:
+        return Outcome(False, latency=time.perf_counter() - start,
+                       error="the stream ended without its [DONE] event (cut off)")
     tokens = int(usage["completion_tokens"]) if usage else chunks
     return Outcome(True, time.perf_counter() - start, ttft, tokens, "".join(parts))
 
@@ -237,7 +260,7 @@ def level_row(label: str, concurrency: int, outcomes: list[Outcome], duration: f
     tpot = [(o.latency - o.ttft) / (o.tokens - 1) for o in ok if o.ttft is not None and o.tokens > 1]
     return {
         "label": label, "concurrency": concurrency, "requests": len(outcomes),
-        "failed": len(outcomes) - len(ok), "errors": [o.error for o in outcomes if not o.ok][:3],
+        "failed": len(outcomes) - len(ok), "errors": [o.error for o in outcomes if not o.ok][:MAX_ERRORS],
         "duration_s": duration, "output_tokens": tokens,
         "output_tokens_per_s": tokens / duration if duration > 0 else 0.0,
         "requests_per_s": len(ok) / duration if duration > 0 else 0.0,
@@ -319,15 +342,23 @@ def markdown(report: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
         t, p, lat, acc = r["ttft_ms"] or {}, r["tpot_ms"] or {}, r["latency_ms"] or {}, r["acceptance"] or {}
+        failed = f" **{r['failed']} FAILED**" if r["failed"] else ""
         lines.append(
-            f"| {r['label']} | {r['concurrency']} | {r['requests'] - r['failed']} / {r['requests']} "
+            f"| {r['label']} | {r['concurrency']} | {r['requests'] - r['failed']} / {r['requests']}{failed} "
             f"| {_fmt(r['output_tokens_per_s'])} | {_fmt(r['requests_per_s'], 2)} "
             f"| {_fmt(t.get('p50'))} / {_fmt(t.get('p99'))} | {_fmt(p.get('p50'), 2)} / {_fmt(p.get('p99'), 2)} "
             f"| {_fmt(lat.get('p50'))} / {_fmt(lat.get('p90'))} / {_fmt(lat.get('p99'))} "
             f"| {_fmt(acc.get('acceptance_length'), 2)} | {_fmt(acc.get('acceptance_rate'), 2)} |")
-    if report["speedup"]:
-        lines += ["", "Speed-up (output tok/s, speculative / baseline): " + ", ".join(
-            f"{c}: {s:.2f}x" for c, s in report["speedup"].items())]
+    failed = [r for r in report["results"] if r["failed"]]
+    if failed:
+        lines += ["", f"**{sum(r['failed'] for r in failed)} requests FAILED**: the figures of the marked "
+                  "rows cover only their successful requests, and no speed-up is computed at their "
+                  "concurrency. First errors:"]
+        lines += [f"- {r['label']} @ {r['concurrency']}: {e}" for r in failed for e in r["errors"][:3]]
+    if report["servers"]["baseline"]:
+        parts = [f"{c}: {report['speedup'][str(c)]:.2f}x" if str(c) in report["speedup"] else
+                 f"{c}: not computed (requests failed)" for c in report["concurrency"]]
+        lines += ["", "Speed-up (output tok/s, speculative / baseline): " + ", ".join(parts)]
     gm = report["greedy_match"]
     if gm:
         verdict = "lossless on this sample" if gm["matched"] == gm["sample"] else "NOT LOSSLESS"
@@ -341,13 +372,36 @@ def markdown(report: dict) -> str:
 # --- entry points --------------------------------------------------------------------------------
 
 
-def load_bodies(prompts_file: str, limit: int | None, api: str, model: str, max_tokens: int,
-                temperature: float) -> list[tuple[str, dict]]:
-    """(prompt id, streamed request body) per prompt of an eval prompts file (first turn)."""
-    from specheads.eval.online import read_prompts
+def _check_url(flag: str, url: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BenchError(f"{flag} '{url}' is not an http(s) URL: pass e.g. http://127.0.0.1:8000")
+    try:
+        parts.port
+    except ValueError:
+        raise BenchError(f"{flag} '{url}' has an invalid port: pass 1..65535") from None
 
-    return [(row.id, request_body(row.turns[0], api, model, max_tokens, temperature, stream=True))
-            for row in read_prompts(prompts_file, limit)]
+
+def check_options(url: str, baseline_url: str | None, concurrency, max_tokens: int, limit: int | None,
+                  match_sample: int, api: str, temperature: float, timeout: float) -> list[int]:
+    """Refuse bad options (naming the flag) before any prompt is read or server asked -> levels."""
+    _check_url("--url", url)
+    if baseline_url is not None:
+        _check_url("--baseline-url", baseline_url)
+    if api not in ("chat", "completions"):
+        raise BenchError(f"--api '{api}': expected chat or completions")
+    levels = sorted({int(c) for c in concurrency})
+    if not levels or levels[0] < 1:
+        raise BenchError(f"--concurrency needs integers >= 1, got {list(concurrency)}")
+    for flag, value, low in (("--max-tokens", max_tokens, 1), ("--num-prompts", limit, 1),
+                             ("--match-sample", match_sample, 0)):
+        if value is not None and value < low:
+            raise BenchError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= temperature <= 2:
+        raise BenchError(f"--temperature must be a number in [0, 2], got {temperature}")
+    if not 0 < timeout < math.inf:
+        raise BenchError(f"--timeout must be a positive number of seconds, got {timeout}")
+    return levels
 
 
 def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_url: str | None = None,
@@ -357,16 +411,17 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
     """Benchmark `url` (and `baseline_url`) at each concurrency; write bench.json / bench.md."""
     from tqdm import tqdm
 
-    if api not in ("chat", "completions"):
-        raise BenchError(f"api '{api}': expected chat or completions")
+    levels = check_options(url, baseline_url, concurrency, max_tokens, limit, match_sample, api,
+                           temperature, timeout)
     if out_dir:  # refused before any request: a folder of other files is not ours to write into
         check_output(Path(out_dir), lambda f: (f / "bench.json").is_file(), "a bench output folder")
-    levels = sorted({int(c) for c in concurrency})
-    if not levels or levels[0] < 1 or max_tokens < 1:
-        raise BenchError("concurrency levels and --max-tokens must be positive integers")
+    from specheads.eval.online import read_prompts  # torch: only once the options are fine
+
     url, baseline_url = url.rstrip("/"), baseline_url.rstrip("/") if baseline_url else None
+    prompts = read_prompts(prompts_file, limit)  # a bad file fails before any server is asked
     model = model or served_model(url)
-    rows = load_bodies(prompts_file, limit, api, model, max_tokens, temperature)
+    rows = [(row.id, request_body(row.turns[0], api, model, max_tokens, temperature, stream=True))
+            for row in prompts]
     servers = [("speculative", url)] + ([("baseline", baseline_url)] if baseline_url else [])
     sample = rows[:match_sample] if baseline_url else []
     total = len(rows) * len(levels) * len(servers) + len(sample)
@@ -377,7 +432,8 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
     report = {"servers": {"speculative": url, "baseline": baseline_url}, "model": model, "api": api,
               "prompts": {"file": str(prompts_file), "count": len(rows)}, "max_tokens": max_tokens,
               "temperature": temperature, "concurrency": levels, "results": results,
-              "speedup": speedups(results), "greedy_match": match}
+              "speedup": speedups(results), "failed_requests": sum(r["failed"] for r in results),
+              "greedy_match": match}
     if out_dir:
         write_json(Path(out_dir) / "bench.json", report)
         write_text(Path(out_dir) / "bench.md", markdown(report))
@@ -385,16 +441,39 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
 
 
 def speedups(results: list[dict]) -> dict[str, float]:
-    by = {(r["label"], r["concurrency"]): r["output_tokens_per_s"] for r in results}
-    return {str(c): by[("speculative", c)] / by[("baseline", c)]
-            for (label, c) in by if label == "baseline" and by[("baseline", c)] > 0 and ("speculative", c) in by}
+    """speculative / baseline output tokens/s per concurrency, only where both rows are complete
+    (a partial run's throughput is not the server's)."""
+    by = {(r["label"], r["concurrency"]): r for r in results}
+    out = {}
+    for (label, c), base in by.items():
+        spec = by.get(("speculative", c))
+        if label != "baseline" or spec is None or spec["failed"] or base["failed"]:
+            continue
+        if base["output_tokens_per_s"] > 0:
+            out[str(c)] = spec["output_tokens_per_s"] / base["output_tokens_per_s"]
+    return out
+
+
+def failure_lines(report: dict) -> list[str]:
+    """What failed, for the terminal: one line per failed row, then its error messages."""
+    lines = []
+    for r in report["results"]:
+        if r["failed"]:
+            lines.append(f"{r['label']} @ concurrency {r['concurrency']}: {r['failed']} of "
+                         f"{r['requests']} requests FAILED")
+            lines += [f"  {e}" for e in r["errors"]]
+    if lines:
+        lines.append(f"specheads bench: {report['failed_requests']} requests failed; their rows "
+                     "are marked and no speed-up is reported for those concurrency levels")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specheads bench", description=(
         "Load-test an OpenAI-compatible server (vLLM, SGLang, specheads serve) with speculation, and "
         "optionally a baseline server without it: TTFT, TPOT, tokens/s, latency percentiles, "
-        "acceptance from /metrics, and a greedy-match check (exit 1 if the answers differ)."))
+        "acceptance from /metrics, and a greedy-match check (exit 1 if the answers differ or any "
+        "request failed)."))
     p.add_argument("--url", required=True, help="base URL of the speculative server, e.g. http://127.0.0.1:8000")
     p.add_argument("--baseline-url", default=None, help="base URL of the same target served without speculation")
     p.add_argument("--prompts", required=True, help="jsonl with 'prompt' (or 'turns') per line")
@@ -410,11 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     try:
-        levels = [int(c) for c in a.concurrency.split(",") if c.strip()]
+        levels = [int(c) for c in a.concurrency.split(",")]
     except ValueError:
         raise BenchError(f"--concurrency '{a.concurrency}': expected integers separated by commas") from None
     report = run_bench(a.url, a.prompts, a.out, a.baseline_url, levels, a.max_tokens, a.num_prompts,
                        a.match_sample, a.api, a.model, a.temperature, a.timeout, not a.no_progress)
     print(markdown(report))
+    for line in failure_lines(report):
+        print(line, file=sys.stderr)
     gm = report["greedy_match"]
-    return 1 if gm and gm["matched"] != gm["sample"] else 0
+    return 1 if report["failed_requests"] or (gm and gm["matched"] != gm["sample"]) else 0

@@ -20,7 +20,38 @@ from specheads.verify.decode import DecodeStats
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve (the message is returned to the client with a 400)."""
+    """A request the engine cannot serve: returned to the client as a 4xx naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class Cancelled(Exception):
+    """The client went away: the decode stops at its next step and frees the engine."""
+
+
+class SerialTokenizer:
+    """The target's tokenizer behind a lock: requests are tokenized on another thread than the
+    decode's text streaming, and a fast tokenizer must not be used from two threads at once."""
+
+    def __init__(self, tokenizer):
+        self._tok, self._lock = tokenizer, threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            return self._tok(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.decode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
 
 
 @dataclass(frozen=True)
@@ -72,14 +103,18 @@ class StopTextStream:
     Has the `push(tokens, final)` interface `generate.StreamingProposer` drives.
     """
 
-    def __init__(self, tokenizer, eos: set[int], stops: tuple[str, ...], emit: Callable[[str], None]):
+    def __init__(self, tokenizer, eos: set[int], stops: tuple[str, ...], emit: Callable[[str], None],
+                 cancel: threading.Event | None = None):
         self.tokenizer, self.eos, self.stops, self.emit = tokenizer, eos, stops, emit
+        self.cancel = cancel
         self.tokens: list[int] = []
         self.sent = ""
         self.stopped = False
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def push(self, tokens: list[int], final: bool = False) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled("the client disconnected")
         self.tokens.extend(int(t) for t in tokens if int(t) not in self.eos)
         if self.stopped:
             return
@@ -112,6 +147,7 @@ class Engine:
 
         self.target, self.head, self.spec, self.model_name = target, head, spec, model_name
         self.eos = eos_ids(target)
+        self.tokenizer = SerialTokenizer(target.tokenizer)
         self.lock = threading.Lock()
 
     @property
@@ -120,19 +156,25 @@ class Engine:
 
     def chat_ids(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> list[int]:
         """The conversation rendered with the target's chat template, ready for the answer."""
-        tok = self.target.tokenizer
+        tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise RequestError("the target's tokenizer has no chat template: use /v1/completions")
+            raise RequestError("the target's tokenizer has no chat template: use /v1/completions",
+                               "messages")
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        try:
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        except Exception as err:  # noqa: BLE001 - jinja / template errors come from the request
+            raise RequestError(f"the chat template cannot render these 'messages'"
+                               f"{' and tools' if tools else ''}: {type(err).__name__}: {err}",
+                               "messages") from None
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def text_ids(self, prompt) -> list[int]:
         """A completion prompt (text or a list of token ids) -> ids."""
         if isinstance(prompt, str):
-            return list(self.target.tokenizer(prompt)["input_ids"])
+            return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
     def _proposer(self, sampled: bool):
@@ -142,13 +184,15 @@ class Engine:
             return NullProposer()
         return make_proposer(self.spec, self.head, self.target, sampled)
 
-    def budget(self, ids: list[int], params: Params) -> int:
+    def budget(self, ids: list[int], params: Params, field: str = "prompt") -> int:
+        """New tokens this request may generate; refuses a prompt that leaves no room
+        (`field` names the request field the prompt came from)."""
         if not ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", field)
         ctx = self.context
         if ctx is not None and len(ids) >= ctx:
             raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}: "
-                               "shorten it")
+                               "shorten it", field)
         room = (ctx - len(ids)) if ctx is not None else 1 << 30
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
@@ -166,14 +210,17 @@ class Engine:
         return sampled_decode(spec, self.target, proposer, ids, budget, self.eos,
                               Sampling(params.temperature, params.top_p, seed))
 
-    def complete(self, ids: list[int], params: Params,
-                 emit: Callable[[str], None] | None = None) -> Completion:
-        """Decode one prompt; `emit` receives text deltas as tokens are verified (streaming)."""
+    def complete(self, ids: list[int], params: Params, emit: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None) -> Completion:
+        """Decode one prompt; `emit` receives text deltas as tokens are verified (streaming);
+        setting `cancel` stops the decode at its next step (raises Cancelled)."""
         from specheads.generate import StreamingProposer
 
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the client disconnected before its turn")
         budget = self.budget(ids, params)
         eos = set(self.eos)
-        stream = StopTextStream(self.target.tokenizer, eos, params.stop, emit or (lambda _t: None))
+        stream = StopTextStream(self.tokenizer, eos, params.stop, emit or (lambda _t: None), cancel)
         proposer = StreamingProposer(self._proposer(params.temperature > 0), stream)
         with self.lock, torch.no_grad():
             result = self._decode(proposer, ids, budget, params)
@@ -182,7 +229,7 @@ class Engine:
 
     def _finish(self, result, ids: list[int], params: Params) -> Completion:
         """Text cut at eos / the first stop string; tokens counted up to where the text ends."""
-        tok, eos = self.target.tokenizer, set(self.eos)
+        tok, eos = self.tokenizer, set(self.eos)
         body = [t for t in result.tokens if t not in eos]
         text = tok.decode(body, skip_special_tokens=True)
         cut = find_stop(text, params.stop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -13,15 +14,29 @@ _UNSUPPORTED = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty"
                 "logit_bias": None, "response_format": None}
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
 def _number(body: dict, key: str, default, kind=float, lo=None, hi=None):
+    """body[key] as a finite number (an integer for `kind` int) in [lo, hi], or `default`."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise RequestError(f"'{key}' must be a{'n integer' if kind is int else ' number'}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (kind is int and value != int(value)):
+        raise RequestError(f"'{key}' must be a{'n integer' if kind is int else ' finite number'}, "
+                           f"got {value!r}", key)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise RequestError(f"'{key}' must lie in [{lo}, {hi}], got {value!r}")
+        raise RequestError(f"'{key}' must lie in [{lo}, {hi}], got {value!r}", key)
     return kind(value)
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"'{key}' must be true or false, got {value!r}", key)
+    return bool(value)
 
 
 def parse_params(body: dict) -> Params:
@@ -29,38 +44,76 @@ def parse_params(body: dict) -> Params:
     for key, default in _UNSUPPORTED.items():
         value = body.get(key)
         if value is not None and value is not False and value != default:
-            raise RequestError(f"'{key}' = {value!r} is not supported by this server")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, int, lo=1)
+            raise RequestError(f"'{key}' = {value!r} is not supported by this server", key)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, None, int, lo=1, hi=MAX_TOKENS_LIMIT)
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("'stop' must be a string or a list of strings")
+        raise RequestError("'stop' must be a string or a list of strings", "stop")
+    _flag(body, "stream")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
     return Params(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, lo=0, hi=2),
                   top_p=_number(body, "top_p", 1.0, lo=1e-9, hi=1),
-                  seed=_number(body, "seed", None, int), stop=tuple(s for s in stop if s))
+                  seed=_number(body, "seed", None, int, *_INT64), stop=tuple(s for s in stop if s))
 
 
 def _text_content(content, where: str) -> str:
     """A message's content: a string, null, or a list of text parts."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "\n".join(str(p.get("text", "")) for p in content)
-    raise RequestError(f"{where}.content must be a string or a list of text parts")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise RequestError(f"'{where}.content' must be a string or a list of text parts "
+                       f"({{\"type\": \"text\", \"text\": \"...\"}}), got {_short(content)}",
+                       f"{where}.content")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_messages(body: dict) -> list[dict]:
     """`messages` checked and normalised (text parts joined); other message keys kept."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list")
+        raise RequestError("'messages' must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'role'")
+            raise RequestError(f"'messages[{i}]' must be an object with a string 'role'",
+                               f"messages[{i}]")
         out.append({**m, "content": _text_content(m.get("content"), f"messages[{i}]")})
     return out
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    """`tools`: null or a list of {"type": "function", "function": {"name": str, ...}}."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(f"'tools' must be a list of function tools, got {_short(tools)}", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
+                               f"{{\"name\": \"...\", ...}}}}, got {_short(tool)}", f"tools[{i}]")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"'tools[{i}].function.parameters' must be a JSON schema object",
+                               f"tools[{i}].function.parameters")
+    return tools
+
+
+def parse_template_kwargs(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return kwargs
 
 
 def parse_prompt(body: dict):
@@ -72,7 +125,8 @@ def parse_prompt(body: dict):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    raise RequestError("'prompt' must be a non-empty string or list of token ids (one prompt per request)")
+    raise RequestError("'prompt' must be a non-empty string or list of token ids (one prompt per "
+                       "request)", "prompt")
 
 
 def include_usage(body: dict) -> bool:
@@ -124,6 +178,12 @@ class Responder:
         return {**self._base(obj, []), "usage": usage(done)}
 
 
-def error_body(message: str, status: int) -> dict:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
+          408: "RequestTimeout", 413: "RequestTooLarge", 431: "RequestHeadersTooLarge",
+          503: "ServiceUnavailable"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error shape; `param` names the offending field when there is one."""
+    kind = _KINDS.get(status, "BadRequestError" if 400 <= status < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -1,155 +1,133 @@
-"""`specheads serve`: an OpenAI-compatible HTTP server on the standard library's ThreadingHTTPServer.
+"""`specheads serve`: an OpenAI-compatible HTTP server on FastAPI + uvicorn.
 
 Routes: POST /v1/chat/completions and /v1/completions (streaming as server-sent events in OpenAI's
 chunk format, `stream_options.include_usage` honoured), GET /v1/models, /health and /metrics
-(Prometheus, vLLM's metric names). Requests are decoded one at a time (the engine's lock); the
-other routes answer while a request decodes. HTTP/1.0: one request per connection.
+(prometheus_client, vLLM's metric names).
+
+The verifier decodes one request at a time (batch 1), on a worker thread, so the event loop keeps
+answering /health, /metrics and new connections while it runs. Requests beyond the one decoding
+wait in a bounded FIFO (`--max-queue`); past it they get 503 with Retry-After. Every client error
+is a 4xx JSON error in OpenAI's shape naming the field (`param`); bodies and headers that do not
+arrive within `--read-timeout` get a 408. A streaming client that goes away stops its decode.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import math
+import socket
 import sys
+import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from specheads.serve.engine import Engine, RequestError
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from specheads.serve.engine import Cancelled, Completion, Engine, Params, RequestError
 from specheads.serve.metrics import CONTENT_TYPE, Metrics
 from specheads.serve.protocol import (
     Responder, error_body, include_usage, parse_messages, parse_params, parse_prompt,
+    parse_template_kwargs, parse_tools,
 )
+from specheads.serve.transport import ServeError, bind, protocol_class, url_of
 
 MAX_BODY = 64 << 20
 
 
-class Handler(BaseHTTPRequestHandler):
-    """Routes one HTTP request to the engine; `self.server.app` holds engine, metrics, info."""
+@dataclass(frozen=True)
+class ServeOptions:
+    """Admission and timeouts of one server."""
 
-    server_version = "specheads"
-    _headers_sent = False
+    max_queue: int = 256  # requests waiting behind the one decoding; more get 503
+    read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
+    log_requests: bool = False
 
-    def log_message(self, fmt, *args) -> None:  # quiet unless --log-requests
-        if self.server.app.get("log"):
-            super().log_message(fmt, *args)
+    def __post_init__(self):
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ServeError(f"--max-queue must be an integer >= 0, got {self.max_queue!r}")
+        if not 0 < self.read_timeout < math.inf:
+            raise ServeError(f"--read-timeout must be a positive number of seconds, "
+                             f"got {self.read_timeout!r}")
 
-    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def _json(self, status: int, obj) -> None:
-        self._send(status, json.dumps(obj).encode())
+class Overloaded(RequestError):
+    """The queue is full: 503 with a Retry-After estimate (seconds)."""
 
-    def do_GET(self) -> None:
-        app, path = self.server.app, self.path.split("?")[0]
-        if path == "/health":
-            self._json(200, {"status": "ok"})
-        elif path == "/metrics":
-            self._send(200, app["metrics"].render().encode(), CONTENT_TYPE)
-        elif path == "/v1/models":
-            self._json(200, {"object": "list", "data": [app["model_card"]]})
-        else:
-            self._json(404, error_body(f"no route GET {path}", 404))
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message, None, 503)
+        self.retry_after = retry_after
 
-    def do_POST(self) -> None:
-        path = self.path.split("?")[0]
-        if path not in ("/v1/chat/completions", "/v1/completions"):
-            self._json(404, error_body(f"no route POST {path}", 404))
-            return
+
+def log(message: str) -> None:
+    """One line on the server's stderr (server-side failures; never a traceback)."""
+    print(f"specheads serve: {message}", file=sys.stderr, flush=True)
+
+
+class Scheduler:
+    """Decodes one request at a time on a worker thread; a bounded FIFO of waiting requests.
+
+    `admitted` (decoding + waiting) is only touched on the event loop's thread.
+    """
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int):
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specheads-decode")
+        self.admitted = 0
+        self.cancels: set[threading.Event] = set()
+        self.mean_s = 1.0  # running mean of a request's decode time, for Retry-After
+
+    def admit(self) -> None:
+        """Take a place in the queue or raise Overloaded."""
+        if self.admitted > self.max_queue:
+            wait = max(1, math.ceil(self.mean_s * self.admitted))
+            raise Overloaded(f"the server is busy: {self.admitted - 1} requests are waiting "
+                             f"(--max-queue {self.max_queue}); retry in about {wait} s", wait)
+        self.admitted += 1
+        self.metrics.waiting.inc()
+
+    def submit(self, ids: list[int], params: Params, emit=None) -> tuple[asyncio.Future, threading.Event]:
+        """Queue an admitted request -> (future of its Completion, its cancel event)."""
+        cancel = threading.Event()
+        self.cancels.add(cancel)
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self._job, ids, params, emit, cancel)
+        future.add_done_callback(lambda f: self._release(f, cancel))
+        return future, cancel
+
+    def _release(self, future: asyncio.Future, cancel: threading.Event) -> None:
+        self.admitted -= 1
+        self.cancels.discard(cancel)
+        if not future.cancelled():
+            future.exception()  # retrieved here: a failure is reported by the request's handler
+
+    def _job(self, ids, params, emit, cancel) -> Completion:
+        """Runs on the decode thread."""
+        self.metrics.waiting.dec()
+        self.metrics.running.inc()
+        start = time.perf_counter()
         try:
-            body = self._body()
-            ids, params, chat = self._prepare(body, path.endswith("chat/completions"))
-        except RequestError as err:
-            self._json(400, error_body(str(err), 400))
-            return
-        self._complete(body, ids, params, chat)
-
-    def _body(self) -> dict:
-        n = int(self.headers.get("Content-Length") or 0)
-        if n <= 0 or n > MAX_BODY:
-            raise RequestError("the request needs a JSON body (with a Content-Length)")
-        try:
-            body = json.loads(self.rfile.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise RequestError(f"the body is not valid JSON: {err}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
-        return body
-
-    def _prepare(self, body: dict, chat: bool):
-        """Body -> (prompt ids, Params, chat?), refusing what the engine cannot serve."""
-        engine: Engine = self.server.app["engine"]
-        model = body.get("model")
-        if model not in (None, engine.model_name):
-            raise RequestError(f"model '{model}' is not served here; this server serves "
-                               f"'{engine.model_name}'")
-        params = parse_params(body)
-        if chat:
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise RequestError("'chat_template_kwargs' must be an object")
-            ids = engine.chat_ids(parse_messages(body), body.get("tools"), kwargs)
-        else:
-            ids = engine.text_ids(parse_prompt(body))
-        if max(ids, default=0) >= engine.target.vocab_size or min(ids, default=0) < 0:
-            raise RequestError(f"prompt token ids must lie in 0..{engine.target.vocab_size - 1}")
-        engine.budget(ids, params)  # context check before any response is started
-        return ids, params, chat
-
-    def _complete(self, body: dict, ids, params, chat: bool) -> None:
-        app = self.server.app
-        engine, metrics = app["engine"], app["metrics"]
-        responder = Responder(chat, engine.model_name)
-        metrics.change_running(1)
-        try:
-            if body.get("stream"):
-                done = self._stream(responder, ids, params, include_usage(body))
-            else:
-                done = self._record(engine.complete(ids, params))
-                self._json(200, responder.full(done))
-        except (BrokenPipeError, ConnectionResetError):  # the client went away
-            metrics.record_abort()
-            return
-        except Exception as err:  # noqa: BLE001 - reported to the client, server keeps serving
-            metrics.record_abort()
-            if not self._headers_sent:
-                self._json(500, error_body(f"{type(err).__name__}: {err}", 500))
-            else:
-                self._event({"error": error_body(str(err), 500)["error"]})
-            return
+            done = self.engine.complete(ids, params, emit, cancel)
+            # counted before the last bytes go out: a scrape after the response sees it
+            self.metrics.record(done.stats, done.prompt_tokens, len(done.tokens), done.finish_reason)
+            return done
+        except BaseException:
+            self.metrics.record_abort()
+            raise
         finally:
-            metrics.change_running(-1)
+            self.metrics.running.dec()
+            self.mean_s = 0.8 * self.mean_s + 0.2 * (time.perf_counter() - start)
 
-    def _record(self, done):
-        """Count a finished request before its last bytes go out (a scrape after it sees it)."""
-        self.server.app["metrics"].record(done.stats, done.prompt_tokens, len(done.tokens),
-                                          done.finish_reason)
-        return done
-
-    def _event(self, obj) -> None:
-        data = obj if isinstance(obj, str) else json.dumps(obj)
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
-
-    def _stream(self, responder: Responder, ids, params, with_usage: bool):
-        """Server-sent events: role chunk, text deltas, finish chunk, [usage chunk], [DONE]."""
-        self.send_response(200)
-        self._headers_sent = True
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        if responder.chat:
-            self._event(responder.chunk(role=True))
-        done = self._record(self.server.app["engine"].complete(
-            ids, params, emit=lambda text: self._event(responder.chunk(text))))
-        self._event(responder.chunk(None, done.finish_reason))
-        if with_usage:
-            self._event(responder.usage_chunk(done))
-        self._event("[DONE]")
-        return done
+    def close(self) -> None:
+        """Stop the running decode at its next step and drop the waiting ones."""
+        for cancel in list(self.cancels):
+            cancel.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def model_card(engine: Engine, draft: str | None) -> dict:
@@ -161,14 +139,210 @@ def model_card(engine: Engine, draft: str | None) -> dict:
             "max_model_len": engine.context, "specheads": extra}
 
 
-def build_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, draft: str | None = None,
-                 log: bool = False) -> ThreadingHTTPServer:
-    """A bound (not yet serving) server; port 0 picks a free port (`server.server_address`)."""
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    server.app = {"engine": engine, "metrics": Metrics(engine.model_name),
-                  "model_card": model_card(engine, draft), "log": log}
-    return server
+def sse(obj) -> str:
+    """One server-sent event."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def error_response(err: RequestError):
+    headers = {}
+    if isinstance(err, Overloaded):
+        headers["Retry-After"] = str(err.retry_after)
+    if err.status == 408:
+        headers["Connection"] = "close"  # the rest of the body may still arrive: drop it
+    return JSONResponse(error_body(str(err), err.status, err.param), err.status, headers=headers)
+
+
+async def read_json(request: Request, timeout: float) -> dict:
+    """The request body as a JSON object, within `timeout` seconds and MAX_BODY bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > MAX_BODY:
+        raise RequestError(f"Content-Length {declared}: this server accepts bodies of at most "
+                           f"{MAX_BODY} bytes", "Content-Length", 413)
+
+    async def read() -> bytes:
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise RequestError(f"the body exceeds {MAX_BODY} bytes", "body", 413)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        raw = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(f"the request body did not arrive within {timeout:g} s (read timeout): "
+                           "send the whole body, with a Content-Length that matches it",
+                           "body", 408) from None
+    except ClientDisconnect:
+        raise RequestError("the client disconnected while sending the body", "body") from None
+    if not raw.strip():
+        raise RequestError("the request needs a JSON object as its body", "body")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(f"the body is not valid JSON: {err}", "body") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got a {type(body).__name__}", "body")
+    return body
+
+
+class Service:
+    """The app's state and request handling: engine, metrics, queue, options."""
+
+    def __init__(self, engine: Engine, draft: str | None, options: ServeOptions):
+        self.engine, self.options = engine, options
+        self.metrics = Metrics(engine.model_name)
+        self.card = model_card(engine, draft)
+        self.scheduler = Scheduler(engine, self.metrics, options.max_queue)
+        # tokenizing (chat templates) off the event loop, beside the decode thread
+        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specheads-prepare")
+
+    def prepare(self, body: dict, chat: bool) -> tuple[list[int], Params]:
+        """Body -> (prompt ids, Params), refusing what the engine cannot serve (before any
+        response is started)."""
+        engine = self.engine
+        model = body.get("model")
+        if model is not None and model != engine.model_name:
+            raise RequestError(f"model '{model}' is not served here; this server serves "
+                               f"'{engine.model_name}'", "model")
+        params = parse_params(body)
+        if chat:
+            field = "messages"
+            ids = engine.chat_ids(parse_messages(body), parse_tools(body), parse_template_kwargs(body))
+        else:
+            field = "prompt"
+            ids = engine.text_ids(parse_prompt(body))
+        vocab = engine.target.vocab_size
+        if max(ids, default=0) >= vocab or min(ids, default=0) < 0:
+            raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}", field)
+        engine.budget(ids, params, field)
+        return ids, params
+
+    async def complete(self, request: Request, chat: bool):
+        """POST /v1/(chat/)completions."""
+        try:
+            body = await read_json(request, self.options.read_timeout)
+            loop = asyncio.get_running_loop()
+            ids, params = await loop.run_in_executor(self.prepare_pool, self.prepare, body, chat)
+            self.scheduler.admit()
+        except RequestError as err:
+            return error_response(err)
+        except Exception as err:  # noqa: BLE001 - a bug of ours: reported, the server keeps serving
+            log(f"internal error preparing {request.url.path}: {type(err).__name__}: {err}")
+            return JSONResponse(error_body(f"{type(err).__name__}: {err}", 500), 500)
+        responder = Responder(chat, self.engine.model_name)
+        if body.get("stream"):
+            # queued here, not in the generator: a client gone before the first byte never runs
+            # the generator, and its place in the queue must still be given back
+            texts: asyncio.Queue = asyncio.Queue()
+            future, cancel = self.scheduler.submit(
+                ids, params, lambda text: loop.call_soon_threadsafe(texts.put_nowait, text))
+            future.add_done_callback(lambda _f: texts.put_nowait(None))  # after every text delta
+            return StreamingResponse(self.events(responder, texts, future, cancel, include_usage(body)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        future, _ = self.scheduler.submit(ids, params)
+        try:
+            done = await future
+        except Exception as err:  # noqa: BLE001 - as above
+            log(f"internal error decoding {responder.id}: {type(err).__name__}: {err}")
+            return JSONResponse(error_body(f"{type(err).__name__}: {err}", 500), 500)
+        return JSONResponse(responder.full(done))
+
+    async def events(self, responder: Responder, texts: asyncio.Queue, future: asyncio.Future,
+                     cancel: threading.Event, with_usage: bool):
+        """Server-sent events: role chunk, text deltas (from `texts`, None after the last),
+        finish chunk, [usage chunk], [DONE]."""
+        try:
+            if responder.chat:
+                yield sse(responder.chunk(role=True))
+            while (text := await texts.get()) is not None:
+                yield sse(responder.chunk(text))
+            done = future.result()
+            yield sse(responder.chunk(None, done.finish_reason))
+            if with_usage:
+                yield sse(responder.usage_chunk(done))
+            yield sse("[DONE]")
+        except Cancelled:
+            return
+        except Exception as err:  # noqa: BLE001 - headers are sent: the error goes in the stream
+            log(f"internal error decoding {responder.id}: {type(err).__name__}: {err}")
+            yield sse({"error": error_body(f"{type(err).__name__}: {err}", 500)["error"]})
+        finally:
+            cancel.set()  # a client that went away frees the decoder at its next step
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build_app(engine: Engine, draft: str | None = None, options: ServeOptions = ServeOptions()):
+    """The FastAPI application (`app.state.service` holds the Service)."""
+    service = Service(engine, draft, options)
+    app = FastAPI(title="specheads serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [service.card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await service.complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await service.complete(request, chat=False)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        what = {404: "no route", 405: "method not allowed:"}.get(exc.status_code, exc.detail)
+        return JSONResponse(error_body(f"{what} {request.method} {request.url.path}", exc.status_code),
+                            exc.status_code, headers=getattr(exc, "headers", None))
+
+    return app
+
+
+def build_server(app, options: ServeOptions = ServeOptions()):
+    """A uvicorn server for `app` (run it with `.run(sockets=[bind(host, port)])`)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, http=protocol_class(options.read_timeout), lifespan="off",
+                            log_level="info" if options.log_requests else "warning",
+                            access_log=options.log_requests, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine: Engine, host: str = "127.0.0.1", port: int = 0, draft: str | None = None,
+                    options: ServeOptions = ServeOptions()):
+    """Serve `engine` from a background thread (notebooks, tests) -> yields the base URL."""
+    sock = bind(host, port)
+    app = build_app(engine, draft, options)
+    server = build_server(app, options)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise ServeError("the server thread stopped before it started")
+            time.sleep(0.01)
+        yield url_of(sock)
+    finally:
+        server.should_exit = True
+        app.state.service.close()
+        thread.join(30)
+        sock.close()
 
 
 def load_engine(target_path: str, draft: str | None, spec, device: str, dtype: str | None,
@@ -187,6 +361,20 @@ def load_engine(target_path: str, draft: str | None, spec, device: str, dtype: s
     return Engine(target, head, spec, model_name or target.path.name)
 
 
+def serve(engine: Engine, sock: socket.socket, draft: str | None = None,
+          options: ServeOptions = ServeOptions()) -> None:
+    """Serve on a bound socket until SIGINT / SIGTERM."""
+    app = build_app(engine, draft, options)
+    server = build_server(app, options)
+    print(f"specheads serve: model '{engine.model_name}' listening on {url_of(sock)}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.state.service.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     from specheads.verify.settings import add_tree_arguments, spec_from_args
 
@@ -201,18 +389,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="default: the target folder's name")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-queue", type=int, default=ServeOptions.max_queue,
+                   help="requests that may wait behind the one decoding; more get 503 with "
+                        "Retry-After (default %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=ServeOptions.read_timeout,
+                   help="seconds a request's headers, and then its body, may take to arrive "
+                        "(default %(default)s)")
     p.add_argument("--log-requests", action="store_true")
     a = p.parse_args(argv)
-    engine = load_engine(a.target, a.draft, spec_from_args(a), a.device, a.dtype, a.served_model_name)
-    server = build_server(engine, a.host, a.port, a.draft, a.log_requests)
-    host, port = server.server_address[:2]
-    print(f"specheads serve: model '{engine.model_name}' listening on http://{host}:{port}", flush=True)
+    options = ServeOptions(a.max_queue, a.read_timeout, a.log_requests)
+    spec = spec_from_args(a)
+    sock = bind(a.host, a.port)  # before the target loads: a port in use fails at once
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        engine = load_engine(a.target, a.draft, spec, a.device, a.dtype, a.served_model_name)
+        serve(engine, sock, a.draft, options)
     finally:
-        server.server_close()
+        sock.close()
     return 0
 
 

@@ -20,9 +20,9 @@ import torch
 
 
 def check_warp(temperature: float, top_p: float, top_k: int) -> None:
-    """Refuse warping settings that do not define a distribution."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    """Refuse warping settings that do not define a distribution (NaN and inf included)."""
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
     if top_k < 0:
@@ -37,13 +37,20 @@ def warp(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
     tokens whose mass reaches top_p; ties broken by a stable sort). Temperature 0 is greedy:
     a one-hot row at `logits.argmax(-1)`, the same tie-break as the greedy loops. -inf logits
     (tokens outside a reduced draft vocabulary) get probability 0.
+
+    The row maximum is subtracted before dividing by the temperature, so the scaled logits are
+    <= 0 and never overflow, and a temperature below the dtype's smallest normal number divides
+    in float64: any tiny positive temperature (1e-300, subnormals) gives the one-hot argmax row
+    (exact ties split evenly), never NaN.
     """
     check_warp(temperature, top_p, top_k)
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     V = x.shape[-1]
     if temperature == 0:
         return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
-    x = x / temperature
+    if temperature < torch.finfo(x.dtype).tiny:  # would round to 0 in x's dtype: divide in float64
+        x = x.to(torch.float64)
+    x = (x - x.amax(-1, keepdim=True)) / temperature  # [..., V], <= 0: no overflow
     if 0 < top_k < V:
         kth = x.topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))
