@@ -58,6 +58,7 @@ def build_family_model(family: str, vocab: int):
                               shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                               linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
                               linear_value_head_dim=8)
+        cfg.full_attention_interval = 4  # in the released config, read by SGLang; matches layer_types here
         return Qwen3NextForCausalLM(cfg)
     raise ValueError(f"family '{family}': expected one of {', '.join(FAMILIES)}")
 
@@ -73,6 +74,7 @@ def _qwen3_5(family: str, common: dict):
     else:
         cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in common.items() if k != "intermediate_size"}, **linear,
                                    shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    cfg.full_attention_interval = 4  # in the released configs, read by SGLang; matches layer_types here
     return AutoModelForCausalLM.from_config(cfg)
 
 
