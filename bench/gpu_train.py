@@ -169,9 +169,7 @@ def main(argv=None) -> int:
         "verifier": bench_verifier(target, head, preset, device),
     }
     report["wall_s"] = time.time() - t0
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_train.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(Path(a.out) / "gpu_train.json", report)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -224,8 +224,6 @@ def recipe_from_dict(raw: dict) -> Recipe:
     if not isinstance(head_raw, dict):
         raise ConfigError(f"recipe.head: expected a mapping with 'kind', got {head_raw!r}")
     recipe = from_dict(Recipe, raw, "recipe")
-    from specheads.heads import head_options_class  # after: the heads import transformers (seconds)
-
     recipe.head = from_dict(head_options_class(head_raw.get("kind")), head_raw, "head")
     return recipe
 

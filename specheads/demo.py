@@ -21,7 +21,7 @@ from specheads.data.conversations import read_conversations
 from specheads.data.regenerate import regenerate_local
 from specheads.eval.offline import check_parity
 from specheads.eval.online import evaluate
-from specheads.eval.predict import sglang_flags
+from specheads.eval.predict import advice_summary
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint
 from specheads.target import Target
