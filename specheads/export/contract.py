@@ -350,22 +350,34 @@ def _head_dict(expected, folder: Path) -> dict | None:
         return None
 
 
+def check_folder(folder: Path, fmt: str, weights_file: str, expected, *, files, keys, against_head,
+                 tensors) -> None:
+    """The validate skeleton every kind shares: read config.json and the weights' header, run the
+    kind's checks (files(folder), keys(cfg), against_head(cfg, head), tensors(specs, cfg)) and raise
+    ContractError listing every violation."""
+    problems: list[Violation] = []
+    cfg = read_config(folder, problems)
+    specs = read_tensor_specs(folder / weights_file, problems)
+    if folder.is_dir():
+        problems += files(folder)
+    if cfg is not None:
+        problems += keys(cfg)
+        head = _head_dict(expected, folder)
+        if head is not None:
+            problems += against_head(cfg, head)
+    if cfg is not None and specs is not None:
+        problems += tensors(specs, cfg)
+    if problems:
+        raise ContractError(folder, fmt, problems)
+
+
 def validate(folder: str | Path, engine: str, kind: str = "eagle3", expected=None) -> None:
     """Check an export folder against the (format, kind) contract; raise ContractError listing
     every violation. `expected` (the head config; default: the folder's specheads.json) adds the
     checks against the trained head."""
     folder, contract = Path(folder), contract_for(engine, kind)
-    problems: list[Violation] = []
-    cfg = read_config(folder, problems)
-    specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
-    if folder.is_dir():
-        problems += check_files(folder)
-    if cfg is not None:
-        problems += check_keys(cfg, contract) + check_aux(cfg, contract) + check_parallel(cfg, contract)
-        head = _head_dict(expected, folder)
-        if head is not None:
-            problems += check_against_head(cfg, contract, head)
-    if cfg is not None and specs is not None:
-        problems += check_tensors(specs, config_dims(cfg, contract), contract)
-    if problems:
-        raise ContractError(folder, engine, problems)
+    check_folder(
+        folder, engine, WEIGHTS_FILE, expected, files=check_files,
+        keys=lambda cfg: check_keys(cfg, contract) + check_aux(cfg, contract) + check_parallel(cfg, contract),
+        against_head=lambda cfg, head: check_against_head(cfg, contract, head),
+        tensors=lambda specs, cfg: check_tensors(specs, config_dims(cfg, contract), contract))

@@ -12,19 +12,16 @@ head trained with a reduced vocabulary exports to vLLM only.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import torch
 
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, MISSING, _found, _int, check_files, config_rope, expected_shape, get_key, read_config,
-    read_tensor_specs,
+    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, config_rope, expected_shape, get_key,
 )
 from specheads.export.contract_rules import (
-    CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, META_FILE, WEIGHTS_FILE, ContractError, KeyRule, TensorRule,
-    Violation,
+    CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, WEIGHTS_FILE, KeyRule, TensorRule, Violation,
 )
 from specheads.export.eagle3 import DTYPES, ExportRefused, rope_keys
 from specheads.export.load import _read_json, read_weights
@@ -330,27 +327,10 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
     """Check a DFlash export folder against its engine's loader; raise ContractError listing all."""
-    folder, problems = Path(folder), []
-    cfg = read_config(folder, problems)
-    specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
-    if folder.is_dir():
-        problems += check_files(folder)
-    if cfg is not None:
-        problems += check_keys(cfg, fmt)
-        head = asdict(expected) if is_dataclass(expected) else _recorded_head(folder)
-        if head is not None:
-            problems += check_against_head(cfg, fmt, head)
-    if cfg is not None and specs is not None:
-        problems += check_tensors(specs, cfg, fmt)
-    if problems:
-        raise ContractError(folder, fmt, problems)
-
-
-def _recorded_head(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / META_FILE).read_text()).get("head_config")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
+    check_folder(Path(folder), fmt, WEIGHTS_FILE, expected, files=check_files,
+                 keys=lambda cfg: check_keys(cfg, fmt),
+                 against_head=lambda cfg, head: check_against_head(cfg, fmt, head),
+                 tensors=lambda specs, cfg: check_tensors(specs, cfg, fmt))
 
 
 # --- load back ---------------------------------------------------------------------------------

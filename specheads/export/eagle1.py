@@ -17,12 +17,10 @@ import torch
 
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, _found, check_files, check_tensors, config_dims, config_rope, get_key,
-    read_config, read_tensor_specs,
+    KEY_CHECKS, _found, check_files, check_folder, check_tensors, config_dims, config_rope, get_key,
 )
 from specheads.export.contract_rules import (
-    CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
-    contract_for,
+    CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, WEIGHTS_FILE, Violation, contract_for,
 )
 from specheads.export.eagle3 import DTYPES, ExportRefused, layer_keys
 from specheads.export.load import _read_json, read_weights
@@ -106,33 +104,18 @@ def check_against_head(cfg: dict, head: dict) -> list[Violation]:
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
     """Check an EAGLE-1 export folder against its engine's loader; raise ContractError listing all."""
-    from dataclasses import asdict, is_dataclass
-
-    folder, contract = Path(folder), contract_for(fmt, "eagle")
-    problems: list[Violation] = []
-    cfg = read_config(folder, problems)
-    specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
-    if folder.is_dir():
-        problems += check_files(folder)
-    if cfg is not None:
-        problems += check_keys(cfg, contract)
-        head = asdict(expected) if is_dataclass(expected) else _recorded_head(folder)
-        if head is not None:
-            problems += check_against_head(cfg, head)
-    if cfg is not None and specs is not None:
-        forbidden = check_forbidden(specs)
-        named = {v.where for v in forbidden}
-        problems += forbidden + [v for v in check_tensors(specs, config_dims(cfg, contract), contract)
-                                 if v.where not in named]
-    if problems:
-        raise ContractError(folder, fmt, problems)
+    contract = contract_for(fmt, "eagle")
+    check_folder(Path(folder), fmt, WEIGHTS_FILE, expected, files=check_files,
+                 keys=lambda cfg: check_keys(cfg, contract),
+                 against_head=lambda cfg, head: check_against_head(cfg, head),
+                 tensors=lambda specs, cfg: _check_tensors(specs, cfg, contract))
 
 
-def _recorded_head(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / META_FILE).read_text()).get("head_config")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
+def _check_tensors(specs: dict, cfg: dict, contract) -> list[Violation]:
+    """The forbidden tensors, then the contract's tensors (a forbidden one reported once)."""
+    forbidden = check_forbidden(specs)
+    named = {v.where for v in forbidden}
+    return forbidden + [v for v in check_tensors(specs, config_dims(cfg, contract), contract) if v.where not in named]
 
 
 # --- load back ---------------------------------------------------------------------------------

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import torch
 
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, _found, check_float_dtypes, get_key, read_config, read_tensor_specs,
+    KEY_CHECKS, _found, check_float_dtypes, check_folder, get_key,
 )
 from specheads.export.contract_rules import (
-    CONFIG_FILE, META_FILE, WEIGHTS_FILE, ContractError, TensorRule, Violation, contract_for,
+    CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
 )
 from specheads.export.eagle3 import DTYPES, ExportRefused
 from specheads.export.load import _read_json, read_weights
@@ -174,32 +173,19 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
     """Check a Medusa export folder against its loader; raise ContractError listing every problem."""
-    folder = Path(folder)
     contract_for(fmt, "medusa")
-    problems: list[Violation] = []
-    cfg = read_config(folder, problems)
-    specs = read_tensor_specs(folder / WEIGHTS_FILES[fmt], problems)
-    if folder.is_dir():
-        problems += [Violation(str(p), f"only {WEIGHTS_FILES[fmt]} as weights", "an extra weights file",
-                               "remove it: the loader may read it instead of the export")
-                     for p in sorted(folder.iterdir()) if p.name != WEIGHTS_FILES[fmt]
-                     and (p.suffix in {".safetensors", ".bin", ".pt", ".pth", ".pkl"} or p.name.endswith(".index.json"))]
-    if cfg is not None:
-        problems += check_keys(cfg, fmt)
-        head = asdict(expected) if is_dataclass(expected) else _recorded_head(folder)
-        if head is not None:
-            problems += check_against_head(cfg, fmt, head)
-    if cfg is not None and specs is not None:
-        problems += check_tensors(specs, cfg, fmt)
-    if problems:
-        raise ContractError(folder, fmt, problems)
+    check_folder(Path(folder), fmt, WEIGHTS_FILES[fmt], expected, files=lambda folder: _check_files(folder, fmt),
+                 keys=lambda cfg: check_keys(cfg, fmt),
+                 against_head=lambda cfg, head: check_against_head(cfg, fmt, head),
+                 tensors=lambda specs, cfg: check_tensors(specs, cfg, fmt))
 
 
-def _recorded_head(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / META_FILE).read_text()).get("head_config")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
+def _check_files(folder: Path, fmt: str) -> list[Violation]:
+    """Only the format's weights file: a loader may read any other one instead of the export."""
+    return [Violation(str(p), f"only {WEIGHTS_FILES[fmt]} as weights", "an extra weights file",
+                      "remove it: the loader may read it instead of the export")
+            for p in sorted(folder.iterdir()) if p.name != WEIGHTS_FILES[fmt]
+            and (p.suffix in {".safetensors", ".bin", ".pt", ".pth", ".pkl"} or p.name.endswith(".index.json"))]
 
 
 # --- load back ---------------------------------------------------------------------------------
