@@ -117,10 +117,7 @@ FORBIDDEN_TENSORS = (
 )
 
 NOT_TRUE_FIX = "specheads heads are trained without this option; set it to false or remove it"
-LAYER_KEYS = (
-    KeyRule("model_type", "equals", "llama", "the draft layer is Llama-style (no q/k norm)"),
-    KeyRule("hidden_size", "positive_int"),
-    KeyRule("num_hidden_layers", "equals", 1, "specheads exports single-layer EAGLE-3 heads"),
+DECODER_DIM_KEYS = (  # the decoder dimensions every Llama/Qwen3-style draft config carries
     KeyRule("num_attention_heads", "positive_int"),
     KeyRule("num_key_value_heads", "positive_int"),
     KeyRule("head_dim", "positive_int"),
@@ -130,7 +127,14 @@ LAYER_KEYS = (
     KeyRule("max_position_embeddings", "positive_int", fix="copy the target's value"),
     KeyRule("hidden_act", "equals", "silu"),
     KeyRule("attention_bias", "not_true", fix="the head has no attention biases"),
-    KeyRule("", "rope", fix="copy the target's RoPE settings (rope_parameters, rope_theta)"),
+)
+ROPE_KEY = KeyRule("", "rope", fix="copy the target's RoPE settings (rope_parameters, rope_theta)")
+LAYER_KEYS = (
+    KeyRule("model_type", "equals", "llama", "the draft layer is Llama-style (no q/k norm)"),
+    KeyRule("hidden_size", "positive_int"),
+    KeyRule("num_hidden_layers", "equals", 1, "specheads exports single-layer EAGLE-3 heads"),
+    *DECODER_DIM_KEYS,
+    ROPE_KEY,
 )
 VLLM_HEAD_KEYS = (
     KeyRule("draft_vocab_size", "positive_int", fix="write the draft vocabulary size Vd (width of lm_head)"),

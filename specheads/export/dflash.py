@@ -21,9 +21,10 @@ from specheads.export.contract import (
     KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, config_rope, expected_shape, get_key,
 )
 from specheads.export.contract_rules import (
-    CONFIG_FILE, DTYPE_NAMES, FLOAT_DTYPES, WEIGHTS_FILE, KeyRule, TensorRule, Violation,
+    CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
+    Violation,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused, rope_keys
+from specheads.export.eagle3 import DTYPES, ExportRefused, decoder_keys
 from specheads.export.load import _read_json, read_weights
 from specheads.heads.dflash import DFlashConfig, DFlashHead
 
@@ -56,19 +57,7 @@ def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None
 def layer_keys(config: DFlashConfig, dtype: str) -> dict:
     """The Qwen3 decoder-stack keys every format carries."""
     return {
-        "model_type": "qwen3",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        **rope_keys(config),
-        "attention_bias": False,
+        **decoder_keys(config, "qwen3", config.num_hidden_layers),
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * config.num_hidden_layers,
         "tie_word_embeddings": False,
@@ -142,17 +131,9 @@ STACK_KEYS = (
     KeyRule("model_type", "equals", "qwen3", "the draft layers are Qwen3-style (q/k norms)"),
     KeyRule("hidden_size", "positive_int"),
     KeyRule("num_hidden_layers", "positive_int"),
-    KeyRule("num_attention_heads", "positive_int"),
-    KeyRule("num_key_value_heads", "positive_int"),
-    KeyRule("head_dim", "positive_int"),
-    KeyRule("intermediate_size", "positive_int"),
-    KeyRule("vocab_size", "positive_int", fix="must be the target's vocabulary size V"),
-    KeyRule("rms_norm_eps", "number"),
-    KeyRule("max_position_embeddings", "positive_int", fix="copy the target's value"),
-    KeyRule("hidden_act", "equals", "silu"),
-    KeyRule("attention_bias", "not_true", fix="the head has no attention biases"),
+    *DECODER_DIM_KEYS,
     KeyRule("use_sliding_window", "not_true", fix="the head was trained with full attention"),
-    KeyRule("", "rope", fix="copy the target's RoPE settings (rope_parameters, rope_theta)"),
+    ROPE_KEY,
 )
 NATIVE_KEYS = (
     KeyRule("architectures", "equals", [ARCHITECTURE], fix="both engines register DFlashDraftModel"),

@@ -86,13 +86,13 @@ def rope_keys(config: Eagle3Config) -> dict:
     return {"rope_parameters": params, "rope_theta": params.get("rope_theta", 10000.0), "rope_scaling": scaling}
 
 
-def layer_keys(config: Eagle3Config, dtype: str) -> dict:
-    """The decoder-layer keys every format carries (Llama-style, one layer)."""
+def decoder_keys(config, model_type: str, num_layers: int) -> dict:
+    """The HF decoder keys (dims, activation, norm eps, RoPE) shared by the EAGLE-3 and DFlash configs."""
     return {
-        "model_type": "llama",
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
@@ -102,6 +102,13 @@ def layer_keys(config: Eagle3Config, dtype: str) -> dict:
         "max_position_embeddings": config.max_position_embeddings,
         **rope_keys(config),
         "attention_bias": False,
+    }
+
+
+def layer_keys(config: Eagle3Config, dtype: str) -> dict:
+    """The decoder-layer keys every format carries (Llama-style, one layer)."""
+    return {
+        **decoder_keys(config, "llama", 1),
         "mlp_bias": False,
         "num_aux_hidden_states": len(config.aux_layers),
         "dtype": dtype,
