@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.decode import positions, trim_cache
-from specheads.verify.sampling import expand_draft_logits, sample
+from specheads.verify.sampling import sample_draft_rows
 from specheads.verify.trees import SettingsError
 
 
@@ -97,10 +97,7 @@ class SampledDFlashProposer(DFlashProposer):
         V = self.target.vocab_size
         if k < 1:
             return torch.empty(0, dtype=torch.long), torch.empty(0, V)
-        logits = self._block_logits(k)  # [k, Vd]
-        ids = self.head.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
-        q = warper(expand_draft_logits(logits, ids, V))  # [k, V]
-        return sample(q.to(gen.device), gen), q
+        return sample_draft_rows(self._block_logits(k), self.head, V, warper, gen)  # logits [k, Vd]
 
 
 def make_proposer(spec, head, target, sampled: bool = False):

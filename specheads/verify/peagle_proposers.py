@@ -10,7 +10,7 @@ import torch
 
 from specheads.verify.decode import causal_mask, positions, trim_cache
 from specheads.verify.proposers import Eagle3Proposer
-from specheads.verify.sampling import expand_draft_logits, sample
+from specheads.verify.sampling import sample_draft_rows
 
 
 class PEagleProposer(Eagle3Proposer):
@@ -46,7 +46,4 @@ class SampledPEagleProposer(PEagleProposer):
         V = self.target.vocab_size
         if k < 1:
             return torch.empty(0, dtype=torch.long), torch.empty(0, V)
-        logits = self._draft_logits(k)  # [k, Vd]
-        ids = self.head.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
-        q = warper(expand_draft_logits(logits, ids, V))  # [k, V]
-        return sample(q.to(gen.device), gen), q
+        return sample_draft_rows(self._draft_logits(k), self.head, V, warper, gen)  # logits [k, Vd]

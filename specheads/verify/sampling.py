@@ -115,6 +115,15 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return inverse_cdf(probs, uniforms(probs.shape[:-1], gen))
 
 
+def sample_draft_rows(logits: torch.Tensor, head, vocab_size: int, warper,
+                      gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits [k, Vd] of rows that never see each other's samples (parallel drafters) ->
+    (k drafts [k] as target ids, their q [k, V]); `head.to_target_ids` maps draft ids."""
+    ids = head.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
+    q = warper(expand_draft_logits(logits, ids, vocab_size))  # [k, V]
+    return sample(q.to(gen.device), gen), q
+
+
 # --- lossless acceptance -----------------------------------------------------------------------
 
 
