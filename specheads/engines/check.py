@@ -326,16 +326,25 @@ def _not_run(result: dict, stage: str) -> Stage | None:
     return None
 
 
-def judge_layers(result: dict, tensors: dict, ours_states: torch.Tensor | None, numbers: dict) -> Stage:
-    msg = _engine_error(result, "layers")
+def _before_compare(result: dict, tensors: dict, stage: str, what: str, name: str, mine) -> Stage | None:
+    """The verdict when there is nothing to compare: the engine's `what` failed, the stage did not
+    run, or one side's tensor `name` is missing; None when both sides have it."""
+    msg = _engine_error(result, stage)
     if msg:
-        return Stage(FAIL, f"the engine's target forward failed: {msg}")
-    skipped = _not_run(result, "layers")
+        return Stage(FAIL, f"the engine's {what} failed: {msg}")
+    skipped = _not_run(result, stage)
     if skipped:
         return skipped
-    theirs = tensors.get("aux_hidden")
-    if theirs is None or ours_states is None:
-        return Stage(FAIL, "no aux_hidden from the engine" if theirs is None else "our side could not run")
+    if tensors.get(name) is None or mine is None:
+        return Stage(FAIL, f"no {name} from the engine" if tensors.get(name) is None else "our side could not run")
+    return None
+
+
+def judge_layers(result: dict, tensors: dict, ours_states: torch.Tensor | None, numbers: dict) -> Stage:
+    early = _before_compare(result, tensors, "layers", "target forward", "aux_hidden", ours_states)
+    if early:
+        return early
+    theirs = tensors["aux_hidden"]
     if theirs.shape != ours_states.shape:
         return Stage(FAIL, f"the engine taps {list(theirs.shape)}, ours {list(ours_states.shape)}")
     diff = float((theirs.float() - ours_states.float()).abs().max())
@@ -348,15 +357,10 @@ def judge_layers(result: dict, tensors: dict, ours_states: torch.Tensor | None, 
 
 def judge_forward(result: dict, tensors: dict, mine: torch.Tensor | None, chain: list[int] | None,
                   numbers: dict) -> Stage:
-    msg = _engine_error(result, "forward")
-    if msg:
-        return Stage(FAIL, f"the engine's draft forward failed: {msg}")
-    skipped = _not_run(result, "forward")
-    if skipped:
-        return skipped
-    theirs = tensors.get("draft_logits")
-    if theirs is None or mine is None:
-        return Stage(FAIL, "no draft_logits from the engine" if theirs is None else "our side could not run")
+    early = _before_compare(result, tensors, "forward", "draft forward", "draft_logits", mine)
+    if early:
+        return early
+    theirs = tensors["draft_logits"]
     if theirs.shape != mine.shape:
         return Stage(FAIL, f"logits shape: engine {list(theirs.shape)}, ours {list(mine.shape)}")
     theirs, mine = theirs.float(), mine.float()
