@@ -65,12 +65,22 @@ def _perturb(head, scale: float, seed: int) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
+def _random_head(head_cls, options, target, seed: int, scale: float = 0.0, init_from_target: bool = False):
+    """A `head_cls` head for `target` built under `seed`; initialised from the target and/or
+    perturbed by `scale` (0: not perturbed) when asked."""
+    torch.manual_seed(seed)
+    head = head_cls.for_target(options, target.config)
+    if init_from_target:
+        head.init_from_target(target)
+    if scale:
+        _perturb(head, scale, seed)
+    return head
+
+
 def eagle3_head(target, draft_vocab: int, seed: int):
     from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 
-    torch.manual_seed(seed)
-    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=draft_vocab), target.config)
-    _perturb(head, 0.05, seed)
+    head = _random_head(Eagle3Head, Eagle3Options(ttt_steps=3, draft_vocab_size=draft_vocab), target, seed, 0.05)
     V = target.vocab_size
     if draft_vocab < V:  # a scattered draft vocabulary, so a wrong d2t shows
         used = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:draft_vocab]).values
@@ -84,58 +94,38 @@ def peagle_head(target, seed: int):
     """P-EAGLE: an EAGLE-3 head drafting in parallel (its mask_hidden perturbed like the rest)."""
     from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 
-    torch.manual_seed(seed)
-    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=target.vocab_size // 2,
-                                               parallel_drafting=True), target.config)
-    _perturb(head, 0.05, seed)
-    return head
+    options = Eagle3Options(ttt_steps=3, draft_vocab_size=target.vocab_size // 2, parallel_drafting=True)
+    return _random_head(Eagle3Head, options, target, seed, 0.05)
 
 
 def dflash_head(target, seed: int):
     from specheads.heads.dflash import DFlashHead, DFlashOptions
 
-    torch.manual_seed(seed)
-    head = DFlashHead.for_target(DFlashOptions(num_layers=1, block_size=4), target.config)
-    _perturb(head, 0.05, seed)
-    return head
+    return _random_head(DFlashHead, DFlashOptions(num_layers=1, block_size=4), target, seed, 0.05)
 
 
 def eagle_head(target, seed: int):
     from specheads.heads.eagle import EagleHead, EagleOptions
 
-    torch.manual_seed(seed)
-    head = EagleHead.for_target(EagleOptions(ttt_steps=3), target.config)
-    _perturb(head, 0.05, seed)
-    return head
+    return _random_head(EagleHead, EagleOptions(ttt_steps=3), target, seed, 0.05)
 
 
 def draft_head(target, seed: int):
     from specheads.heads.draft import DraftHead, DraftOptions
 
-    torch.manual_seed(seed)
-    head = DraftHead.for_target(DraftOptions(num_layers=2, ttt_steps=3), target.config)
-    head.init_from_target(target)
-    _perturb(head, 0.02, seed)
-    return head
+    return _random_head(DraftHead, DraftOptions(num_layers=2, ttt_steps=3), target, seed, 0.02, init_from_target=True)
 
 
 def medusa_head(target, seed: int):
     from specheads.heads.medusa import MedusaHead, MedusaOptions
 
-    torch.manual_seed(seed)
-    head = MedusaHead.for_target(MedusaOptions(num_heads=3, num_layers=1), target.config)
-    head.init_from_target(target)
-    return head
+    return _random_head(MedusaHead, MedusaOptions(num_heads=3, num_layers=1), target, seed, init_from_target=True)
 
 
 def mtp_head(target, seed: int):
     from specheads.heads.mtp import MtpHead, MtpOptions
 
-    torch.manual_seed(seed)
-    head = MtpHead.for_target(MtpOptions(num_layers=1, ttt_steps=1), target.config)
-    head.init_from_target(target)
-    _perturb(head, 0.02, seed)
-    return head
+    return _random_head(MtpHead, MtpOptions(num_layers=1, ttt_steps=1), target, seed, 0.02, init_from_target=True)
 
 
 def _export_all(root: Path, name: str, kind: str, ckpt, formats, target_path: Path | None, rows: list[Row],
