@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 import stat
 from pathlib import Path
@@ -133,6 +134,15 @@ def vllm_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
     ckpt = _checkpoint(root, eagle3_head(target, target.vocab_size // 2, 1), tiny, _fingerprint_provenance(target))
     return export(ckpt, "vllm-native", root / "export"), tiny
+
+
+def test_prepare_makes_relative_paths_absolute(vllm_export, monkeypatch):
+    """`make engine-check RUN=runs/x` passes relative paths; the probe runs in its own folder."""
+    export, tiny = vllm_export
+    monkeypatch.chdir(export.parent)
+    job = check.prepare(export.name, "vllm", os.path.relpath(tiny), work="work")
+    assert job.export.is_absolute() and job.work.is_absolute() and job.ours.target_path.is_absolute()
+    assert (job.work / "inputs.safetensors").is_file() and job.export == export.resolve()
 
 
 def faulty(src: Path, dest: Path, tensors=None, config=None) -> Path:

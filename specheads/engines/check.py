@@ -410,19 +410,20 @@ class Job:
 
 def prepare(export: str | Path, engine: str, target: str | Path | None = None, k: int | None = None,
             positions: int = 256, work: str | Path | None = None) -> Job:
-    """Our side of one check: the export read, the target loaded, the probe's inputs written."""
-    export = Path(export)
+    """Our side of one check: the export read, the target loaded, the probe's inputs written.
+    Paths are made absolute: the probe runs in its own working folder."""
+    export = Path(export).resolve()
     if engine not in PROBES:
         raise EngineCheckError(f"engine '{engine}': expected one of {', '.join(PROBES)}")
     if not (export / "config.json").is_file():
         raise EngineCheckError(f"{export}: no config.json; pass a folder written by `specheads export`")
-    ours = Ours(export, Path(target) if target else None)
+    ours = Ours(export, Path(target).resolve() if target else None)
     if ours.kind == "mtp":
         ours.target_path = export  # the MTP export is the target checkpoint with its modules written in
     if ours.target_path is None:
         raise EngineCheckError(f"{export}: pass --target, the target folder the head was trained on")
     k = k or ours.k()
-    work = Path(work) if work else Path(tempfile.mkdtemp(prefix="specheads-engine-check-"))
+    work = Path(work).resolve() if work else Path(tempfile.mkdtemp(prefix="specheads-engine-check-"))
     (work / engine).mkdir(parents=True, exist_ok=True)
     if ours.kind in ("eagle3", "eagle", "draft"):
         max_pos = int(getattr(ours.target.config, "max_position_embeddings", 256))

@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing or any(e not in PROBES for e in engines):
         print(f"engine-check: no probe for {missing or engines}; engines with one: {', '.join(PROBES)}", file=sys.stderr)
         return 2
-    out, started = Path(a.out), time.time()
-    rows = (demo_rows(Path(a.demo)) if a.demo else []) + build_exports(out / "exports")
+    out, started = Path(a.out).resolve(), time.time()  # absolute: each probe runs in its own folder
+    rows = (demo_rows(Path(a.demo).resolve()) if a.demo else []) + build_exports(out / "exports")
     if a.only:
         rows = [r for r in rows if a.only in r.name]
     results = run_checks(rows, engines, out / "work")
