@@ -204,6 +204,34 @@ def engine_version() -> str:
         return "unknown"
 
 
+def allow_dflash_on_cpu() -> str:
+    """SGLang's CPU platform declares no DFLASH support (it serves DFLASH on CUDA/NPU/XPU only), which
+    stops its server-argument resolution; while SGLang's own DFLASH argument handler runs, the platform
+    declares support, so the rest of that handler, its config parsing and its loader run unchanged."""
+    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.platforms import current_platform
+
+    handler = speculative_hook._handle_dflash
+
+    def handle_dflash_declaring_support(server_args):
+        names = ("is_out_of_tree", "supports_speculative_algorithm", "get_default_speculative_draft_attention_backend",
+                 "supports_speculative_draft_attention_backend")
+        saved = [getattr(current_platform, n, None) for n in names]
+        current_platform.is_out_of_tree = lambda: True
+        current_platform.supports_speculative_algorithm = lambda name: name == "DFLASH" or saved[1](name)
+        current_platform.get_default_speculative_draft_attention_backend = lambda *a, **k: "torch_native"
+        current_platform.supports_speculative_draft_attention_backend = lambda algo, backend: backend == "torch_native"
+        try:
+            return handler(server_args)
+        finally:
+            for n, v in zip(names, saved):
+                setattr(current_platform, n, v)
+
+    speculative_hook._handle_dflash = handle_dflash_declaring_support
+    return ("SGLang's DFLASH argument handler runs with the CPU platform declaring DFLASH support and the torch_native draft "
+            "attention backend (SGLang serves DFLASH only on CUDA/NPU/XPU); config parsing and the weight loader are SGLang's own code")
+
+
 def new_result() -> dict:
     return {"engine": ENGINE, "version": engine_version(), "config": {}, "weights": {},
             "layers": "not_run: an earlier stage failed", "forward": "not_run: an earlier stage failed",
@@ -218,6 +246,8 @@ def stage_config(args, result: dict):
     try:
         SpeculativeAlgorithm.from_string(algorithm)  # the engine's own refusal for unknown methods
         REPLACED.append(replace_attention_kernel())
+        if algorithm == "DFLASH":
+            REPLACED.append(allow_dflash_on_cpu())
         sa = server_args(args, algorithm)
         init_runtime(sa)
         algo, target_cfg, draft_cfg, aux = load_configs(args, sa)
@@ -258,7 +288,7 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
     report = weights_report(args.kind, rec, late, draft_model, target_cfg.hf_config)
     result["weights"] = report
     cfg = result["config"]
-    cfg["draft_vocab_size"] = draft_vocab(draft_model, hot)
+    cfg["draft_vocab_size"] = draft_vocab(draft_model, hot) or int(target_cfg.vocab_size)  # None: target's head
     ours = aux_layer_ids(args.kind, target_model, target_cfg)
     cfg["aux_layer_ids_specheads"] = ours
     # SGLang's numbering (eagle_config ids): it captures the input of layer id + 1

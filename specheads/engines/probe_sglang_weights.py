@@ -130,7 +130,10 @@ def synchronous_weight_loading() -> str:
 
 
 def share_with_target(kind: str, algo, target_model, draft_model, target_cfg):
-    """The draft worker's own init_token_map / init_lm_head, run on the two loaded models."""
+    """The draft worker's own init_token_map / init_lm_head, run on the two loaded models. DFLASH's
+    worker shares nothing into the draft: it reads the target's embedding and lm_head at run time."""
+    if kind == "dflash":
+        return None
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
     from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker
@@ -203,9 +206,11 @@ def vocab_warnings(hot, draft_vocab: int, vocab: int) -> list[str]:
     return out
 
 
-def draft_vocab(draft_model, hot) -> int:
+def draft_vocab(draft_model, hot) -> int | None:
     """Rows of the draft's output layer in token ids (hot vocab, else the unpadded head size)."""
     if hot is not None:
         return int(hot.shape[0])
-    head = draft_model.lm_head
+    head = getattr(draft_model, "lm_head", None)
+    if head is None:  # DFLASH: no head of its own, the target's lm_head is read at run time
+        return None
     return int(getattr(head, "org_vocab_size", head.weight.shape[0]))
