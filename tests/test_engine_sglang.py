@@ -21,9 +21,10 @@ from specheads.engines.venvs import python_of
 
 SGLANG_PYTHON = python_of("sglang")
 PROBE = Path(__file__).resolve().parents[1] / "specheads" / "engines" / "probe_sglang.py"
-pytestmark = pytest.mark.skipif(
+# `engine`: skipped in `make test`, run by `make engine-check` (which creates the venv first)
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     os.environ.get("SPECHEADS_ENGINE_TESTS") != "1" or not SGLANG_PYTHON.exists(),
-    reason="needs the SGLang 0.5.23 virtualenv and SPECHEADS_ENGINE_TESTS=1")
+    reason="needs the SGLang 0.5.23 virtualenv and SPECHEADS_ENGINE_TESTS=1")]
 
 
 @pytest.fixture(scope="module")
