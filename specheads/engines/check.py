@@ -8,8 +8,9 @@ with `specheads.export.load` and the target with `specheads.target.Target`. Four
            sizes and aux-layer ids we intended
   weights  every draft parameter the engine creates is written by its loader (sentinel pre-fill),
            every tensor we wrote reaches a parameter (none silently dropped), shapes match
-  layers   the target hidden states the engine taps for the draft equal ours (<= 1e-4)
-  forward  the engine's draft logits equal our head's (<= 1e-4, same argmax at every position),
+  layers   the target hidden states the engine taps for the draft equal ours (<= 1e-4 relative to
+           the states' largest magnitude, at least 1e-4 absolute: see `tolerance`)
+  forward  the engine's draft logits equal our head's (same tolerance, same argmax everywhere),
            and the same greedy chain of k tokens
 
 Probe protocol (every engine):
@@ -47,7 +48,7 @@ from specheads.engines import venvs
 
 PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
 BATCH_PROBES = {"vllm"}  # probes that also take `--jobs FILE.json` (many exports, one engine import)
-TOLERANCE = 1e-4
+TOLERANCE = 1e-4  # relative to the compared tensor's largest magnitude (absolute below 1)
 PASS, FAIL, NOT_RUN, REFUSED = "PASS", "FAIL", "NOT RUN", "REFUSED"
 # engine aux-layer id = specheads aux_layers id + offset (SGLang counts from the first decoder layer's input)
 AUX_OFFSET = {"vllm": 0, "sglang": -1}
@@ -340,6 +341,18 @@ def _before_compare(result: dict, tensors: dict, stage: str, what: str, name: st
     return None
 
 
+def tolerance(ours: torch.Tensor) -> float:
+    """Allowed max |diff| against `ours`: fp32 kernels differ by rounding that grows with magnitude.
+
+    A real target's residual stream reaches magnitudes of 10-100 after 27 layers (SmolLM2-135M:
+    vLLM's fused norms differ from transformers' by 3e-4 there), while a tap one layer off differs
+    by the size of a whole layer's update, orders of magnitude more.
+    """
+    finite = ours[torch.isfinite(ours)]
+    scale = float(finite.abs().max()) if finite.numel() else 1.0
+    return TOLERANCE * max(1.0, scale)
+
+
 def judge_layers(result: dict, tensors: dict, ours_states: torch.Tensor | None, numbers: dict) -> Stage:
     early = _before_compare(result, tensors, "layers", "target forward", "aux_hidden", ours_states)
     if early:
@@ -348,9 +361,11 @@ def judge_layers(result: dict, tensors: dict, ours_states: torch.Tensor | None, 
     if theirs.shape != ours_states.shape:
         return Stage(FAIL, f"the engine taps {list(theirs.shape)}, ours {list(ours_states.shape)}")
     diff = float((theirs.float() - ours_states.float()).abs().max())
+    limit = tolerance(ours_states.float())
     numbers["aux_hidden_max_abs_diff"] = diff
-    if diff > TOLERANCE:
-        return Stage(FAIL, f"the engine taps other states: max |diff| {diff:.3g} > {TOLERANCE} "
+    numbers["aux_hidden_tolerance"] = limit
+    if diff > limit:
+        return Stage(FAIL, f"the engine taps other states: max |diff| {diff:.3g} > {limit:.3g} "
                            f"(wrong layers, or an off-by-one in their numbering)")
     return Stage(PASS, f"{theirs.shape[0]} positions x {theirs.shape[1]} features, max |diff| {diff:.2g}")
 
@@ -369,13 +384,14 @@ def judge_forward(result: dict, tensors: dict, mine: torch.Tensor | None, chain:
     diff = float((theirs[finite] - mine[finite]).abs().max()) if finite.any() else float("inf")
     argmax_equal = int((theirs.argmax(-1) == mine.argmax(-1)).sum())
     engine_chain = [int(t) for t in tensors.get("chain", torch.empty(0, dtype=torch.long)).tolist()]
-    numbers.update(logits_max_abs_diff=diff, positions=int(mine.shape[0]), argmax_equal=argmax_equal,
-                   chain_engine=engine_chain, chain_ours=chain)
+    limit = tolerance(mine)
+    numbers.update(logits_max_abs_diff=diff, logits_tolerance=limit, positions=int(mine.shape[0]),
+                   argmax_equal=argmax_equal, chain_engine=engine_chain, chain_ours=chain)
     problems = []
     if not same_support:
         problems.append("the engine's draft vocabulary (finite logits) differs from ours: the d2t mapping differs")
-    if diff > TOLERANCE:
-        problems.append(f"max |logit diff| {diff:.3g} > {TOLERANCE}")
+    if diff > limit:
+        problems.append(f"max |logit diff| {diff:.3g} > {limit:.3g}")
     if argmax_equal != mine.shape[0]:
         problems.append(f"argmax equal on {argmax_equal} of {mine.shape[0]} positions")
     if "chain" in tensors and engine_chain != chain:
