@@ -28,9 +28,10 @@ demo: install
 # vLLM 0.33.0 / SGLang 0.5.23 load and run the demo exports and a small export of every kind x format
 # with their own code on the CPU (each engine in its own venv under the user cache, created on first
 # use: ~10 GB and ~10 min each), then the injected-fault tests. Writes $(RUN)/engine-check/engine-check.{json,md}.
+# Any trained run's exports: make engine-check RUN=runs/real TARGET=$$(make -s real-target)
 engine-check: install
 	test -f $(RUN)/export/vllm/config.json || $(MAKE) demo RUN=$(RUN)
-	$(BIN)/python -m specheads.engines.matrix --out $(RUN)/engine-check --demo $(RUN) --engines $(ENGINES)
+	$(BIN)/python -m specheads.engines.matrix --out $(RUN)/engine-check --run $(RUN)$(if $(TARGET),:$(TARGET)) --engines $(ENGINES)
 	SPECHEADS_ENGINE_TESTS=1 $(BIN)/python -m pytest -q -x --timeout 3600 -m engine tests
 
 train: install

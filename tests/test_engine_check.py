@@ -228,3 +228,26 @@ def test_injected_fault_fails_with_the_engines_text(vllm_reports, fault, stage, 
         assert engine_text in report.stages[stage].detail, text
     if fault == "shifted_aux":
         assert report.stages["config"].status == check.FAIL and "aux_layer_ids" in report.stages["config"].detail
+
+
+def test_matrix_takes_any_trained_run_and_its_target(tmp_path):
+    """`make engine-check RUN=runs/real TARGET=...`: the run's exports are rows checked against TARGET."""
+    from specheads.engines import matrix
+
+    run, target = tmp_path / "real", tmp_path / "cache" / "smollm2"
+    for fmt in ("vllm", "sglang"):
+        (run / "export" / fmt).mkdir(parents=True)
+        (run / "export" / fmt / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="not a target folder"):
+        matrix.run_rows(*matrix.parse_run(f"{run}:{target}"))
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    rows = matrix.run_rows(*matrix.parse_run(f"{run}:{target}"))
+    assert [(r.name, r.format, r.target) for r in rows] == [("real-vllm", "vllm", target), ("real-sglang", "sglang", target)]
+    assert list(rows[1].engines) == ["sglang"]
+    (run / "target").mkdir()
+    (run / "target" / "config.json").write_text("{}")
+    assert matrix.run_rows(*matrix.parse_run(str(run)))[0].target == run / "target"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert matrix.main(["--out", str(tmp_path / "o"), "--run", str(empty), "--runs-only"]) == 2

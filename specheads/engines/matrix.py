@@ -7,7 +7,7 @@ with each engine that can serve its format (one probe at a time), and writes `OU
 and `OUT/engine-check.md` (kind x format x engine -> config / weights / layers / forward).
 Exits non-zero when any check fails.
 
-    python -m specheads.engines.matrix --out runs/engine-check [--demo runs/demo] [--engines vllm,sglang]
+    python -m specheads.engines.matrix --out runs/engine-check [--run runs/demo[:TARGET]] [--runs-only] [--engines vllm,sglang]
 """
 
 from __future__ import annotations
@@ -191,15 +191,27 @@ def build_exports(root: Path) -> list[Row]:
     return rows
 
 
-def demo_rows(run: Path) -> list[Row]:
-    """The demo's exports (`make demo`), checked against the demo target."""
-    rows = []
-    for fmt in ("vllm", "sglang"):
+def run_rows(run: Path, target: Path | None = None) -> list[Row]:
+    """A trained run's exports (`make demo`, `make real`: RUN/export/FORMAT), checked against its target
+    (RUN/target unless given: `make real` keeps the converted target in the user cache)."""
+    rows, target = [], target or run / "target"
+    label = run.name
+    for fmt in ("vllm", "vllm-native", "sglang"):
         folder = run / "export" / fmt
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder}: no demo export; run `make demo RUN={run}` first")
-        rows.append(Row(f"demo-{fmt}", "eagle3", fmt, folder, run / "target", FORMAT_ENGINES[fmt], "the demo's trained head"))
+        if (folder / "config.json").is_file():
+            rows.append(Row(f"{label}-{fmt}", "eagle3", fmt, folder, target, FORMAT_ENGINES[fmt],
+                            f"the trained head of {label}"))
+    if not rows:
+        raise FileNotFoundError(f"{run / 'export'}: no export; run `make demo RUN={run}` (or `make real`) first")
+    if not (target / "config.json").is_file():
+        raise FileNotFoundError(f"{target}: not a target folder; pass RUN:TARGET (make engine-check TARGET=...)")
     return rows
+
+
+def parse_run(text: str) -> tuple[Path, Path | None]:
+    """`RUN` or `RUN:TARGET` -> absolute paths."""
+    run, _, target = text.partition(":")
+    return Path(run).resolve(), Path(target).resolve() if target else None
 
 
 # --- running and reporting -----------------------------------------------------------------------------
@@ -244,7 +256,10 @@ def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for the exports, the probes' files and the report")
-    p.add_argument("--demo", help="a demo run folder (make demo RUN=...): its exports are checked too")
+    p.add_argument("--run", "--demo", dest="runs", action="append", default=[], metavar="RUN[:TARGET]",
+                   help="a trained run folder (make demo / make real) whose export/ folders are checked too, "
+                        "against TARGET (default RUN/target); repeatable")
+    p.add_argument("--runs-only", action="store_true", help="check only the --run exports, not the kind x format matrix")
     p.add_argument("--engines", default=",".join(PROBES), help="comma-separated engines (default: all)")
     p.add_argument("--only", help="check only rows whose name contains this")
     a = p.parse_args(argv)
@@ -254,7 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine-check: no probe for {missing or engines}; engines with one: {', '.join(PROBES)}", file=sys.stderr)
         return 2
     out, started = Path(a.out).resolve(), time.time()  # absolute: each probe runs in its own folder
-    rows = (demo_rows(Path(a.demo).resolve()) if a.demo else []) + build_exports(out / "exports")
+    try:
+        rows = [row for text in a.runs for row in run_rows(*parse_run(text))]
+    except FileNotFoundError as e:
+        print(f"engine-check: {e}", file=sys.stderr)
+        return 2
+    if not a.runs_only:
+        rows += build_exports(out / "exports")
     if a.only:
         rows = [r for r in rows if a.only in r.name]
     results = run_checks(rows, engines, out / "work")
