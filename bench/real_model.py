@@ -196,9 +196,10 @@ def epochs_table(target_dir: Path, heldout: Path, runs: dict, max_length: int) -
 
 
 def export(ckpt: Path, out: Path) -> dict:
-    for fmt in ("vllm", "sglang"):
+    formats = ("vllm", "vllm-native", "sglang")  # every folder `make engine-check RUN=... TARGET=...` checks
+    for fmt in formats:
         _check(cli(["export", ckpt, "--format", fmt, "--out", out / fmt]), f"export {fmt}")
-    return {"vllm": str(out / "vllm"), "sglang": str(out / "sglang")}
+    return {fmt: str(out / fmt) for fmt in formats}
 
 
 def evaluate(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_tokens: int) -> dict:
