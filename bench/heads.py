@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import write_json, write_text
-from specheads.eval.online import eos_ids, read_prompts
+from specheads.eval.online import read_prompts
+from specheads.session import eos_ids, load_draft
 from specheads.verify.decode import DecodeStats, greedy_decode
 from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, speculative_decode
 
@@ -90,7 +91,7 @@ def exported_head(ckpt: Path, out: Path, kind: str, target):
     """(head, format): exported to the first format the kind's writer supports and loaded back
     from that folder; when no engine serves the kind for this target family (MTP on a Llama),
     the checkpoint itself, labelled as such."""
-    from specheads.export import WRITERS, ExportRefused, export, load_checked_draft
+    from specheads.export import WRITERS, ExportRefused, export
     from specheads.export.checkpoint import Checkpoint
 
     head_kind = Checkpoint(ckpt).kind  # a variant (peagle) trains a registered kind (eagle3)
@@ -102,8 +103,7 @@ def exported_head(ckpt: Path, out: Path, kind: str, target):
     except ExportRefused:
         head = Checkpoint(ckpt).build_head()
         return head.to(device=target.device, dtype=target.dtype).eval(), "checkpoint (no engine export)"
-    head, _ = load_checked_draft(folder, target)
-    return head, fmt
+    return load_draft(folder, target).head, fmt
 
 
 def tree_spec_for(head, target) -> TreeSpec | None:

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import write_json, write_text
-from specheads.eval.online import encode_chat, eos_ids, read_prompts
-from specheads.export import load_checked_draft
-from specheads.target import default_dtype
+from specheads.cli_options import add_fingerprint_argument
+from specheads.eval.online import encode_chat, read_prompts
+from specheads.session import Session, eos_ids
 from specheads.verify.settings import (
     TreeSpec, check_tree_fits, make_proposer, make_tree_spec, speculative_decode,
 )
@@ -194,21 +194,21 @@ def bench(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
           limit: int | None = 16, max_new_tokens: int = 64, device: str = "auto",
           dtype: str | None = None, ks=CHAIN_KS, static_tree: str | None = None,
           budgets=EAGLE2_BUDGETS,
-          ngram_k: int | None = None, warmup: int = 1) -> dict:
+          ngram_k: int | None = None, warmup: int = 1, allow_missing_fingerprint: bool = False) -> dict:
     """Run every method on the prompts; write OUT/verifier.json and OUT/verifier.md.
 
     `static_tree` is a JSON file of rank paths (default: STATIC_TREE); `budgets` EAGLE-2
     (depth, top_k, total_tokens) triples; `ngram_k` defaults to the export's draft length.
     """
     from specheads.provenance import provenance
-    from specheads.target import Target
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     rows = read_prompts(prompts_file, limit)
-    target = Target.load(target_path, dtype=dtype or default_dtype(device), device=device)
-    head, meta = load_checked_draft(draft_dir, target)
-    ngram_k = ngram_k or meta.num_speculative_tokens or head.config.ttt_steps
+    session = Session.open(target_path, draft_dir, device=device, dtype=dtype,
+                           allow_missing_fingerprint=allow_missing_fingerprint)
+    target, head, meta = session.target, session.head, session.draft.meta
+    ngram_k = ngram_k or session.k
     static = (make_tree_spec(static_tree) if static_tree
               else TreeSpec("static", choices=STATIC_TREE, source="built-in"))
     methods = build_methods(target, head, ks, static, budgets, ngram_k)
@@ -263,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eagle2", default="4:4:16,5:8:48", help="DEPTH:TOP_K:TOTAL_TOKENS,...")
     p.add_argument("--ngram-k", type=int, default=None, help="n-gram draft length (default: the export's k)")
     p.add_argument("--warmup", type=int, default=1, help="untimed decodes per method first")
+    add_fingerprint_argument(p)
     a = p.parse_args(argv)
     try:
         report = bench(a.target, a.draft, a.prompts, a.out, a.limit, a.max_new_tokens, a.device,
                        a.dtype, parse_ints(a.chain_ks),
                        a.static_tree,
-                       parse_budgets(a.eagle2), a.ngram_k, a.warmup)
+                       parse_budgets(a.eagle2), a.ngram_k, a.warmup, a.allow_missing_fingerprint)
     except (ValueError, FileNotFoundError) as err:
         print(f"bench/verifier.py: error: {err}", file=sys.stderr)
         return 1

@@ -45,7 +45,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    from specheads.cli_options import add_sampling_arguments, add_tree_arguments
+    from specheads.cli_options import add_fingerprint_argument, add_sampling_arguments, add_tree_arguments
 
     p = argparse.ArgumentParser(prog="specheads eval", description=(
         "Decode prompts with the target alone and with an exported draft; check the outputs are "
@@ -64,6 +64,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_tree_arguments(p)
     add_sampling_arguments(p)
+    add_fingerprint_argument(p)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ...")
@@ -88,7 +89,8 @@ def _eval_offline(a: argparse.Namespace) -> int:
 
     if not a.data:
         raise ValueError("--offline needs --data FILE (held-out conversations)")
-    m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit, dtype=a.dtype, device=a.device)
+    m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit, dtype=a.dtype, device=a.device,
+                         allow_missing_fingerprint=a.allow_missing_fingerprint)
     acc = " / ".join(f"{x:.2f}" for x in m["offline"]["acc_cond"])
     print(f"offline tau {m['tau_est']:.3f} over {m['offline']['samples']} samples, conditional acceptance "
           f"{acc}; simulated tau {json.dumps({k: round(v, 2) for k, v in m['simulated_tau']['chain'].items()})} "
@@ -107,7 +109,7 @@ def _eval_online(a: argparse.Namespace) -> int:
                  tree=None if tree.kind == "chain" else tree,
                  sampling=sampling_from_args(a), predict=not a.no_predict,
                  verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet,
-                 dtype=a.dtype, device=a.device)
+                 dtype=a.dtype, device=a.device, allow_missing_fingerprint=a.allow_missing_fingerprint)
     d, n = m["speculative"], m["ngram"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "

@@ -1,5 +1,6 @@
 """Command-line options shared by `specheads generate`, `eval` and `serve` (and bench/verifier.py):
-the draft tree flags and the sampling flags, parsed into verify.settings' TreeSpec and Sampling.
+the draft tree flags and the sampling flags, parsed into verify.settings' TreeSpec and Sampling,
+and the fingerprint policy's override.
 """
 
 from __future__ import annotations
@@ -52,3 +53,10 @@ def sampling_from_args(a: argparse.Namespace) -> Sampling:
     sampling = Sampling(a.temperature, a.top_p, a.seed, a.acceptance, eps, delta)
     check_acceptance(sampling)
     return sampling
+
+
+def add_fingerprint_argument(p: argparse.ArgumentParser) -> None:
+    """--allow-missing-fingerprint, the one override of the fingerprint policy (session.py)."""
+    p.add_argument("--allow-missing-fingerprint", action="store_true",
+                   help="use a specheads export that records no target fingerprint (refused by "
+                        "default); a draft whose fingerprint names another target is always refused")

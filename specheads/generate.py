@@ -25,18 +25,16 @@ import sys
 import time
 from pathlib import Path
 
-from specheads.cli_options import add_sampling_arguments, add_tree_arguments, sampling_from_args, spec_from_args
-from specheads.eval.online import encode_chat, eos_ids
-from specheads.export import load_checked_draft
-from specheads.metrics import broken_draft_warning
-from specheads.target import Target, default_dtype
-from specheads.verify.decode import greedy_decode
-from specheads.verify.sampling import check_warp
-from specheads.verify.settings import (
-    Sampling, TreeSpec, check_acceptance, check_tree_fits, make_proposer, sampled_decode, speculative_decode,
-    with_default_k,
+from specheads.cli_options import (
+    add_fingerprint_argument, add_sampling_arguments, add_tree_arguments, sampling_from_args, spec_from_args,
 )
-from specheads.verify.text import StreamingProposer, TextStream, writer
+from specheads.eval.online import encode_chat
+from specheads.metrics import broken_draft_warning
+from specheads.session import Session
+from specheads.target import resolve_device
+from specheads.verify.sampling import check_warp
+from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
+from specheads.verify.text import TextStream, writer
 
 
 class GenerateError(ValueError):
@@ -98,17 +96,9 @@ def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
     return lines
 
 
-def warm_up(target, proposer_factory, spec: TreeSpec, eos) -> None:
-    """One short untimed decode each way so first-call overheads stay out of the timings."""
-    greedy_decode(target, [0, 1, 2, 3], 4)
-    speculative_decode(spec, target, proposer_factory(), [0, 1, 2, 3], 4, eos)
-
-
 def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling,
                  device: str = "auto") -> None:
     """Refuse bad arguments before anything is loaded."""
-    from specheads.target import resolve_device
-
     resolve_device(device)  # a device this machine lacks
     if max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -122,44 +112,27 @@ def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling
     check_acceptance(sampling)
 
 
-def stream_decode(spec, target, head, ids, max_new_tokens, eos, sampling, out):
-    """The speculative decode, its text streamed to `out` -> (result, seconds spent streaming)."""
-    proposer = StreamingProposer(make_proposer(spec, head, target, not sampling.greedy),
-                                 TextStream(target.tokenizer, writer(out)))
-    if sampling.greedy:
-        result = speculative_decode(spec, target, proposer, ids, max_new_tokens, eos)
-    else:
-        result = sampled_decode(spec, target, proposer, ids, max_new_tokens, eos, sampling)
-    stream_s = proposer.seconds  # inside the timed decode: taken off its wall time
-    proposer.finish(result.tokens)
-    out.write("\n")
-    out.flush()
-    return result, stream_s
-
-
 def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
                  max_new_tokens: int = 128, chat: bool = True, device: str = "auto",
                  dtype: str | None = None, out=None, err=None,
-                 sampling: Sampling = Sampling()) -> dict:
+                 sampling: Sampling = Sampling(), allow_missing_fingerprint: bool = False) -> dict:
     """Stream the speculative decode of `prompt` to `out`, then compare it with plain decoding
     (greedy: token for token; sampled: speed only)."""
     out, err = out or sys.stdout, err or sys.stderr
     check_inputs(draft_dir, prompt, max_new_tokens, sampling, device)
-    target = Target.load(target_path, dtype=dtype or default_dtype(device), device=device)
-    head, meta = load_checked_draft(draft_dir, target)
-    spec = with_default_k(spec, meta, head)
-    check_tree_fits(spec, target)
-    ids, eos = encode_prompt(target.tokenizer, prompt, chat), eos_ids(target)
-    warm_up(target, lambda: make_proposer(spec, head, target), spec, eos)
-    result, stream_s = stream_decode(spec, target, head, ids, max_new_tokens, eos, sampling, out)
-    if sampling.greedy:
-        plain = greedy_decode(target, ids, max_new_tokens, eos)
-        equal = result.tokens == plain.tokens
-    else:
-        plain, equal = sampled_decode(None, target, None, ids, max_new_tokens, eos, sampling), None
-    for line in report_lines(spec, result, plain, equal, stream_s, sampling):
+    session = Session.open(target_path, draft_dir, spec, device=device, dtype=dtype,
+                           allow_missing_fingerprint=allow_missing_fingerprint)
+    ids = encode_prompt(session.target.tokenizer, prompt, chat)
+    session.warm_up()
+    decoded = session.decode(ids, max_new_tokens, sampling, TextStream(session.target.tokenizer, writer(out)))
+    out.write("\n")
+    out.flush()
+    result, stream_s = decoded.result, decoded.stream_s
+    plain = session.plain(ids, max_new_tokens, sampling)
+    equal = result.tokens == plain.tokens if sampling.greedy else None
+    for line in report_lines(session.spec, result, plain, equal, stream_s, sampling):
         print(line, file=err)
-    return {"tree": spec.describe(), "tokens": result.tokens, "plain_tokens": plain.tokens,
+    return {"tree": session.spec.describe(), "tokens": result.tokens, "plain_tokens": plain.tokens,
             "greedy_equal": equal, "sampling": sampling.describe(), "lossless": sampling.lossless,
             "acceptance": sampling.acceptance, "summary": result.stats.summary(),
             "tokens_per_s": rate(result.stats, stream_s), "plain_tokens_per_s": rate(plain.stats)}
@@ -178,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render the prompt with the chat template (default) or feed it raw")
     add_sampling_arguments(p)
+    add_fingerprint_argument(p)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on a GPU, float32 on a CPU")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     r = run_generate(a.target, a.draft, a.prompt, spec_from_args(a), a.max_new_tokens, a.chat,
-                     a.device, a.dtype, sampling=sampling_from_args(a))
+                     a.device, a.dtype, sampling=sampling_from_args(a),
+                     allow_missing_fingerprint=a.allow_missing_fingerprint)
     print(f"done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 1 if r["greedy_equal"] is False else 0

@@ -102,11 +102,14 @@ class Target:
         self.config = model.config
 
     @classmethod
-    def load(cls, path: str, dtype: str = "float32", device: str = "auto",
+    def load(cls, path: str, dtype: str | None = "float32", device: str = "auto",
              attn_implementation: str = "sdpa") -> "Target":
+        """A frozen target from a folder (or builtin:...); `dtype` None: the device's default
+        (bfloat16 on a GPU, float32 elsewhere, as the CLI's --dtype)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder = resolve_target_path(path)
+        dtype = default_dtype(device) if dtype is None else dtype
         if dtype not in DTYPES:
             raise TargetError(f"target.dtype '{dtype}': expected one of {', '.join(DTYPES)}")
         where = resolve_device(device)  # before the slow load

@@ -42,19 +42,14 @@ def prompts_file(tmp_path_factory):
 
 def local_counts(tiny_target_dir, random_export_dir) -> dict:
     """What the built-in verifier counts for the same prompts, settings and draft length."""
-    from specheads.eval.online import encode_chat, eos_ids
-    from specheads.export import load_checked_draft
-    from specheads.target import Target
-    from specheads.verify.decode import generate
-    from specheads.verify.settings import TreeSpec, make_proposer, with_default_k
+    from specheads.eval.online import encode_chat
+    from specheads.session import Session
 
-    target = Target.load(str(tiny_target_dir), dtype="float32", device="cpu")
-    head, meta = load_checked_draft(random_export_dir, target)
-    spec = with_default_k(TreeSpec("chain"), meta, head)
+    session = Session.open(str(tiny_target_dir), random_export_dir, dtype="float32", device="cpu")
     drafts = proposed = accepted = 0
     for text in PROMPTS:
-        ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}])
-        res = generate(target, make_proposer(spec, head, target), ids, MAX_TOKENS, spec.k, eos_ids(target))
+        ids = encode_chat(session.target.tokenizer, [{"role": "user", "content": text}])
+        res = session.decode(ids, MAX_TOKENS).result
         drafts += res.stats.drafts
         proposed += res.stats.proposed_tokens
         accepted += sum(res.stats.accepted_per_pos)

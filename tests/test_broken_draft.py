@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from specheads.eval.online import encode_chat, eos_ids
+from specheads.eval.online import encode_chat
+from specheads.session import eos_ids
 from specheads.verify.decode import greedy_decode
 from test_integrity import cli
 

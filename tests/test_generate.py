@@ -15,9 +15,10 @@ import sys
 import pytest
 
 from specheads.cli import main as cli
-from specheads.eval.online import encode_chat, eos_ids
-from specheads.verify.text import StreamingProposer, TextStream, writer
-from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, speculative_decode
+from specheads.eval.online import encode_chat
+from specheads.session import Session, eos_ids, load_draft
+from specheads.verify.text import TextStream, writer
+from specheads.verify.settings import TreeSpec, make_tree_spec
 from specheads.target import Target
 from specheads.verify.decode import greedy_decode
 
@@ -100,15 +101,11 @@ def test_generate_samples_reproducibly(tiny_target_dir, export_dir, tree, capsys
 
 def test_text_streams_step_by_step(target, export_dir):
     """Text reaches the output while decoding runs, one piece per verification step."""
-    from specheads.export import load_checked_draft
-
-    head, _ = load_checked_draft(export_dir, target)
-    spec = TreeSpec("chain", k=2)
+    session = Session(target, load_draft(export_dir, target), TreeSpec("chain", k=2))
     sink = Sink()
     ids = encode_chat(target.tokenizer, [{"role": "user", "content": PROMPT}])
-    proposer = StreamingProposer(make_proposer(spec, head, target), TextStream(target.tokenizer, writer(sink)))
-    result = speculative_decode(spec, target, proposer, ids, 16, eos_ids(target))
-    proposer.finish(result.tokens)
+    result = session.decode(ids, 16, stream=TextStream(target.tokenizer, writer(sink))).result
+    assert result.tokens == greedy_decode(target, ids, 16, eos_ids(target)).tokens
     assert len([w for w in sink.writes if w]) > 1
     assert "".join(sink.writes) == target.tokenizer.decode(result.tokens, skip_special_tokens=True)
 

@@ -18,7 +18,7 @@ FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("models", {"target", "heads", "from_gguf"}),
     ("recipes", {"config"}),
     ("data", {"data"}),
-    ("artifacts", {"export", "verify"}),
+    ("artifacts", {"export", "verify", "session"}),
     ("measurement", {"eval", "engines"}),
     ("services", {"train", "runlog", "serve", "hub", "cli_options"}),
     ("commands", {"generate", "demo"}),

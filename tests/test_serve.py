@@ -8,7 +8,8 @@ import urllib.request
 
 import pytest
 
-from specheads.eval.online import encode_chat, eos_ids
+from specheads.eval.online import encode_chat
+from specheads.session import eos_ids
 from specheads.serve.metrics import parse_metrics
 from specheads.target import Target
 from specheads.verify.decode import greedy_decode
@@ -165,8 +166,9 @@ def test_models_health_and_errors(server):
 def test_no_draft_server_in_process_is_plain_greedy(target):
     from specheads.serve.engine import Engine
     from specheads.serve.server import serve_in_thread
+    from specheads.session import Session
 
-    with serve_in_thread(Engine(target, model_name="plain")) as url:
+    with serve_in_thread(Engine(Session(target), model_name="plain")) as url:
         before = parse_metrics(get(f"{url}/metrics"))
         ref = reference(target, PROMPTS[1], 20)
         body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 20,

@@ -20,7 +20,7 @@ from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, Row, count_turns
 from specheads.data.resume import RowWriter, check_resumable
 from specheads.progress import Progress
-from specheads.target import Target, default_dtype
+from specheads.target import Target
 
 # --- input rows --------------------------------------------------------------------------------
 
@@ -218,7 +218,7 @@ def make_backend(a: argparse.Namespace, opts: RegenOptions):
     if a.endpoint:
         ep = Endpoint(a.endpoint, a.api_key, a.timeout, a.retries, a.backoff)
         return OpenAIBackend(ep, a.model, opts)
-    target = Target.load(a.target, dtype=a.dtype or default_dtype(a.device), device=a.device)
+    target = Target.load(a.target, dtype=a.dtype, device=a.device)
     return LocalBackend(target, opts, a.batch_size)
 
 

@@ -15,12 +15,13 @@ import torch
 
 from specheads.data.conversations import read_conversations
 from specheads.data.tokenize import TokenizedSample, collate, tokenize_all
-from specheads.eval.drafts import load_draft, load_target
 from specheads.eval.predict import simulated_tau
 from specheads.eval.report import check_report_folder, write_report
 from specheads.heads.losses import COUNT_KEYS
 from specheads.metrics import ttt_summary
 from specheads.provenance import provenance
+from specheads.session import load_draft
+from specheads.target import Target
 
 LIKELY_CAUSES = [
     "vocabulary map: d2t/t2d in the export differ from training (draft ids land on wrong target ids)",
@@ -95,12 +96,13 @@ def check_parity(target, head, eval_dir: str | Path, tolerance: float = 0.15) ->
 
 def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: str,
                      limit: int | None = None, max_length: int = 2048, dtype: str | None = None,
-                     device: str = "auto") -> dict:
+                     device: str = "auto", allow_missing_fingerprint: bool = False) -> dict:
     """`specheads eval --offline`: teacher-forced acceptance of an export on held-out
     conversations, the simulated tau of chains and trees, metrics.json + report + plots."""
     check_report_folder(out_dir)
-    target = load_target(target_path, dtype, device)
-    head, _, checked = load_draft(draft_dir, target)
+    target = Target.load(target_path, dtype=dtype, device=device)
+    draft = load_draft(draft_dir, target, allow_missing_fingerprint)
+    head, checked = draft.head, draft.fingerprint_checked
     convs, _ = read_conversations(data_file)
     samples = tokenize_all(target.tokenizer, convs[:limit], max_length)
     acc = offline_acceptance(target, head, samples)

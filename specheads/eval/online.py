@@ -21,17 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
-from specheads.eval.drafts import load_draft, load_target, meta_value
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.metrics import broken_draft_warning, predicted_speedup
+from specheads.progress import Progress
 from specheads.provenance import provenance
-from specheads.verify.decode import DecodeStats, generate
+from specheads.session import Session, run
+from specheads.verify.decode import DecodeStats
 from specheads.verify.proposers import NgramProposer
-from specheads.verify.settings import (
-    Sampling, TreeSpec, check_acceptance, check_tree_fits, make_proposer, sampled_decode, speculative_decode,
-)
+from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +93,6 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-def eos_ids(target) -> list[int]:
-    """The tokenizer's eos id plus any the target's generation config names."""
-    ids = set()
-    if getattr(target.tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(target.tokenizer.eos_token_id))
-    gen = getattr(target.model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None)
-    ids.update(int(i) for i in (extra if isinstance(extra, (list, tuple)) else [extra]) if i is not None)
-    return sorted(ids)
-
 # --- metrics -----------------------------------------------------------------------------------
 
 def alpha_from_tau(mean_len: float, k: int) -> float:
@@ -151,48 +140,29 @@ def method_metrics(stats: DecodeStats, plain: DecodeStats, k: int) -> dict:
 
 # --- the run -----------------------------------------------------------------------------------
 
-def run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree: TreeSpec | None = None,
-             sampling: Sampling | None = None):
-    """One prompt turn decoded plain, with the draft (a chain of k, or `tree`) and with n-grams."""
-    if sampling is not None and not sampling.greedy:
-        return sampled_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree, sampling)
-    plain = generate(target, None, ids, max_new_tokens, k=0, eos_token_ids=eos)
-    if tree is None or tree.kind == "chain":
-        draft = generate(target, make_proposer(TreeSpec("chain", k=k), head, target), ids, max_new_tokens, k, eos)
-    else:
-        draft = speculative_decode(tree, target, make_proposer(tree, head, target), ids,
-                                   max_new_tokens, eos)
-    ngram = generate(target, NgramProposer(*ngram_sizes), ids, max_new_tokens, k, eos)
+def run_turn(session: Session, ngram_sizes, ids, max_new_tokens, sampling: Sampling = Sampling()):
+    """One prompt turn decoded plain, with the draft (the session's chain or tree) and with
+    n-grams (a chain of the session's k), sampled runs with the same seed each."""
+    plain = session.plain(ids, max_new_tokens, sampling)
+    draft = session.decode(ids, max_new_tokens, sampling).result
+    ngram = run(TreeSpec("chain", k=session.k), session.target, NgramProposer(*ngram_sizes), ids,
+                max_new_tokens, session.eos, sampling)
     return plain, draft, ngram
 
-def sampled_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos, tree, sampling: Sampling):
-    """The same three runs with lossless speculative sampling (same seed for each run)."""
-    tree = tree or TreeSpec("chain", k=k)
-    plain = sampled_decode(None, target, None, ids, max_new_tokens, eos, sampling)
-    draft = sampled_decode(tree, target, make_proposer(tree, head, target, sampled=True), ids,
-                           max_new_tokens, eos, sampling)
-    ngram = sampled_decode(TreeSpec("chain", k=k), target, NgramProposer(*ngram_sizes), ids,
-                           max_new_tokens, eos, sampling)
-    return plain, draft, ngram
-
-def evaluate_rows(target, head, rows: list[PromptRow], max_new_tokens: int, k: int,
-                  ngram_sizes=(3, 1), tree: TreeSpec | None = None,
-                  sampling: Sampling | None = None, quiet: bool = True) -> tuple[Totals, list[dict]]:
+def evaluate_rows(session: Session, rows: list[PromptRow], max_new_tokens: int, ngram_sizes=(3, 1),
+                  sampling: Sampling = Sampling(), quiet: bool = True) -> tuple[Totals, list[dict]]:
     """Decode every turn of every row; multi-turn rows continue with the model's own answers
     (progress over turns on stderr unless `quiet`)."""
-    from specheads.progress import Progress
-
-    eos = eos_ids(target)
     totals, outputs = Totals(), []
     with Progress(sum(len(r.turns) for r in rows), "eval", "turns", quiet=quiet) as bar:
         for row in rows:
-            _evaluate_row(target, head, row, max_new_tokens, k, ngram_sizes, tree, sampling, eos,
-                          totals, outputs, bar)
+            _evaluate_row(session, row, max_new_tokens, ngram_sizes, sampling, totals, outputs, bar)
     return totals, outputs
 
-def _evaluate_row(target, head, row: PromptRow, max_new_tokens, k, ngram_sizes, tree, sampling, eos,
+def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, ngram_sizes, sampling: Sampling,
                   totals: Totals, outputs: list[dict], bar) -> None:
     """Every turn of one row, plain / draft / n-gram, into `totals` and `outputs`."""
+    target, eos = session.target, session.eos
     messages = []
     for turn, text in enumerate(row.turns):
         messages.append({"role": "user", "content": text})
@@ -205,12 +175,11 @@ def _evaluate_row(target, head, row: PromptRow, max_new_tokens, k, ngram_sizes, 
                                    "context": ctx})
             bar.update(len(row.turns) - turn)
             break
-        plain, draft, ngram = run_turn(target, head, ngram_sizes, ids, max_new_tokens, k, eos,
-                                       tree, sampling)
+        plain, draft, ngram = run_turn(session, ngram_sizes, ids, max_new_tokens, sampling)
         totals.plain = totals.plain.add(plain.stats)
         totals.draft = totals.draft.add(draft.stats)
         totals.ngram = totals.ngram.add(ngram.stats)
-        sampled = sampling is not None and not sampling.greedy
+        sampled = not sampling.greedy
         equal = None if sampled else draft.tokens == plain.tokens  # samples need not agree
         if equal is False and row.id not in totals.mismatches:
             totals.mismatches.append(row.id)
@@ -237,20 +206,12 @@ def measured_rank_acceptance(target, head, outputs: list[dict]) -> list[list[flo
     samples = samples_from_rows(target.tokenizer, outputs)
     return offline_acceptance(target, head, samples).get("rank_acceptance") if samples else None
 
-def warm_up(target, head, k: int, tree: TreeSpec | None = None) -> None:
-    """A short untimed generation so first-call overheads do not land in the first prompt."""
-    ids = [0, 1, 2, 3]
-    generate(target, None, ids, 4, k=0)
-    generate(target, make_proposer(TreeSpec("chain", k=k), head, target), ids, 4, k)
-    if tree is not None and tree.kind != "chain":
-        speculative_decode(tree, target, make_proposer(tree, head, target), ids, 4, [])
-
 def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              max_new_tokens: int = 128, k: int | None = None, limit: int | None = None,
              tree: TreeSpec | None = None, sampling: Sampling | None = None,
              predict: bool = True, verifier_json: str | None = None, bench_json: str | None = None,
              attach: bool = False, quiet: bool = False, dtype: str | None = None,
-             device: str = "auto") -> dict:
+             device: str = "auto", allow_missing_fingerprint: bool = False) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
     Greedy chains also get the predicted speed-up per k and serving advice (`predict`), and a
@@ -272,18 +233,12 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
                                 "written by `specheads export`")
-    target = load_target(target_path, dtype, device)
-    head, meta, checked = load_draft(draft_dir, target)
-    if k is None:
-        k = meta_value(meta, "num_speculative_tokens") or head.config.ttt_steps
-    if k < 1:
-        raise ValueError(f"--k must be >= 1, got {k}")
-    tree = TreeSpec("chain", k=k) if tree is None or tree.kind == "chain" else tree
-    check_tree_fits(tree, target)
-    warm_up(target, head, k, tree)
+    session = Session.open(target_path, draft_dir, tree or TreeSpec("chain"), k, device, dtype,
+                           allow_missing_fingerprint)
+    target, head, k, tree = session.target, session.head, session.k, session.spec
+    session.warm_up()
     t0 = time.perf_counter()
-    totals, outputs = evaluate_rows(target, head, rows, max_new_tokens, k, tree=tree, sampling=sampling,
-                                    quiet=quiet)
+    totals, outputs = evaluate_rows(session, rows, max_new_tokens, sampling=sampling or Sampling(), quiet=quiet)
     sampled = sampling is not None and not sampling.greedy
     equal = None if sampled else not totals.mismatches
     spec = method_metrics(totals.draft, totals.plain, tree.levels())
@@ -316,7 +271,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         "eval_wall_s": time.perf_counter() - t0,
         "provenance": provenance(
             target=target.fingerprint(), target_path=str(target.path), draft=str(draft_dir),
-            draft_format=meta_value(meta, "format"), fingerprint_checked=checked,
+            draft_format=session.draft.meta.format, fingerprint_checked=session.draft.fingerprint_checked,
             prompts_file=str(prompts_file), limit=limit, device=str(target.device),
             dtype=str(target.dtype).replace("torch.", ""),
         ),

@@ -20,11 +20,11 @@ from specheads.export.folder import export_dir, identity, plan_replacement
 from specheads.export.load import ExportMeta, read_export_meta
 from specheads.export.readme import readme_text, serve_commands, target_ref
 from specheads.export.record import export_record, float_dtype, write_json
-from specheads.export.registry import LOADERS, WRITERS, load, load_checked_draft, load_with_meta, writer_for
+from specheads.export.registry import LOADERS, WRITERS, load, load_with_meta, writer_for
 
 __all__ = [
     "FORMATS", "LOADERS", "WRITERS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta", "ExportRefused",
-    "export", "load", "load_checked_draft", "load_with_meta", "read_export_meta", "validate",
+    "export", "load", "load_with_meta", "read_export_meta", "validate",
 ]
 
 log = logging.getLogger(__name__)

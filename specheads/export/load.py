@@ -41,17 +41,25 @@ class ExportMeta:
     serve_commands: list[str] = field(default_factory=list)
     record: dict = field(default_factory=dict)  # the whole specheads.json
 
-    def check_target(self, target) -> None:
-        """Refuse a loaded `Target` whose vocabulary or embedding differs from the training target's."""
-        if self.target is None and is_foreign(self):
-            logging.getLogger(__name__).warning(
-                "%s was written by another trainer: no target fingerprint to check; the verifier still "
-                "checks the vocabulary, width and taps fit", self.folder)
-            return
-        if self.target is None:
-            raise TargetError(f"{self.folder}: no target fingerprint recorded ({META_FILE} missing); "
-                              "export the head again with specheads to record it")
-        check_fingerprint(self.target, target, f"the head exported at {self.folder}")
+    def check_target(self, target, allow_missing: bool = False) -> bool:
+        """Refuse a loaded `Target` whose vocabulary or embedding differs from the training target's.
+
+        The one fingerprint policy of every verb: a specheads export without a recorded
+        fingerprint is refused unless `allow_missing` (the CLI's --allow-missing-fingerprint);
+        another trainer's folder never has one and is only warned about. -> whether it was checked.
+        """
+        if self.target is not None:
+            check_fingerprint(self.target, target, f"the head exported at {self.folder}")
+            return True
+        if not (is_foreign(self) or allow_missing):
+            raise TargetError(f"{self.folder}: {META_FILE} records no target fingerprint, so nothing shows "
+                              "the head was trained for this target; export it again with specheads to "
+                              "record one, or pass --allow-missing-fingerprint to use it unchecked")
+        why = "was written by another trainer" if is_foreign(self) else "records no target fingerprint"
+        logging.getLogger(__name__).warning(
+            "%s %s: nothing to check it against the target; the verifier still checks the vocabulary, "
+            "width and taps fit", self.folder, why)
+        return False
 
 
 def _read_json(path: Path, fmt: str = "?") -> dict:

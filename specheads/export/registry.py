@@ -68,14 +68,3 @@ def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check:
 def load(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True):
     """An export folder -> the head (see `load_with_meta` for the target fingerprint)."""
     return load_with_meta(folder, attn_implementation, check)[0]
-
-
-def load_checked_draft(draft_dir: str | Path, target):
-    """The exported head on the target's device and dtype, and its meta; refuses another target's."""
-    folder = Path(draft_dir)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
-                                "written by `specheads export`")
-    head, meta = load_with_meta(folder)
-    meta.check_target(target)
-    return head.to(device=target.device, dtype=target.dtype).eval(), meta

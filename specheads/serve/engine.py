@@ -1,8 +1,9 @@
 """The serving engine: one frozen target (+ an optional exported draft) decoding one request at a time.
 
 Temperature 0 runs the lossless greedy speculative loop (token-equal to plain greedy decoding);
-temperature > 0 runs lossless speculative sampling, seeded. Without a draft the same loops run
-with a proposer that never proposes, which is plain decoding. Stop strings are applied to the
+temperature > 0 runs lossless speculative sampling, seeded; both through the speculation session
+(session.py). Without a draft the same loops run with a proposer that never proposes, which is
+plain decoding. Stop strings are applied to the
 decoded text: generation runs to eos or max_tokens, then the text (and the token count) is cut
 at the first stop string; streamed text is held back while it could still be a stop's prefix.
 """
@@ -14,12 +15,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
-from specheads.eval.online import eos_ids
-from specheads.verify.decode import DecodeStats, generate
-from specheads.verify.settings import Sampling, TreeSpec, make_proposer, sampled_decode, speculative_decode
-from specheads.verify.text import StreamingProposer, TextStream, find_stop
+from specheads.session import Session
+from specheads.verify.decode import DecodeStats
+from specheads.verify.settings import Sampling
+from specheads.verify.text import TextStream, find_stop
 
 
 class RequestError(ValueError):
@@ -79,21 +78,6 @@ class Completion:
     stats: DecodeStats = field(default_factory=DecodeStats)
 
 
-class NullProposer:
-    """Proposes nothing: the speculative loops then run plain decoding (and still stream)."""
-
-    layers: list[int] = []
-
-    def start(self, prompt_ids, first_token, out) -> None:
-        pass
-
-    def propose(self, k: int) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.long)
-
-    def accept(self, inputs, following, out, start) -> None:
-        pass
-
-
 class StopTextStream(TextStream):
     """The shared detokeniser (verify/text.py) with eos left out and stop strings honoured, which
     also stops the decode once the client is gone (`cancel` set)."""
@@ -110,12 +94,12 @@ class StopTextStream(TextStream):
 
 
 class Engine:
-    """Target + optional draft, a lock so that one request decodes at a time."""
+    """A speculation session (target + optional draft), a lock so that one request decodes at a time."""
 
-    def __init__(self, target, head=None, spec=None, model_name: str = "specheads"):
-        self.target, self.head, self.spec, self.model_name = target, head, spec, model_name
-        self.eos = eos_ids(target)
-        self.tokenizer = SerialTokenizer(target.tokenizer)
+    def __init__(self, session: Session, model_name: str = "specheads"):
+        self.session, self.model_name = session, model_name
+        self.target, self.head, self.spec, self.eos = session.target, session.head, session.spec, session.eos
+        self.tokenizer = SerialTokenizer(session.target.tokenizer)
         self.lock = threading.Lock()
 
     @property
@@ -145,11 +129,6 @@ class Engine:
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
-    def _proposer(self, sampled: bool):
-        if self.head is None:
-            return NullProposer()
-        return make_proposer(self.spec, self.head, self.target, sampled)
-
     def budget(self, ids: list[int], params: Params, field: str = "prompt") -> int:
         """New tokens this request may generate; refuses a prompt that leaves no room
         (`field` names the request field the prompt came from)."""
@@ -162,16 +141,12 @@ class Engine:
         room = (ctx - len(ids)) if ctx is not None else 1 << 30
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
-    def _decode(self, proposer, ids: list[int], budget: int, params: Params):
-        """The loop for this draft and these settings -> DecodeResult."""
-        spec = self.spec if self.head is not None else TreeSpec("chain", k=1)
+    def _sampling(self, params: Params) -> Sampling:
+        """Greedy at temperature 0, else seeded sampling (a random seed when none is given)."""
         if params.temperature == 0:
-            if self.head is None:
-                return generate(self.target, proposer, ids, budget, 1, self.eos)
-            return speculative_decode(spec, self.target, proposer, ids, budget, self.eos)
+            return Sampling()
         seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
-        return sampled_decode(spec, self.target, proposer, ids, budget, self.eos,
-                              Sampling(params.temperature, params.top_p, seed))
+        return Sampling(params.temperature, params.top_p, seed)
 
     def complete(self, ids: list[int], params: Params, emit: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None) -> Completion:
@@ -182,10 +157,8 @@ class Engine:
         budget = self.budget(ids, params)
         eos = set(self.eos)
         stream = StopTextStream(self.tokenizer, eos, params.stop, emit or (lambda _t: None), cancel)
-        proposer = StreamingProposer(self._proposer(params.temperature > 0), stream)
-        with self.lock, torch.no_grad():
-            result = self._decode(proposer, ids, budget, params)
-        proposer.finish(result.tokens)
+        with self.lock:
+            result = self.session.decode(ids, budget, self._sampling(params), stream).result
         return self._finish(result, ids, params)
 
     def _finish(self, result, ids: list[int], params: Params) -> Completion:

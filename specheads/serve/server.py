@@ -30,8 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from specheads.cli_options import add_tree_arguments, spec_from_args
-from specheads.export import load_checked_draft
+from specheads.cli_options import add_fingerprint_argument, add_tree_arguments, spec_from_args
 from specheads.serve.engine import Cancelled, Completion, Engine, Params, RequestError
 from specheads.serve.metrics import CONTENT_TYPE, Metrics
 from specheads.serve.protocol import (
@@ -39,8 +38,7 @@ from specheads.serve.protocol import (
     parse_template_kwargs, parse_tools,
 )
 from specheads.serve.transport import ServeError, bind, protocol_class, url_of
-from specheads.target import Target, default_dtype
-from specheads.verify.settings import check_tree_fits, with_default_k
+from specheads.session import Session
 
 MAX_BODY = 64 << 20
 
@@ -350,15 +348,11 @@ def serve_in_thread(engine: Engine, host: str = "127.0.0.1", port: int = 0, draf
 
 
 def load_engine(target_path: str, draft: str | None, spec, device: str, dtype: str | None,
-                model_name: str | None) -> Engine:
+                model_name: str | None, allow_missing_fingerprint: bool = False) -> Engine:
     """Target (+ exported draft, checked against it) -> Engine."""
-    target = Target.load(target_path, dtype=dtype or default_dtype(device), device=device)
-    head = None
-    if draft:
-        head, meta = load_checked_draft(draft, target)
-        spec = with_default_k(spec, meta, head)
-        check_tree_fits(spec, target)
-    return Engine(target, head, spec, model_name or target.path.name)
+    session = Session.open(target_path, draft, spec, device=device, dtype=dtype,
+                           allow_missing_fingerprint=allow_missing_fingerprint)
+    return Engine(session, model_name or session.target.path.name)
 
 
 def serve(engine: Engine, sock: socket.socket, draft: str | None = None,
@@ -382,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
     p.add_argument("--draft", default=None, help="export folder from `specheads export` (default: none)")
     add_tree_arguments(p)
+    add_fingerprint_argument(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
     p.add_argument("--served-model-name", default=None, help="default: the target folder's name")
@@ -399,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_from_args(a)
     sock = bind(a.host, a.port)  # before the target loads: a port in use fails at once
     try:
-        engine = load_engine(a.target, a.draft, spec, a.device, a.dtype, a.served_model_name)
+        engine = load_engine(a.target, a.draft, spec, a.device, a.dtype, a.served_model_name,
+                             a.allow_missing_fingerprint)
         serve(engine, sock, a.draft, options)
     finally:
         sock.close()

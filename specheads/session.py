@@ -1,0 +1,171 @@
+"""One speculation session: the target and an exported draft loaded once, the draft checked
+against the target under the one fingerprint policy, the draft shape (and its default length)
+chosen once; then decode (greedy or sampled, chain or tree), stream text through the one
+detokeniser (verify/text.py) and count (DecodeStats).
+
+`specheads generate`, `eval` (online and --offline), `serve` and bench/verifier.py start here.
+Fingerprint policy: a draft trained for another target is always refused; a specheads export
+that records no fingerprint is refused unless `allow_missing_fingerprint`
+(--allow-missing-fingerprint); another trainer's folder has none and is only warned about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.export import load_with_meta
+from specheads.export.load import ExportMeta
+from specheads.target import Target
+from specheads.verify.decode import DecodeResult, greedy_decode
+from specheads.verify.settings import (
+    Sampling, TreeSpec, check_tree_fits, make_proposer, sampled_decode, speculative_decode, with_default_k,
+)
+from specheads.verify.text import StreamingProposer, TextStream
+
+GREEDY = Sampling()
+WARM_UP_IDS = [0, 1, 2, 3]
+
+
+def eos_ids(target) -> list[int]:
+    """The tokenizer's eos id plus any the target's generation config names."""
+    ids = set()
+    if getattr(target.tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(target.tokenizer.eos_token_id))
+    gen = getattr(target.model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids.update(int(i) for i in (extra if isinstance(extra, (list, tuple)) else [extra]) if i is not None)
+    return sorted(ids)
+
+
+@dataclass
+class Draft:
+    """An exported head on its target's device and dtype, what its folder says about itself, and
+    whether the target fingerprint was checked (False only where the policy let it pass unchecked)."""
+
+    head: torch.nn.Module
+    meta: ExportMeta
+    fingerprint_checked: bool
+
+    @property
+    def k(self) -> int:
+        """The default chain length: the export's num_speculative_tokens, else its TTT steps."""
+        return with_default_k(TreeSpec("chain"), self.meta, self.head).k
+
+
+def load_draft(folder: str | Path, target: Target, allow_missing_fingerprint: bool = False) -> Draft:
+    """The export at `folder`, checked against `target` (module docstring: the policy)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
+                                "written by `specheads export`")
+    head, meta = load_with_meta(folder)
+    checked = meta.check_target(target, allow_missing=allow_missing_fingerprint)
+    return Draft(head.to(device=target.device, dtype=target.dtype).eval(), meta, checked)
+
+
+class NullProposer:
+    """Proposes nothing: the speculative loops then run plain decoding (and still stream)."""
+
+    layers: list[int] = []
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        pass
+
+    def propose(self, k: int) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.long)  # [0]
+
+    def accept(self, inputs, following, out, start) -> None:
+        pass
+
+
+def run(spec: TreeSpec | None, target, proposer, ids: list[int], max_new_tokens: int, eos,
+        sampling: Sampling = GREEDY) -> DecodeResult:
+    """The one greedy-or-sampled choice: `spec` None decodes plainly, else speculatively with
+    `proposer` in the loop the spec needs."""
+    if spec is None:
+        if sampling.greedy:
+            return greedy_decode(target, ids, max_new_tokens, eos)
+        return sampled_decode(None, target, None, ids, max_new_tokens, eos, sampling)
+    if sampling.greedy:
+        return speculative_decode(spec, target, proposer, ids, max_new_tokens, eos)
+    return sampled_decode(spec, target, proposer, ids, max_new_tokens, eos, sampling)
+
+
+@dataclass
+class Decoded:
+    """A speculative decode and the seconds spent streaming its text (inside its wall time)."""
+
+    result: DecodeResult
+    stream_s: float = 0.0
+
+
+class Session:
+    """A target, an optional draft and the draft shape they decode with.
+
+    Without a draft the same loops run with `NullProposer` (plain decoding that still streams).
+    `spec` is the shape asked for; `k` (default: the chain's k, else the draft's default length)
+    is the chain length, which a tree session keeps for its chain warm-up and n-gram baseline.
+    """
+
+    def __init__(self, target: Target, draft: Draft | None = None, spec: TreeSpec = TreeSpec("chain"),
+                 k: int | None = None):
+        self.target, self.draft = target, draft
+        self.eos = eos_ids(target)
+        if draft is None:
+            self.spec, self.k = TreeSpec("chain", k=1), None
+            return
+        self.k = k or spec.k or draft.k
+        self.spec = TreeSpec("chain", k=self.k) if spec.kind == "chain" else spec
+        check_tree_fits(self.spec, target)
+
+    @classmethod
+    def open(cls, target_path: str, draft_dir: str | Path | None, spec: TreeSpec = TreeSpec("chain"),
+             k: int | None = None, device: str = "auto", dtype: str | None = None,
+             allow_missing_fingerprint: bool = False) -> "Session":
+        """Load the target (`dtype` None: bfloat16 on a GPU, float32 elsewhere) and the draft once."""
+        target = Target.load(target_path, dtype=dtype, device=device)
+        draft = load_draft(draft_dir, target, allow_missing_fingerprint) if draft_dir else None
+        return cls(target, draft, spec, k)
+
+    @property
+    def head(self):
+        return None if self.draft is None else self.draft.head
+
+    def proposer(self, sampled: bool = False, spec: TreeSpec | None = None):
+        """A fresh proposer of the draft for `spec` (default: the session's), or NullProposer."""
+        if self.draft is None:
+            return NullProposer()
+        return make_proposer(spec or self.spec, self.draft.head, self.target, sampled)
+
+    def decode(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
+               stream: TextStream | None = None) -> Decoded:
+        """Decode `ids` speculatively with the draft; every verified token reaches `stream` as
+        soon as it is known (its seconds are reported so that timings can leave them out)."""
+        proposer = self.proposer(not sampling.greedy)
+        if stream is None:
+            with torch.no_grad():
+                return Decoded(run(self.spec, self.target, proposer, ids, max_new_tokens, self.eos, sampling))
+        streaming = StreamingProposer(proposer, stream)
+        with torch.no_grad():
+            result = run(self.spec, self.target, streaming, ids, max_new_tokens, self.eos, sampling)
+        stream_s = streaming.seconds  # inside the timed decode
+        streaming.finish(result.tokens)
+        return Decoded(result, stream_s)
+
+    def plain(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> DecodeResult:
+        """The reference: plain greedy decoding, or plain sampling with the same seed."""
+        return run(None, self.target, None, ids, max_new_tokens, self.eos, sampling)
+
+    def warm_up(self) -> None:
+        """Short untimed decodes (plain, the chain of k, the tree) so first-call overheads stay
+        out of the timings."""
+        run(None, self.target, None, WARM_UP_IDS, 4, [])
+        if self.draft is None:
+            return
+        chain = TreeSpec("chain", k=self.k)
+        run(chain, self.target, self.proposer(spec=chain), WARM_UP_IDS, 4, [])
+        if self.spec.kind != "chain":
+            run(self.spec, self.target, self.proposer(), WARM_UP_IDS, 4, [])
