@@ -15,6 +15,9 @@ import torch
 from specheads.cli import main as cli
 from specheads.eval.online import encode_chat
 from specheads.export import export, read_export_meta
+from specheads.export.checkpoint import save_checkpoint
+from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+from specheads.provenance import provenance
 from specheads.serve.server import load_engine
 from specheads.session import Session, eos_ids, load_draft
 from specheads.target import Target, TargetError
@@ -132,10 +135,6 @@ def test_serve_applies_the_same_policy(tiny_target_dir, drafts):
 @pytest.fixture(scope="module")
 def k2_export(tiny_target_dir, tmp_path_factory):
     """An export whose num_speculative_tokens (2) differs from the head's TTT steps (3)."""
-    from specheads.export.checkpoint import save_checkpoint
-    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
-    from specheads.provenance import provenance
-
     target = Target.load(str(tiny_target_dir), device="cpu")
     torch.manual_seed(0)
     head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
