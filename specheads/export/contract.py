@@ -1,4 +1,4 @@
-"""Checks an export folder against the loader contracts in `contract_rules` (vLLM 0.33, SGLang 0.5.23).
+"""Checks an export folder against the loader contracts in `contract_rules` (the engines of `engine_facts`).
 
 The tables encode docs/engines.md (§2.2-2.4 for vLLM, §3.1-3.2 for SGLang). The engines are
 fail-silent on many of these rules (a missing EAGLE-3 tensor stays uninitialised, a misnamed one
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from specheads.engine_facts import SGLANG
 from specheads.export.contract_rules import (  # noqa: F401  (FORMATS, detect_format: re-exported)
     CONFIG_FILE, DTYPE_NAMES, ENGINE_NAMES, FLOAT_DTYPES, FORBIDDEN_TENSORS, FORMATS, LAYER_KEYS,
     META_FILE, VOCAB_MAP_FIX, WEIGHTS_FILE, ContractError, FormatContract, Violation, contract_for, detect_format,
@@ -316,7 +317,7 @@ def _check_residual(cfg: dict, contract: FormatContract, head: dict) -> list[Vio
     nbr = cfg.get("norm_before_residual", MISSING)
     if contract.engine == "sglang" and head["norm_before_residual"]:
         return [Violation(f"{CONFIG_FILE}: norm_before_residual", "a head trained with false", "a head trained "
-                          "with true", "SGLang 0.5.23 always uses the raw fc output as the residual; "
+                          "with true", f"{SGLANG} always uses the raw fc output as the residual; "
                           "serve this head with vLLM")]
     if contract.engine == "vllm" and isinstance(nbr, bool) and nbr != head["norm_before_residual"]:
         return [Violation(f"{CONFIG_FILE}: norm_before_residual", json.dumps(head["norm_before_residual"]),

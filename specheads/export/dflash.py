@@ -24,12 +24,14 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
     Violation,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused, decoder_keys
+from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
+from specheads.export.eagle3 import ExportRefused, decoder_keys
 from specheads.export.load import _read_json, read_weights
+from specheads.export.record import cast, float_dtype
 from specheads.heads.dflash import DFlashConfig, DFlashHead
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("vllm", "vllm-native", "sglang")
-REFUSED = {}
 ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -38,20 +40,14 @@ def check_exportable(config: DFlashConfig, fmt: str, weights: dict) -> None:
     if fmt == "sglang" and config.own_lm_head:
         raise ExportRefused(
             f"this DFlash head has its own reduced vocabulary ({config.draft_vocab_size} of "
-            f"{config.vocab_size} tokens), but SGLang 0.5.23 always drafts with the target's lm_head "
+            f"{config.vocab_size} tokens), but {SGLANG} always drafts with the target's lm_head "
             "and reads no d2t map. Export it with --format vllm or --format vllm-native, or retrain "
             "with head.draft_vocab_size: null for SGLang.")
 
 
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head tensors under their own (= the engines') names; floating ones cast to `dtype`."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-    out = {}
-    for name, t in weights.items():
-        t = t.detach().cpu()
-        out[name] = (t.to(DTYPES[dtype]) if dtype and t.is_floating_point() else t).contiguous()
-    return out  # fc.weight [H, K*H], hidden_norm / norm [H], layers.{i}.*, (lm_head [Vd, H], d2t, t2d)
+    return {name: cast(t, dtype) for name, t in weights.items()}  # fc.weight [H, K*H], hidden_norm / norm [H], layers.{i}.*, (lm_head [Vd, H], d2t, t2d)
 
 
 def layer_keys(config: DFlashConfig, dtype: str) -> dict:
@@ -93,7 +89,7 @@ def speculators_config(config: DFlashConfig, k: int, verifier: str, verifier_arc
         "speculators_model_type": "dflash",
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
-        "aux_hidden_state_layer_ids": [t + 1 for t in config.target_layer_ids],
+        "aux_hidden_state_layer_ids": [t + DFLASH_SPECULATORS_OFFSET for t in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
         "block_size": config.block_size,
         "sample_from_anchor": False,
@@ -117,6 +113,15 @@ def config_json(config: DFlashConfig, fmt: str, k: int, verifier: str, verifier_
     if fmt == "vllm":
         return speculators_config(config, k, verifier, verifier_archs, dtype)
     return native_config(config, dtype)
+
+
+def plan(request: ExportRequest) -> ExportPlan:
+    """The tensors and config.json of a DFlash export (export() writes and checks them)."""
+    tensors = export_tensors(request.ckpt.weights, request.fmt, request.dtype)
+    target = request.target
+    config = config_json(request.head.config, request.fmt, request.k, target.config_name, target.architectures,
+                         float_dtype(tensors))
+    return ExportPlan(config=config, tensors=tensors)
 
 
 # --- contract --------------------------------------------------------------------------------
@@ -146,7 +151,7 @@ NATIVE_KEYS = (
     KeyRule("dflash_config.target_layer_ids", "id_list", 0, "DFlash numbering: id t = output of layer t"),
     KeyRule("dflash_config.causal", "bool"),
     KeyRule("dflash_config.sample_from_anchor", "not_true",
-            fix="vLLM 0.33 refuses it for DFlash: the anchor is the bonus token"),
+            fix=f"{VLLM} refuses it for DFlash: the anchor is the bonus token"),
     KeyRule("dflash_config.use_swa", "not_true", fix="the head was trained with full attention"),
     KeyRule("eagle_aux_hidden_state_layer_ids", "absent",
             fix="vLLM reads a top-level list before dflash_config.target_layer_ids; keep one list"),
@@ -159,7 +164,7 @@ SPECULATORS_KEYS = (
     KeyRule("target_hidden_size", "positive_int"),
     KeyRule("aux_hidden_state_layer_ids", "id_list", 1, "vLLM numbering (= DFlash id + 1); vLLM requires it"),
     KeyRule("mask_token_id", "nonneg_int", fix="vLLM requires it for speculators dflash"),
-    KeyRule("sample_from_anchor", "not_true", fix="vLLM 0.33 refuses it for DFlash"),
+    KeyRule("sample_from_anchor", "not_true", fix=f"{VLLM} refuses it for DFlash"),
     KeyRule("sliding_window_non_causal", "bool",
             fix="write it explicitly: vLLM sets causal = not this (default true)"),
     KeyRule("transformer_layer_config", "dict"),
@@ -185,7 +190,7 @@ def layer_ids(cfg: dict, fmt: str):
     """Target layers in DFlash numbering, from wherever this format keeps them."""
     if fmt == "vllm":
         ids = cfg.get("aux_hidden_state_layer_ids")
-        return [i - 1 for i in ids] if _ids_ok(ids, 1) else None
+        return [i - DFLASH_SPECULATORS_OFFSET for i in ids] if _ids_ok(ids, DFLASH_SPECULATORS_OFFSET) else None
     ids = get_key(cfg, "dflash_config.target_layer_ids")
     return ids if _ids_ok(ids, 0) else None
 
@@ -243,7 +248,7 @@ def _check_consistency(cfg: dict, fmt: str) -> list[Violation]:
                              _found(get_key(cfg, "is_causal")), "vLLM reads is_causal first; make them agree"))
     if fmt == "sglang" and cfg.get("draft_vocab_size") != V:
         out.append(Violation(f"{CONFIG_FILE}: draft_vocab_size", f"{V} (vocab_size)", _found(cfg.get("draft_vocab_size")),
-                             "SGLang 0.5.23 drafts with the target's lm_head: no reduced vocabulary"))
+                             f"{SGLANG} drafts with the target's lm_head: no reduced vocabulary"))
     return out
 
 

@@ -8,25 +8,21 @@ Both engines require the target's vocabulary size and tokenizer (docs/engines.md
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specheads.export.contract import KEY_CHECKS, _found, get_key, read_config, read_tensor_specs
 from specheads.export.contract_rules import (
     CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused
-from specheads.export.readme import readme_text, serve_commands, target_ref
-from specheads.export.record import export_record
+from specheads.export.eagle3 import ExportRefused
+from specheads.export.record import cast, float_dtype
 from specheads.heads.draft import DraftConfig, DraftHead
+from specheads.protocols import ExportPlan, ExportRequest
 from specheads.target import resolve_target_path, tokenizer_hash
 
 FORMATS = ("vllm", "sglang")
-REFUSED = {f: "a draft model is a plain HF causal LM: export it with --format vllm or --format sglang"
-           for f in ("vllm-native", "vllm-0.32", "medusa")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
@@ -47,36 +43,16 @@ def tokenizer_source(ckpt, verifier: str | None) -> Path:
 
 def model_tensors(head: DraftHead, dtype: str | None) -> dict[str, torch.Tensor]:
     """HF names (model.layers.*, lm_head.weight) -> tensors, optionally cast."""
-    cast = DTYPES[dtype] if dtype else None
-    out = {}
-    for name, t in head.model.state_dict().items():
-        t = t.detach().cpu()
-        out[name] = (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous()
-    return out
+    return {name: cast(t, dtype) for name, t in head.model.state_dict().items()}
 
 
-def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
-    """Write the draft LM as an HF folder into `tmp`, the atomic folder
-    that becomes `out_dir` (export/folder.py); contract-checked."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-    head = ckpt.build_head()
-    src = tokenizer_source(ckpt, verifier)
-    tensors = model_tensors(head, dtype)
-    k = k or head.config.ttt_steps
-    target = target_ref(ckpt.provenance, ckpt.recipe, verifier)
-    record = export_record(ckpt, head.config, fmt, k, target, dtype or "float32")
-    record["serve_commands"] = serve_commands(fmt, out_dir, target, k, "draft")
-    config = {**head.config.model_config, "architectures": ["LlamaForCausalLM"], "dtype": record["dtype"]}
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, tmp / name)
-    (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
-    validate(tmp, fmt, expected=head.config)
-    return out_dir
+def plan(request: ExportRequest) -> ExportPlan:
+    """The draft LM as an HF folder: its weights, a Llama config.json and the target's tokenizer files."""
+    src = tokenizer_source(request.ckpt, request.verifier)
+    tensors = model_tensors(request.head, request.dtype)
+    config = {**request.head.config.model_config, "architectures": ["LlamaForCausalLM"], "dtype": float_dtype(tensors)}
+    return ExportPlan(config=config, tensors=tensors,
+                      copies={name: src / name for name in TOKENIZER_FILES if (src / name).is_file()})
 
 
 # --- the contract -------------------------------------------------------------------------------

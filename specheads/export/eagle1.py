@@ -22,13 +22,14 @@ from specheads.export.contract import (
 from specheads.export.contract_rules import (
     CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, WEIGHTS_FILE, Violation, contract_for,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused, layer_keys
+from specheads.export.eagle3 import ExportRefused, layer_keys
 from specheads.export.load import _read_json, read_weights
+from specheads.export.record import cast, float_dtype
 from specheads.heads.eagle import EagleConfig, EagleHead
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("vllm", "sglang")
 ARCHITECTURES = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}
-REFUSED = {"vllm-native": "EAGLE-1 has one vLLM format: use --format vllm (method: eagle)"}
 
 
 def check_exportable(config: EagleConfig, fmt: str, weights: dict) -> None:
@@ -42,12 +43,10 @@ def check_exportable(config: EagleConfig, fmt: str, weights: dict) -> None:
 
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head tensors under the engines' names; SGLang gets an exact zero fc.bias when there is none."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-    out = {name: t.detach().cpu() for name, t in weights.items()}
+    out = dict(weights)
     if fmt == "sglang" and "fc.bias" not in out:
         out["fc.bias"] = torch.zeros(out["fc.weight"].shape[0], dtype=out["fc.weight"].dtype)  # [H]
-    return {n: (t.to(DTYPES[dtype]) if dtype else t).contiguous() for n, t in out.items()}
+    return {n: cast(t, dtype) for n, t in out.items()}
 
 
 def config_json(config: EagleConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
@@ -66,6 +65,15 @@ def _as_layer(config: EagleConfig):
         "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
         "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings",
         "rope_parameters")}, aux_layers=[])
+
+
+def plan(request: ExportRequest) -> ExportPlan:
+    """The tensors and config.json of an EAGLE-1 export (export() writes and checks them)."""
+    tensors = export_tensors(request.ckpt.weights, request.fmt, request.dtype)
+    target = request.target
+    config = config_json(request.head.config, request.fmt, request.k, target.config_name, target.architectures,
+                         float_dtype(tensors))
+    return ExportPlan(config=config, tensors=tensors)
 
 
 # --- contract check ----------------------------------------------------------------------------

@@ -23,17 +23,14 @@ from specheads.export.contract import (
 from specheads.export.contract_rules import (
     CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused
 from specheads.export.load import _read_json, read_weights
+from specheads.export.record import cast, float_dtype
 from specheads.heads.medusa import MedusaConfig, MedusaHead
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("medusa", "vllm-0.32")
 ORIGINAL_FILE = "medusa_lm_head.safetensors"
 WEIGHTS_FILES = {"medusa": ORIGINAL_FILE, "vllm-0.32": WEIGHTS_FILE}
-NO_LOADER = ("vLLM 0.33 removed Medusa (model, proposer and the 'medusa' method) and SGLang 0.5.23 has no "
-             "Medusa loader, so no current engine can serve these heads. Export with --format vllm-0.32 "
-             "(vLLM <= 0.32, MedusaModel) or --format medusa (the original Medusa layout)")
-REFUSED = {"vllm": NO_LOADER, "vllm-native": NO_LOADER, "sglang": NO_LOADER}
 ORIGINAL_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 
 
@@ -43,12 +40,10 @@ def check_exportable(config: MedusaConfig, fmt: str, weights: dict) -> None:
 
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head tensors under the format's names, optionally cast to `dtype`."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     out = {name: t.detach().cpu() for name, t in weights.items()}
     if fmt == "medusa":
         out = to_original(out)
-    return {n: (t.to(DTYPES[dtype]) if dtype else t).contiguous() for n, t in out.items()}
+    return {n: cast(t, dtype) for n, t in out.items()}
 
 
 def to_original(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,6 +89,15 @@ def config_json(config: MedusaConfig, fmt: str, k: int, verifier: str, verifier_
             "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
             "medusa_fc_bias": bool(config.bias), "original_lm_head": False, "logit_scale": 1.0,
             "dtype": dtype}
+
+
+def plan(request: ExportRequest) -> ExportPlan:
+    """The tensors and config.json of a Medusa export (export() writes and checks them)."""
+    tensors = export_tensors(request.ckpt.weights, request.fmt, request.dtype)
+    target = request.target
+    config = config_json(request.head.config, request.fmt, request.k, target.config_name, target.architectures,
+                         float_dtype(tensors))
+    return ExportPlan(config=config, tensors=tensors, weights_file=WEIGHTS_FILES[request.fmt])
 
 
 # --- contract check ----------------------------------------------------------------------------
