@@ -29,6 +29,7 @@ from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
 from specheads.data.tokenize import collate
 from specheads.data.vocab_stats import load_vocab_stats
+from specheads.engine_facts import SGLANG
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
     Checkpoint, latest_checkpoint, load_strict, mark_run, resume_hint, run_dir_refusal, save_checkpoint,
@@ -49,9 +50,9 @@ class TrainError(ValueError):
 
 # heads whose options an engine cannot reproduce: (format, option) -> reason
 UNSUPPORTED_VARIANTS = {
-    ("sglang", "norm_before_residual"): "SGLang 0.5.23 always uses the raw fc output as the residual",
+    ("sglang", "norm_before_residual"): f"{SGLANG} always uses the raw fc output as the residual",
     ("vllm", "fc_bias"): "vLLM builds the EAGLE-1 fc without a bias and drops a trained one silently",
-    ("sglang", "parallel_drafting"): "SGLang 0.5.23 has no P-EAGLE loader",
+    ("sglang", "parallel_drafting"): f"{SGLANG} has no P-EAGLE loader",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specheads.engine_facts import AUX_LAYER_OFFSET, ENGINES, SGLANG
+from specheads.engine_facts import AUX_LAYER_OFFSET, ENGINES, LEGACY_VLLM, SGLANG
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -223,7 +223,7 @@ EAGLE1_SGLANG_KEYS = EAGLE1_COMMON_KEYS + (
 # Tensor rules depend on num_heads / num_layers / bias: `export.medusa.tensor_rules` expands them.
 MEDUSA_VLLM_KEYS = (
     KeyRule("architectures", "equals", ["MedusaModel"]),
-    KeyRule("model_type", "equals", "medusa", fix="vLLM <= 0.32 detects Medusa drafts by model_type"),
+    KeyRule("model_type", "equals", "medusa", fix=f"{LEGACY_VLLM} detects Medusa drafts by model_type"),
     KeyRule("num_heads", "positive_int", fix="the number of Medusa heads K"),
     KeyRule("num_hidden_layers", "positive_int", fix="residual blocks per head"),
     KeyRule("hidden_size", "positive_int"),

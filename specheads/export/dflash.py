@@ -27,7 +27,7 @@ from specheads.export.contract_rules import (
 from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.eagle3 import ExportRefused, decoder_keys
 from specheads.export.load import _read_json, read_weights
-from specheads.export.record import cast, float_dtype
+from specheads.export.plan import cast, head_plan
 from specheads.heads.dflash import DFlashConfig, DFlashHead
 from specheads.protocols import ExportPlan, ExportRequest
 
@@ -117,11 +117,7 @@ def config_json(config: DFlashConfig, fmt: str, k: int, verifier: str, verifier_
 
 def plan(request: ExportRequest) -> ExportPlan:
     """The tensors and config.json of a DFlash export (export() writes and checks them)."""
-    tensors = export_tensors(request.ckpt.weights, request.fmt, request.dtype)
-    target = request.target
-    config = config_json(request.head.config, request.fmt, request.k, target.config_name, target.architectures,
-                         float_dtype(tensors))
-    return ExportPlan(config=config, tensors=tensors)
+    return head_plan(request, export_tensors, config_json)
 
 
 # --- contract --------------------------------------------------------------------------------

@@ -16,11 +16,10 @@ from specheads.export.contract import KEY_CHECKS, _found, get_key, read_config, 
 from specheads.export.contract_rules import (
     CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
 )
-from specheads.export.eagle3 import ExportRefused
-from specheads.export.record import cast, float_dtype
+from specheads.export.plan import cast, float_dtype, target_folder
 from specheads.heads.draft import DraftConfig, DraftHead
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.target import resolve_target_path, tokenizer_hash
+from specheads.target import tokenizer_hash
 
 FORMATS = ("vllm", "sglang")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -31,16 +30,6 @@ def check_exportable(config: DraftConfig, fmt: str, weights=None) -> None:
     """Every engine loads a plain Llama LM: nothing to refuse beyond the format itself."""
 
 
-def tokenizer_source(ckpt, verifier: str | None) -> Path:
-    """The target folder whose tokenizer files the draft ships with."""
-    if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
-        return Path(verifier).expanduser()
-    path = (ckpt.recipe.get("target") or {}).get("path") or ""
-    if not path:
-        raise ExportRefused("a draft model ships the target's tokenizer: pass --verifier TARGET_FOLDER")
-    return resolve_target_path(path)
-
-
 def model_tensors(head: DraftHead, dtype: str | None) -> dict[str, torch.Tensor]:
     """HF names (model.layers.*, lm_head.weight) -> tensors, optionally cast."""
     return {name: cast(t, dtype) for name, t in head.model.state_dict().items()}
@@ -48,7 +37,7 @@ def model_tensors(head: DraftHead, dtype: str | None) -> dict[str, torch.Tensor]
 
 def plan(request: ExportRequest) -> ExportPlan:
     """The draft LM as an HF folder: its weights, a Llama config.json and the target's tokenizer files."""
-    src = tokenizer_source(request.ckpt, request.verifier)
+    src = target_folder(request.ckpt, request.verifier, "a draft model ships the target's tokenizer")
     tensors = model_tensors(request.head, request.dtype)
     config = {**request.head.config.model_config, "architectures": ["LlamaForCausalLM"], "dtype": float_dtype(tensors)}
     return ExportPlan(config=config, tensors=tensors,

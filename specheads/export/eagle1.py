@@ -24,7 +24,7 @@ from specheads.export.contract_rules import (
 )
 from specheads.export.eagle3 import ExportRefused, layer_keys
 from specheads.export.load import _read_json, read_weights
-from specheads.export.record import cast, float_dtype
+from specheads.export.plan import cast, head_plan
 from specheads.heads.eagle import EagleConfig, EagleHead
 from specheads.protocols import ExportPlan, ExportRequest
 
@@ -69,11 +69,7 @@ def _as_layer(config: EagleConfig):
 
 def plan(request: ExportRequest) -> ExportPlan:
     """The tensors and config.json of an EAGLE-1 export (export() writes and checks them)."""
-    tensors = export_tensors(request.ckpt.weights, request.fmt, request.dtype)
-    target = request.target
-    config = config_json(request.head.config, request.fmt, request.k, target.config_name, target.architectures,
-                         float_dtype(tensors))
-    return ExportPlan(config=config, tensors=tensors)
+    return head_plan(request, export_tensors, config_json)
 
 
 # --- contract check ----------------------------------------------------------------------------

@@ -11,16 +11,12 @@ import torch
 
 from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG
 from specheads.export.load import load_eagle3
-from specheads.export.record import cast, float_dtype
+from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.eagle3 import Eagle3Config
 from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("vllm", "vllm-native", "sglang")
 LAYER_PREFIX = {"vllm": "layers.0.", "vllm-native": "layers.0.", "sglang": "midlayer."}
-
-
-class ExportRefused(ValueError):
-    """This head cannot be served correctly in the requested format; the message says where it can."""
 
 
 def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
@@ -178,11 +174,7 @@ def config_json(config: Eagle3Config, fmt: str, k: int, verifier: str, verifier_
 
 def plan(request: ExportRequest) -> ExportPlan:
     """The tensors and config.json of an EAGLE-3 export (export() writes and checks them)."""
-    tensors = export_tensors(request.ckpt.weights, request.fmt, request.dtype)
-    target = request.target
-    config = config_json(request.head.config, request.fmt, request.k, target.config_name, target.architectures,
-                         float_dtype(tensors))
-    return ExportPlan(config=config, tensors=tensors)
+    return head_plan(request, export_tensors, config_json)
 
 
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):

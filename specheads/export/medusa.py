@@ -24,7 +24,7 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
 )
 from specheads.export.load import _read_json, read_weights
-from specheads.export.record import cast, float_dtype
+from specheads.export.plan import cast, head_plan
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 from specheads.protocols import ExportPlan, ExportRequest
 
@@ -93,11 +93,7 @@ def config_json(config: MedusaConfig, fmt: str, k: int, verifier: str, verifier_
 
 def plan(request: ExportRequest) -> ExportPlan:
     """The tensors and config.json of a Medusa export (export() writes and checks them)."""
-    tensors = export_tensors(request.ckpt.weights, request.fmt, request.dtype)
-    target = request.target
-    config = config_json(request.head.config, request.fmt, request.k, target.config_name, target.architectures,
-                         float_dtype(tensors))
-    return ExportPlan(config=config, tensors=tensors, weights_file=WEIGHTS_FILES[request.fmt])
+    return head_plan(request, export_tensors, config_json, weights_file=WEIGHTS_FILES[request.fmt])
 
 
 # --- contract check ----------------------------------------------------------------------------

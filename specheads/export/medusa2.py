@@ -15,12 +15,10 @@ from pathlib import Path
 import torch
 
 from specheads.export import medusa
-from specheads.export.contract_rules import CONFIG_FILE
 from specheads.export.eagle3 import ExportRefused
-from specheads.export.record import DTYPES, float_dtype
+from specheads.export.plan import DTYPES, float_dtype, target_folder
 from specheads.heads.medusa2 import ADAPTER
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.target import resolve_target_path
 
 FORMATS = medusa.FORMATS
 WEIGHTS_FILES = medusa.WEIGHTS_FILES
@@ -36,17 +34,6 @@ def check_exportable(config, fmt: str, weights: dict) -> None:
 def heads_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> the Medusa heads' own names (the `medusa.` prefix dropped)."""
     return {n[len("medusa."):]: t for n, t in weights.items() if n.startswith("medusa.")}
-
-
-def target_folder(ckpt, verifier: str | None) -> Path:
-    """The base target to merge into / to name: `verifier` when it is a local folder, else the recipe's."""
-    if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
-        return Path(verifier).expanduser()
-    path = (ckpt.recipe.get("target") or {}).get("path") or ""
-    if not path:
-        raise ExportRefused("a Medusa-2 export needs the base target (to merge into or to name in the adapter): "
-                            "pass --verifier TARGET_FOLDER")
-    return resolve_target_path(path)
 
 
 def peft_model(head, base_dir: Path, dtype: torch.dtype = torch.float32):
@@ -115,7 +102,8 @@ def plan(request: ExportRequest) -> ExportPlan:
     config.json and served is the adapted target, target/."""
     ckpt, head, fmt, out = request.ckpt, request.head, request.fmt, request.out_dir
     adapter = request.adapter or "merge"
-    base_dir = target_folder(ckpt, request.verifier)
+    base_dir = target_folder(ckpt, request.verifier, "a Medusa-2 export needs the base target (to merge into or to "
+                             "name in the adapter)")
     base_name = request.target.hub_id or str(base_dir)
     tensors = medusa.export_tensors(heads_weights(ckpt.weights), fmt, request.dtype)
     merged = str(out / FOLDERS["merge"])  # the verifier the heads were trained for is the adapted target

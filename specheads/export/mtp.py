@@ -25,14 +25,13 @@ from specheads.export.contract_rules import (
 )
 from specheads.export.eagle3 import ExportRefused
 from specheads.export.readme import target_ref
-from specheads.export.record import DTYPES
+from specheads.export.plan import DTYPES, target_folder
 from specheads.heads.mtp import ZERO_FIRST_EMBEDDING, MtpConfig, MtpHead, target_config_dict
 from specheads.heads.mtp_checkpoint import (
     INDEX_FILE, MTP_LAYOUTS, block_prefix, layout_of, load_modules, meta_model, mtp_names, own_names, read_tensors,
     weight_map,
 )
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.target import resolve_target_path
 
 FORMATS = ("vllm", "sglang")
 MTP_FILE = "model-mtp.safetensors"
@@ -82,16 +81,6 @@ def to_checkpoint(head: MtpHead, lm_head: torch.Tensor) -> dict[str, torch.Tenso
 
 
 # --- writing ------------------------------------------------------------------------------------
-def target_folder(ckpt, verifier: str | None) -> Path:
-    """The target checkpoint to copy: `verifier` when it is a local folder, else the recipe's target."""
-    if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
-        return Path(verifier).expanduser()
-    path = (ckpt.recipe.get("target") or {}).get("path") or ""
-    if not path:
-        raise ExportRefused("an MTP export is a copy of the target checkpoint: pass --verifier TARGET_FOLDER")
-    return resolve_target_path(path)
-
-
 def checkpoint_files(src: Path, tensors: dict[str, torch.Tensor], config: dict, count: tuple[str, int],
                      layout: str, L: int) -> dict:
     """The target folder `src` with `tensors` as its MTP modules (stale ones removed), as ExportPlan
@@ -141,7 +130,7 @@ def plan(request: ExportRequest) -> ExportPlan:
     `dtype` is given; the serve commands name the target folder."""
     ckpt, cfg = request.ckpt, request.head.config
     layout, count_key = family(cfg)
-    src = target_folder(ckpt, request.verifier)
+    src = target_folder(ckpt, request.verifier, "an MTP export is a copy of the target checkpoint")
     config = json.loads((src / CONFIG_FILE).read_text())
     _check_same_target(config, cfg, src)
     wm = weight_map(src)

@@ -6,38 +6,11 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 import specheads
 from specheads.export.checkpoint import Checkpoint
 from specheads.engine_facts import ENGINES, FORMATS
 from specheads.export.readme import TargetRef
 from specheads.provenance import provenance
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # export dtypes
-DTYPE_NAMES = {t: name for name, t in DTYPES.items()}
-
-
-def check_dtype(dtype: str | None) -> None:
-    """An export dtype is one of DTYPES (None keeps the checkpoint's)."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-
-
-def cast(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
-    """A floating tensor in `dtype` (None: unchanged); ids and masks never cast; contiguous, on CPU."""
-    tensor = tensor.detach().cpu()
-    return (tensor.to(DTYPES[dtype]) if dtype is not None and tensor.is_floating_point() else tensor).contiguous()
-
-
-def float_dtype(tensors: dict[str, torch.Tensor]) -> str:
-    """The name of the (single) floating dtype of the exported weights."""
-    found = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    if len(found) != 1:
-        return "mixed"
-    one = next(iter(found))
-    return DTYPE_NAMES.get(one, str(one).removeprefix("torch."))
-
 
 def export_record(ckpt: Checkpoint, config, fmt: str, k: int, target: TargetRef, dtype: str) -> dict:
     """specheads.json: format, engine versions, the checkpoint's provenance (target fingerprint incl.)."""
