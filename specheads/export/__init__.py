@@ -45,8 +45,8 @@ def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: in
     casts floating weights (float32 / bfloat16 / float16), never d2t / t2d; `adapter` (medusa2
     only): "merge" (default) or "ship" the target's LoRA adapters. `out_dir` may only be an earlier
     export (see export/folder.py); `overwrite` drops what it carries that this export would not keep.
-    Every kind goes through the same steps: options checked, the writer's plan (export.protocols
-    ExportPlan) written atomically with specheads.json and README.md, the loader contract checked.
+    Every kind goes through the same steps: options checked, the writer's plan (protocols.ExportPlan)
+    written atomically with specheads.json and README.md, the loader contract checked.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     ckpt.check_finite("the training diverged: export an earlier checkpoint, or train again (e.g. a lower train.lr)")
