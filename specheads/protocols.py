@@ -92,10 +92,8 @@ class ExportPlan:
 class Writer(Protocol):
     """An export module: the formats it writes, what an export holds, how it reads its folders back.
 
-    Optional module attributes, read with defaults: `ADAPTER_MODES` (kinds trained with target
-    adapters) and `validate(folder, fmt, expected)` (its own loader contract; default
-    export.contract.validate). Formats it refuses and how each format is served are in
-    `engine_facts`.
+    Optional module attribute: `ADAPTER_MODES` (kinds trained with target adapters). Formats it
+    refuses and how each format is served are in `engine_facts`.
     """
 
     FORMATS: tuple[str, ...]
@@ -103,6 +101,8 @@ class Writer(Protocol):
     def check_exportable(self, config: Any, fmt: str, weights: dict) -> None: ...  # ExportRefused
 
     def plan(self, request: ExportRequest) -> ExportPlan: ...
+
+    def validate(self, folder: Any, fmt: str, expected: Any = None) -> None: ...  # its loader contract
 
     def load_export(self, meta: Any, attn_implementation: str = "sdpa", check: bool = True) -> tuple[Any, Any]: ...
 

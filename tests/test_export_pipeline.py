@@ -71,6 +71,14 @@ def test_every_kind_checks_the_adapter_option(checkpoints, tmp_path, kind):
     assert not (tmp_path / "out").exists()
 
 
+def test_every_writer_provides_the_writer_protocol():
+    """No optional export hooks: every kind plans, refuses and checks its contract the same way."""
+    for kind, writer in WRITERS.items():
+        for member in ("check_exportable", "plan", "validate", "load_export"):
+            assert callable(getattr(writer, member, None)), (kind, member)
+        assert not hasattr(writer, "export_folder") and not hasattr(writer, "REFUSED"), kind
+
+
 def test_the_facts_table_names_exactly_the_pairs_the_writers_write():
     written = {(kind, fmt) for kind, writer in WRITERS.items() for fmt in writer.FORMATS}
     assert written == set(engine_facts.SERVING)

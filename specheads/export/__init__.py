@@ -66,11 +66,7 @@ def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: in
         write_json(tmp / META_FILE, record)
         readme = readme_text(fmt, out_dir, record["serve_commands"], plan.target or request.target, record)
         (tmp / "README.md").write_text(readme + plan.readme_extra)
-        expected = head.config if plan.expected is None else plan.expected
-        if hasattr(writer, "validate"):  # kinds with their own loader-contract checker
-            writer.validate(tmp, fmt, expected=expected)
-        else:
-            validate(tmp, fmt, ckpt.kind, expected=expected)
+        writer.validate(tmp, fmt, expected=head.config if plan.expected is None else plan.expected)
     for cmd in record["serve_commands"]:
         log.info("serve with: %s", cmd)
     return out_dir

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG
+from specheads.export.contract import validate as check_contract
 from specheads.export.load import load_eagle3
 from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.eagle3 import Eagle3Config
@@ -175,6 +176,11 @@ def config_json(config: Eagle3Config, fmt: str, k: int, verifier: str, verifier_
 def plan(request: ExportRequest) -> ExportPlan:
     """The tensors and config.json of an EAGLE-3 export (export() writes and checks them)."""
     return head_plan(request, export_tensors, config_json)
+
+
+def validate(folder, fmt: str, expected=None) -> None:
+    """Check an EAGLE-3 folder against its engine's loader contract (export/contract.py)."""
+    check_contract(folder, fmt, "eagle3", expected=expected)
 
 
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
