@@ -36,7 +36,8 @@ def checkpoints(tiny_target_dir, tmp_path_factory):
              "medusa2": Medusa2Head.for_target(Medusa2Options(num_heads=2, lora_r=2), target.config)}
     out = {kind: save_checkpoint(root / kind, 1, head.float(), {"target": {"path": str(tiny_target_dir)}}, prov, {})
            for kind, head in heads.items()}
-    family = save_family_target(root / "deepseek", "deepseek_v3", vocab=target.vocab_size, tokenizer_dir=tiny_target_dir)
+    family = save_family_target(root / "deepseek", "deepseek_v3", vocab=target.vocab_size,
+                                tokenizer_dir=tiny_target_dir)
     fam = Target(AutoModelForCausalLM.from_pretrained(family), None, family)
     fp = {"vocab_size": fam.vocab_size, "hidden_size": fam.hidden_size, "name": "deepseek_v3"}
     out["mtp"] = save_checkpoint(root / "mtp", 1, matrix.mtp_head(fam, 6), {"target": {"path": str(family)}},

@@ -20,8 +20,8 @@ from specheads.export.contract_rules import CONFIG_FILE, META_FILE
 from specheads.export.eagle3 import ExportRefused
 from specheads.export.folder import export_dir, identity, link_or_copy, plan_replacement
 from specheads.export.load import ExportMeta, read_export_meta
-from specheads.export.readme import readme_text, serve_commands, target_ref
 from specheads.export.plan import check_dtype, float_dtype
+from specheads.export.readme import readme_text, serve_commands, target_ref
 from specheads.export.record import export_record, write_json
 from specheads.export.registry import LOADERS, WRITERS, load, load_checked_draft, load_with_meta, writer_for
 from specheads.protocols import ExportPlan, ExportRequest

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
     KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, config_rope, expected_shape, get_key,
@@ -24,7 +25,6 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
     Violation,
 )
-from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.eagle3 import ExportRefused, decoder_keys
 from specheads.export.load import _read_json, read_weights
 from specheads.export.plan import cast, head_plan
@@ -47,7 +47,8 @@ def check_exportable(config: DFlashConfig, fmt: str, weights: dict) -> None:
 
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head tensors under their own (= the engines') names; floating ones cast to `dtype`."""
-    return {name: cast(t, dtype) for name, t in weights.items()}  # fc.weight [H, K*H], hidden_norm / norm [H], layers.{i}.*, (lm_head [Vd, H], d2t, t2d)
+    # fc.weight [H, K*H], hidden_norm / norm [H], layers.{i}.*, (lm_head [Vd, H], d2t, t2d)
+    return {name: cast(t, dtype) for name, t in weights.items()}
 
 
 def layer_keys(config: DFlashConfig, dtype: str) -> dict:

@@ -24,8 +24,8 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, MTP_SGLANG_MAX_LAYERS, MTP_SHAPES, ContractError, Violation,
 )
 from specheads.export.eagle3 import ExportRefused
-from specheads.export.readme import target_ref
 from specheads.export.plan import DTYPES, target_folder
+from specheads.export.readme import target_ref
 from specheads.heads.mtp import ZERO_FIRST_EMBEDDING, MtpConfig, MtpHead, target_config_dict
 from specheads.heads.mtp_checkpoint import (
     INDEX_FILE, MTP_LAYOUTS, block_prefix, layout_of, load_modules, meta_model, mtp_names, own_names, read_tensors,
@@ -91,10 +91,12 @@ def checkpoint_files(src: Path, tensors: dict[str, torch.Tensor], config: dict, 
     dirty = {wm[n] for n in stale}
     ours = {INDEX_FILE, CONFIG_FILE, META_FILE, "README.md", MTP_FILE} | dirty
     links = {path.name: path for path in sorted(src.iterdir()) if path.is_file() and path.name not in ours}
-    rewrite = {shard: _without(src, [n for n, f in wm.items() if f == shard and n not in stale]) for shard in sorted(dirty)}
+    rewrite = {shard: _without(src, [n for n, f in wm.items() if f == shard and n not in stale])
+               for shard in sorted(dirty)}
     new_map = {n: f for n, f in wm.items() if n not in stale} | {n: MTP_FILE for n in tensors}
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": size + _size_without(src, wm, stale)}, "weight_map": dict(sorted(new_map.items()))}
+    index = {"metadata": {"total_size": size + _size_without(src, wm, stale)},
+             "weight_map": dict(sorted(new_map.items()))}
     return {"config": {**config, count[0]: count[1]}, "tensors": tensors, "weights_file": MTP_FILE, "links": links,
             "written": rewrite, "json_files": {INDEX_FILE: index}}
 

@@ -7,8 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import specheads
-from specheads.export.checkpoint import Checkpoint
 from specheads.engine_facts import ENGINES, FORMATS
+from specheads.export.checkpoint import Checkpoint
 from specheads.export.readme import TargetRef
 from specheads.provenance import provenance
 
