@@ -1,6 +1,7 @@
 """The engine facts specheads relies on, in one table: the engine versions it targets, the export
-formats and how each (kind, format) is served, the (kind, format) pairs refused with why, the
-layer numbering of each engine and vLLM's speculative-decoding metric names.
+formats and how each (kind, format) is served, the (kind, format) pairs refused with why, the head
+options an engine cannot reproduce, the layer numbering of each engine and vLLM's
+speculative-decoding metric names.
 
 Writers, README, `--format` choices, the engine venvs, the server's metrics and the benchmark read
 these tables; a new engine version or format is an edit here (docs/engines.md has the sources).
@@ -113,6 +114,13 @@ REFUSED = {  # (kind, format) -> why no engine serves it and what to export inst
     ("eagle", "vllm-native"): "EAGLE-1 has one vLLM format: use --format vllm (method: eagle)",
     **{("draft", fmt): _PLAIN_LM for fmt in ("vllm-native", "vllm-0.32", "medusa")},
     **{("mtp", fmt): _IN_TARGET for fmt in ("vllm-native", "vllm-0.32", "medusa")},
+}
+
+# head options an engine cannot reproduce: (format, option) -> why (training refuses such a recipe up front)
+REFUSED_OPTIONS = {
+    ("sglang", "norm_before_residual"): f"{SGLANG} always uses the raw fc output as the residual",
+    ("vllm", "fc_bias"): "vLLM builds the EAGLE-1 fc without a bias and drops a trained one silently",
+    ("sglang", "parallel_drafting"): f"{SGLANG} has no P-EAGLE loader",
 }
 
 # EAGLE-3 target-layer numbering: engine id = specheads aux_layers id + offset (docs/engines.md §3.1:
