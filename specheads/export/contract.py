@@ -111,19 +111,24 @@ def _found(value) -> str:
     return "no key" if value is MISSING else json.dumps(value)[:120]
 
 
-def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
-    """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
-    rules = [(r, r.key) for r in contract.keys]
-    rules += [(r, ".".join(p for p in (contract.layer_keys_at, r.key) if p)) for r in LAYER_KEYS]
+def check_key_rules(cfg: dict, rules, at: str = "", checks: dict = KEY_CHECKS) -> list[Violation]:
+    """config.json against key rules (each key under the dotted path `at`); `checks` maps a rule's
+    check to (passes(value, rule), what was expected)."""
     out = []
-    for rule, key in rules:
-        passes, expected = KEY_CHECKS[rule.check]
+    for rule in rules:
+        key = ".".join(p for p in (at, rule.key) if p)
+        passes, expected = checks[rule.check]
         value = get_key(cfg, key)
         if not passes(value, rule):
             found = "no RoPE keys" if rule.check == "rope" else _found(value)
             out.append(Violation(f"{CONFIG_FILE}: {key or 'RoPE keys'}", expected(rule), found,
                                  rule.fix or "re-run the export"))
     return out
+
+
+def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
+    return check_key_rules(cfg, contract.keys) + check_key_rules(cfg, LAYER_KEYS, at=contract.layer_keys_at)
 
 
 def aux_ids(cfg: dict, contract: FormatContract):

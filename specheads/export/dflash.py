@@ -19,7 +19,8 @@ import torch
 from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, config_rope, expected_shape, get_key,
+    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, check_key_rules, config_rope, expected_shape,
+    get_key,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
@@ -220,15 +221,8 @@ def tensor_rules(cfg: dict, fmt: str) -> tuple[list[TensorRule], dict]:
 
 
 def check_keys(cfg: dict, fmt: str) -> list[Violation]:
-    out = []
-    for rule in SPECULATORS_KEYS if fmt == "vllm" else NATIVE_KEYS:
-        passes, expected = CHECKS[rule.check]
-        value = get_key(cfg, rule.key) if rule.key else cfg
-        if not passes(value, rule):
-            found = "no RoPE keys" if rule.check == "rope" else _found(value)
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), found,
-                                 rule.fix or "re-run the export"))
-    return out + _check_consistency(cfg, fmt)
+    rules = SPECULATORS_KEYS if fmt == "vllm" else NATIVE_KEYS
+    return check_key_rules(cfg, rules, checks=CHECKS) + _check_consistency(cfg, fmt)
 
 
 def _check_consistency(cfg: dict, fmt: str) -> list[Violation]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.export.contract import KEY_CHECKS, _found, get_key, read_config, read_tensor_specs
+from specheads.export.contract import check_key_rules, read_config, read_tensor_specs
 from specheads.export.contract_rules import (
     CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
 )
@@ -53,24 +53,13 @@ def validate(folder, fmt: str, expected=None) -> None:
     specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
     record = _record(folder)
     if cfg is not None:
-        problems += _check_keys(cfg)
+        problems += check_key_rules(cfg, DRAFT_KEYS)
         problems += _check_target(cfg, record)
         problems += _check_tokenizer(folder, record)
     if cfg is not None and specs is not None and not problems:
         problems += _check_tensors(cfg, specs)
     if problems:
         raise ContractError(folder, fmt, problems)
-
-
-def _check_keys(cfg: dict) -> list[Violation]:
-    out = []
-    for rule in DRAFT_KEYS:
-        passes, expected = KEY_CHECKS[rule.check]
-        value = get_key(cfg, rule.key)
-        if not passes(value, rule):
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), _found(value),
-                                 rule.fix or "re-run the export"))
-    return out
 
 
 def _record(folder: Path) -> dict:

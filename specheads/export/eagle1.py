@@ -17,7 +17,7 @@ import torch
 
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, _found, check_files, check_folder, check_tensors, config_dims, config_rope, get_key,
+    _found, check_files, check_folder, check_key_rules, check_tensors, config_dims, config_rope,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, WEIGHTS_FILE, Violation, contract_for,
@@ -75,15 +75,7 @@ def plan(request: ExportRequest) -> ExportPlan:
 # --- contract check ----------------------------------------------------------------------------
 def check_keys(cfg: dict, contract) -> list[Violation]:
     """The format's key rules plus the Llama decoder-layer keys, all at the top level."""
-    out = []
-    for rule in contract.keys + LAYER_KEYS:
-        passes, expected = KEY_CHECKS[rule.check]
-        value = get_key(cfg, rule.key)
-        if not passes(value, rule):
-            found = "no RoPE keys" if rule.check == "rope" else _found(value)
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), found,
-                                 rule.fix or "re-run the export"))
-    return out
+    return check_key_rules(cfg, contract.keys + LAYER_KEYS)
 
 
 def check_forbidden(specs: dict) -> list[Violation]:

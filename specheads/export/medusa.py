@@ -18,7 +18,7 @@ import torch
 
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, _found, check_float_dtypes, check_folder, get_key,
+    _found, check_float_dtypes, check_folder, check_key_rules,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
@@ -144,14 +144,7 @@ def check_tensors(specs: dict, cfg: dict, fmt: str) -> list[Violation]:
 
 def check_keys(cfg: dict, fmt: str) -> list[Violation]:
     """The format's config.json key rules."""
-    out = []
-    for rule in contract_for(fmt, "medusa").keys:
-        passes, expected = KEY_CHECKS[rule.check]
-        value = get_key(cfg, rule.key)
-        if not passes(value, rule):
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key}", expected(rule), _found(value),
-                                 rule.fix or "re-run the export"))
-    return out
+    return check_key_rules(cfg, contract_for(fmt, "medusa").keys)
 
 
 def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
