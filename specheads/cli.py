@@ -22,7 +22,7 @@ def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
     p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
     p.add_argument("--format", required=True, choices=ALL_FORMATS,
-                   help="the formats the export writers declare (each kind accepts some of them)")
+                   help="the export formats of engine_facts.FORMATS (each kind accepts some of them)")
     p.add_argument("--out", required=True, help="export folder (written atomically); an existing folder is "
                    "replaced only when it is an earlier export")
     p.add_argument("--overwrite", action="store_true",

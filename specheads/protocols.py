@@ -8,6 +8,8 @@ runtime-checkable Protocols, so callers test for them with `isinstance` instead 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 
@@ -51,16 +53,56 @@ class ReducedVocab(Protocol):
     def set_vocab_map(self, d2t: Any, t2d: Any) -> None: ...
 
 
-class Writer(Protocol):
-    """An export module: the formats it writes and how it reads its folders back.
+@dataclass
+class ExportRequest:
+    """What `export()` hands a writer once the options are checked (the same checks for every kind)."""
 
-    Optional module attributes, read with defaults: `REFUSED` {format: why}, `WEIGHTS_FILES`
-    {format: file name}, `ADAPTER_MODES` (kinds trained with target adapters), `validate(folder,
-    fmt, expected)` (its own loader contract) and `export_folder(...)` (kinds that write a whole
-    model folder instead of `check_exportable` / `export_tensors` / `config_json`).
+    ckpt: Any  # export.checkpoint.Checkpoint
+    head: Any  # the head rebuilt from it (strict)
+    fmt: str
+    k: int  # num_speculative_tokens, >= 1
+    dtype: str | None  # float32 | bfloat16 | float16, None: the checkpoint's
+    verifier: str | None  # --verifier as given
+    target: Any  # export.readme.TargetRef resolved from the provenance, recipe and verifier
+    out_dir: Path  # where the export will live (serve commands name it)
+    adapter: str | None = None  # medusa2: merge | ship
+
+
+@dataclass
+class ExportPlan:
+    """What a writer wants on disk; `export()` writes it atomically with specheads.json and README.md,
+    then checks the folder against the loader contract."""
+
+    config: dict  # config.json
+    tensors: dict  # the drafter's own weights, name -> tensor (their dtype is the recorded one)
+    weights_file: str = "model.safetensors"
+    json_files: dict = field(default_factory=dict)  # other JSON files (an index): name -> object
+    links: dict = field(default_factory=dict)  # name -> file hard-linked (copied where links fail)
+    copies: dict = field(default_factory=dict)  # name -> file copied (tokenizer files)
+    written: dict = field(default_factory=dict)  # name -> fn(path) writing that file or folder
+    # (a target shard rewritten without stale tensors, a merged target, a peft adapter)
+    record: dict = field(default_factory=dict)  # extra specheads.json fields
+    serve_as: str | None = None  # the model the serve commands serve (None: as the facts table says)
+    serve_prefix: list = field(default_factory=list)  # commands to run before serving (a merge)
+    readme_extra: str = ""  # a README section of this kind's
+    expected: Any = None  # the config the contract check compares with (None: the head's)
+    target: Any = None  # the target as the serve commands name it (None: the request's)
+
+
+class Writer(Protocol):
+    """An export module: the formats it writes, what an export holds, how it reads its folders back.
+
+    Optional module attribute: `ADAPTER_MODES` (kinds trained with target adapters). Formats it
+    refuses and how each format is served are in `engine_facts`.
     """
 
     FORMATS: tuple[str, ...]
+
+    def check_exportable(self, config: Any, fmt: str, weights: dict) -> None: ...  # ExportRefused
+
+    def plan(self, request: ExportRequest) -> ExportPlan: ...
+
+    def validate(self, folder: Any, fmt: str, expected: Any = None) -> None: ...  # its loader contract
 
     def load_export(self, meta: Any, attn_implementation: str = "sdpa", check: bool = True) -> tuple[Any, Any]: ...
 

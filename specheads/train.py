@@ -29,6 +29,7 @@ from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
 from specheads.data.tokenize import collate
 from specheads.data.vocab_stats import load_vocab_stats
+from specheads.engine_facts import REFUSED_OPTIONS
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
     Checkpoint, latest_checkpoint, load_strict, mark_run, resume_hint, run_dir_refusal, save_checkpoint,
@@ -47,17 +48,9 @@ class TrainError(ValueError):
     """A recipe that cannot be trained as asked (e.g. a variant an export format cannot load)."""
 
 
-# heads whose options an engine cannot reproduce: (format, option) -> reason
-UNSUPPORTED_VARIANTS = {
-    ("sglang", "norm_before_residual"): "SGLang 0.5.23 always uses the raw fc output as the residual",
-    ("vllm", "fc_bias"): "vLLM builds the EAGLE-1 fc without a bias and drops a trained one silently",
-    ("sglang", "parallel_drafting"): "SGLang 0.5.23 has no P-EAGLE loader",
-}
-
-
 def check_export_compat(recipe: Recipe) -> None:
     """Refuse to train a variant that a chosen export format would silently run differently."""
-    for (fmt, option), reason in UNSUPPORTED_VARIANTS.items():
+    for (fmt, option), reason in REFUSED_OPTIONS.items():
         if fmt in recipe.export.formats and getattr(recipe.head, option, False):
             raise TrainError(
                 f"head.{option}: true cannot be exported to {fmt} ({reason}). Set head.{option}: "

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.engine_facts import SGLANG, VLLM
 from specheads.engines import venvs
 
 PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
@@ -71,8 +72,8 @@ EXPECTED_ARCH = {
     ("vllm", "peagle", ""): ("PeagleLlamaForCausalLM", "Eagle3LlamaForCausalLM"),
 }
 # (engine, kind) the engine does not serve at all: the check passes when the engine refuses it
-ENGINE_REFUSES = {("vllm", "medusa"): "vLLM 0.33 removed Medusa", ("vllm", "medusa2"): "vLLM 0.33 removed Medusa",
-                  ("sglang", "medusa"): "SGLang 0.5.23 has no Medusa", ("sglang", "medusa2"): "SGLang 0.5.23 has no Medusa"}
+ENGINE_REFUSES = {("vllm", "medusa"): f"{VLLM} removed Medusa", ("vllm", "medusa2"): f"{VLLM} removed Medusa",
+                  ("sglang", "medusa"): f"{SGLANG} has no Medusa", ("sglang", "medusa2"): f"{SGLANG} has no Medusa"}
 # (engine, kind) -> tensor names of ours the engine's loader receives and deliberately ignores
 ENGINE_IGNORES = {("vllm", "eagle3"): (r"^t2d$",)}
 # (engine, kind) -> parameters the engine creates but reads only in a mode our exports never use

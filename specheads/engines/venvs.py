@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads import engine_facts as facts
 from specheads.builtin.tiny_target import cache_dir
 
 
@@ -27,8 +28,8 @@ class EngineSpec:
 
 
 ENGINES = {
-    "vllm": EngineSpec("vllm", "0.33.0", 10.0, 10),
-    "sglang": EngineSpec("sglang", "0.5.23", 11.5, 10),
+    "vllm": EngineSpec("vllm", facts.ENGINES["vllm"].release, 10.0, 10),
+    "sglang": EngineSpec("sglang", facts.ENGINES["sglang"].release, 11.5, 10),
 }
 STAMP = ".specheads-installed"
 

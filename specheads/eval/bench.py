@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.atomic import check_output, write_json, write_text
+from specheads.engine_facts import VLLM_SPEC_METRICS
 
 DEFAULT_CONCURRENCY = (1, 8, 32)
 MAX_ERRORS = 10  # failure messages kept per row
@@ -202,13 +203,13 @@ def _ratio(num, den) -> float | None:
 
 def vllm_acceptance(before, after) -> dict | None:
     """docs/engines.md §2.8: rate = accepted / draft tokens, length = 1 + accepted / drafts."""
-    p = "vllm:spec_decode_num_"
-    drafts, tokens, accepted = (_delta(before, after, p + s) for s in ("drafts", "draft_tokens", "accepted_tokens"))
+    m = VLLM_SPEC_METRICS
+    drafts, tokens, accepted = (_delta(before, after, m[s]) for s in ("drafts", "draft_tokens", "accepted"))
     if drafts is None:
         return None
     positions = sorted({int(lab["position"]) for n, lab, _ in after
-                        if n == p + "accepted_tokens_per_pos" and lab.get("position", "").isdigit()})
-    per_pos = [_ratio(_delta(before, after, p + "accepted_tokens_per_pos", position=str(i)), drafts)
+                        if n == m["per_pos"] and lab.get("position", "").isdigit()})
+    per_pos = [_ratio(_delta(before, after, m["per_pos"], position=str(i)), drafts)
                for i in positions]
     length = None if not drafts or accepted is None else 1 + accepted / drafts
     return {"source": "vllm", "drafts": int(drafts), "draft_tokens": None if tokens is None else int(tokens),

@@ -7,20 +7,24 @@ renames it into place; a refused or invalid export leaves nothing at `out_dir`.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
 
+from specheads.engine_facts import FORMATS as ENGINE_FORMATS
 from specheads.export import eagle3
 from specheads.export.checkpoint import Checkpoint, CheckpointError
 from specheads.export.contract import ContractError, validate
-from specheads.export.contract_rules import CONFIG_FILE, META_FILE, WEIGHTS_FILE
+from specheads.export.contract_rules import CONFIG_FILE, META_FILE
 from specheads.export.eagle3 import ExportRefused
-from specheads.export.folder import export_dir, identity, plan_replacement
+from specheads.export.folder import export_dir, identity, link_or_copy, plan_replacement
 from specheads.export.load import ExportMeta, read_export_meta
+from specheads.export.plan import check_dtype, float_dtype
 from specheads.export.readme import readme_text, serve_commands, target_ref
-from specheads.export.record import export_record, float_dtype, write_json
+from specheads.export.record import export_record, write_json
 from specheads.export.registry import LOADERS, WRITERS, load, load_with_meta, writer_for
+from specheads.protocols import ExportPlan, ExportRequest
 
 __all__ = [
     "FORMATS", "LOADERS", "WRITERS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta", "ExportRefused",
@@ -29,7 +33,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 FORMATS = eagle3.FORMATS  # the EAGLE-3 formats (what existing callers iterate over)
-ALL_FORMATS = tuple(dict.fromkeys(f for w in WRITERS.values() for f in w.FORMATS))  # any kind
+ALL_FORMATS = tuple(ENGINE_FORMATS)  # any kind: the --format choices
 
 
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
@@ -41,41 +45,64 @@ def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: in
     casts floating weights (float32 / bfloat16 / float16), never d2t / t2d; `adapter` (medusa2
     only): "merge" (default) or "ship" the target's LoRA adapters. `out_dir` may only be an earlier
     export (see export/folder.py); `overwrite` drops what it carries that this export would not keep.
+    Every kind goes through the same steps: options checked, the writer's plan (protocols.ExportPlan)
+    written atomically with specheads.json and README.md, the loader contract checked.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     ckpt.check_finite("the training diverged: export an earlier checkpoint, or train again (e.g. a lower train.lr)")
     writer = writer_for(ckpt.kind, fmt)
-    if adapter is not None and not hasattr(writer, "ADAPTER_MODES"):
-        raise ValueError(f"--adapter applies to heads trained with target adapters (medusa2), not '{ckpt.kind}'")
+    check_options(writer, ckpt.kind, num_speculative_tokens, dtype, adapter)
     out_dir, ident = Path(out_dir), identity(ckpt, fmt, dtype)
     plan_replacement(out_dir, ident, overwrite)  # refused before any work
-    extra = {"adapter": adapter} if adapter is not None else {}
-    if hasattr(writer, "export_folder"):  # kinds that write a whole model folder (MTP, draft model, Medusa-2)
-        with export_dir(out_dir, ident, overwrite) as tmp:
-            writer.export_folder(ckpt, fmt, tmp, out_dir, num_speculative_tokens, verifier, dtype, **extra)
-        return out_dir
     head = ckpt.build_head()  # strict: every tensor present with the config's shape
     writer.check_exportable(head.config, fmt, ckpt.weights)
     k = head.config.ttt_steps if num_speculative_tokens is None else num_speculative_tokens
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"num_speculative_tokens {k!r}: expected a positive integer")
-    tensors = writer.export_tensors(ckpt.weights, fmt, dtype)
-    target = target_ref(ckpt.provenance, ckpt.recipe, verifier)
-    record = export_record(ckpt, head.config, fmt, k, target, float_dtype(tensors))
-    record["serve_commands"] = serve_commands(fmt, out_dir, target, k, ckpt.kind,
-                                              parallel=getattr(head.config, "parallel_drafting", False))
-    config = writer.config_json(head.config, fmt, k, target.config_name,
-                                target.architectures, record["dtype"])
+    request = ExportRequest(ckpt, head, fmt, k, dtype, verifier, target_ref(ckpt.provenance, ckpt.recipe, verifier),
+                            out_dir, adapter)
+    plan = writer.plan(request)
+    record = plan_record(request, plan)
     with export_dir(out_dir, ident, overwrite) as tmp:
-        weights_file = getattr(writer, "WEIGHTS_FILES", {}).get(fmt, WEIGHTS_FILE)
-        save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
-        write_json(tmp / CONFIG_FILE, config)
+        write_plan(plan, tmp)
         write_json(tmp / META_FILE, record)
-        (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
-        if hasattr(writer, "validate"):  # kinds with their own loader-contract checker
-            writer.validate(tmp, fmt, expected=head.config)
-        else:
-            validate(tmp, fmt, ckpt.kind, expected=head.config)
+        readme = readme_text(fmt, out_dir, record["serve_commands"], plan.target or request.target, record)
+        (tmp / "README.md").write_text(readme + plan.readme_extra)
+        writer.validate(tmp, fmt, expected=head.config if plan.expected is None else plan.expected)
     for cmd in record["serve_commands"]:
         log.info("serve with: %s", cmd)
     return out_dir
+
+
+def check_options(writer, kind: str, k: int | None, dtype: str | None, adapter: str | None) -> None:
+    """The export options, checked alike for every kind before any work."""
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"num_speculative_tokens {k!r}: expected a positive integer")
+    check_dtype(dtype)
+    modes = getattr(writer, "ADAPTER_MODES", None)
+    if adapter is not None and modes is None:
+        raise ValueError(f"--adapter applies to heads trained with target adapters (medusa2), not '{kind}'")
+    if adapter is not None and adapter not in modes:
+        raise ValueError(f"adapter '{adapter}': expected one of {', '.join(modes)}")
+
+
+def plan_record(request: ExportRequest, plan: ExportPlan) -> dict:
+    """specheads.json of the export (the folder's checksums are added by export_dir)."""
+    ckpt, target = request.ckpt, plan.target or request.target
+    record = export_record(ckpt, request.head.config, request.fmt, request.k, target, float_dtype(plan.tensors))
+    record.update(plan.record)
+    parallel = getattr(request.head.config, "parallel_drafting", False)
+    record["serve_commands"] = plan.serve_prefix + serve_commands(request.fmt, request.out_dir, target, request.k,
+                                                                  ckpt.kind, parallel, plan.serve_as)
+    return record
+
+
+def write_plan(plan: ExportPlan, tmp: Path) -> None:
+    """The plan's files in the temp folder export_dir renames into place."""
+    for name, src in plan.links.items():
+        link_or_copy(src, tmp / name)
+    for name, src in plan.copies.items():
+        shutil.copy2(src, tmp / name)
+    for name, write in plan.written.items():
+        write(tmp / name)
+    save_file(plan.tensors, str(tmp / plan.weights_file), metadata={"format": "pt"})
+    for name, obj in {**plan.json_files, CONFIG_FILE: plan.config}.items():
+        write_json(tmp / name, obj)

@@ -1,4 +1,4 @@
-"""Checks an export folder against the loader contracts in `contract_rules` (vLLM 0.33, SGLang 0.5.23).
+"""Checks an export folder against the loader contracts in `contract_rules` (the engines of `engine_facts`).
 
 The tables encode docs/engines.md (§2.2-2.4 for vLLM, §3.1-3.2 for SGLang). The engines are
 fail-silent on many of these rules (a missing EAGLE-3 tensor stays uninitialised, a misnamed one
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from specheads.engine_facts import SGLANG
 from specheads.export.contract_rules import (  # noqa: F401  (FORMATS, detect_format: re-exported)
     CONFIG_FILE, DTYPE_NAMES, ENGINE_NAMES, FLOAT_DTYPES, FORBIDDEN_TENSORS, FORMATS, LAYER_KEYS,
     META_FILE, VOCAB_MAP_FIX, WEIGHTS_FILE, ContractError, FormatContract, Violation, contract_for, detect_format,
@@ -110,19 +111,24 @@ def _found(value) -> str:
     return "no key" if value is MISSING else json.dumps(value)[:120]
 
 
-def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
-    """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
-    rules = [(r, r.key) for r in contract.keys]
-    rules += [(r, ".".join(p for p in (contract.layer_keys_at, r.key) if p)) for r in LAYER_KEYS]
+def check_key_rules(cfg: dict, rules, at: str = "", checks: dict = KEY_CHECKS) -> list[Violation]:
+    """config.json against key rules (each key under the dotted path `at`); `checks` maps a rule's
+    check to (passes(value, rule), what was expected)."""
     out = []
-    for rule, key in rules:
-        passes, expected = KEY_CHECKS[rule.check]
+    for rule in rules:
+        key = ".".join(p for p in (at, rule.key) if p)
+        passes, expected = checks[rule.check]
         value = get_key(cfg, key)
         if not passes(value, rule):
             found = "no RoPE keys" if rule.check == "rope" else _found(value)
             out.append(Violation(f"{CONFIG_FILE}: {key or 'RoPE keys'}", expected(rule), found,
                                  rule.fix or "re-run the export"))
     return out
+
+
+def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
+    return check_key_rules(cfg, contract.keys) + check_key_rules(cfg, LAYER_KEYS, at=contract.layer_keys_at)
 
 
 def aux_ids(cfg: dict, contract: FormatContract):
@@ -316,7 +322,7 @@ def _check_residual(cfg: dict, contract: FormatContract, head: dict) -> list[Vio
     nbr = cfg.get("norm_before_residual", MISSING)
     if contract.engine == "sglang" and head["norm_before_residual"]:
         return [Violation(f"{CONFIG_FILE}: norm_before_residual", "a head trained with false", "a head trained "
-                          "with true", "SGLang 0.5.23 always uses the raw fc output as the residual; "
+                          "with true", f"{SGLANG} always uses the raw fc output as the residual; "
                           "serve this head with vLLM")]
     if contract.engine == "vllm" and isinstance(nbr, bool) and nbr != head["norm_before_residual"]:
         return [Violation(f"{CONFIG_FILE}: norm_before_residual", json.dumps(head["norm_before_residual"]),

@@ -1,4 +1,4 @@
-"""The loader contracts of vLLM 0.33 and SGLang 0.5.23 as data: tensors, config keys, per format.
+"""The loader contracts of the engines in `engine_facts` as data: tensors, config keys, per format.
 
 Encodes docs/engines.md (§2.2-2.5 for vLLM, §3.1-3.2 for SGLang). `specheads.export.contract`
 checks a folder against them.
@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specheads.engine_facts import AUX_LAYER_OFFSET, ENGINES, LEGACY_VLLM, SGLANG
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "specheads.json"
-ENGINE_VERSIONS = {"vllm": "0.33", "sglang": "0.5.23"}
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+ENGINE_NAMES = {key: engine.name for key, engine in ENGINES.items()}
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
 DTYPE_NAMES = {"float": "floating (F32/BF16/F16)", "int64": "I64 (int64)", "bool": "BOOL"}
 
@@ -168,25 +169,25 @@ SGLANG_KEYS = (
     KeyRule("eagle_config.use_aux_hidden_state", "equals", True),
     KeyRule("norm_output", "not_true", fix="SGLang would carry normed states the head never saw in training"),
     KeyRule("norm_before_residual", "not_true",
-            fix="SGLang 0.5.23 always uses the raw fc output as the residual; export for vLLM instead"),
+            fix=f"{SGLANG} always uses the raw fc output as the residual; export for vLLM instead"),
     KeyRule("fc_norm", "not_true", fix=NOT_TRUE_FIX),
     KeyRule("norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
     KeyRule("eagle_config.norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
     KeyRule("eagle_aux_hidden_state_layer_ids", "absent",
             fix="SGLang uses a top-level id list only to size fc; keep the ids in eagle_config"),
-    KeyRule("parallel_drafting", "not_true", fix="SGLang 0.5.23 has no P-EAGLE loader; serve it with vLLM"),
+    KeyRule("parallel_drafting", "not_true", fix=f"{SGLANG} has no P-EAGLE loader; serve it with vLLM"),
 )
 
 CONTRACTS = {
     ("vllm", "eagle3"): FormatContract(
         "vllm", "vllm", "eagle3", "layers.0.", "transformer_layer_config", "eagle_aux_hidden_state_layer_ids",
-        0, 1, SPECULATORS_KEYS, EAGLE3_TENSORS),
+        AUX_LAYER_OFFSET["vllm"], 1, SPECULATORS_KEYS, EAGLE3_TENSORS),
     ("vllm-native", "eagle3"): FormatContract(
         "vllm-native", "vllm", "eagle3", "layers.0.", "", "eagle_aux_hidden_state_layer_ids",
-        0, 1, NATIVE_KEYS, EAGLE3_TENSORS),
+        AUX_LAYER_OFFSET["vllm-native"], 1, NATIVE_KEYS, EAGLE3_TENSORS),
     ("sglang", "eagle3"): FormatContract(
         "sglang", "sglang", "eagle3", "midlayer.", "", "eagle_config.eagle_aux_hidden_state_layer_ids",
-        -1, 0, SGLANG_KEYS, EAGLE3_TENSORS),
+        AUX_LAYER_OFFSET["sglang"], 1 + AUX_LAYER_OFFSET["sglang"], SGLANG_KEYS, EAGLE3_TENSORS),
 }
 
 # --- EAGLE-1 (docs/engines.md §2.4, §3.2) ------------------------
@@ -222,7 +223,7 @@ EAGLE1_SGLANG_KEYS = EAGLE1_COMMON_KEYS + (
 # Tensor rules depend on num_heads / num_layers / bias: `export.medusa.tensor_rules` expands them.
 MEDUSA_VLLM_KEYS = (
     KeyRule("architectures", "equals", ["MedusaModel"]),
-    KeyRule("model_type", "equals", "medusa", fix="vLLM <= 0.32 detects Medusa drafts by model_type"),
+    KeyRule("model_type", "equals", "medusa", fix=f"{LEGACY_VLLM} detects Medusa drafts by model_type"),
     KeyRule("num_heads", "positive_int", fix="the number of Medusa heads K"),
     KeyRule("num_hidden_layers", "positive_int", fix="residual blocks per head"),
     KeyRule("hidden_size", "positive_int"),
@@ -248,8 +249,6 @@ CONTRACTS.update({
 })
 CONTRACTS.update({(fmt, "medusa2"): replace(CONTRACTS[(fmt, "medusa")], kind="medusa2")  # the same heads
                   for fmt in ("vllm-0.32", "medusa")})
-ENGINE_VERSIONS.update({"vllm-0.32": "0.32", "medusa": "1.0"})
-ENGINE_NAMES.update({"vllm-0.32": "vLLM <= 0.32", "medusa": "Medusa (original)"})
 
 # MTP and draft models: the folder is a whole model (export/mtp.py, export/draft.py check it); these
 # entries give the engine of each (format, kind). The MTP layouts per target family (where the modules

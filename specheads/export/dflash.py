@@ -16,20 +16,23 @@ from pathlib import Path
 
 import torch
 
+from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, config_rope, expected_shape, get_key,
+    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, check_key_rules, config_rope, expected_shape,
+    get_key,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
     Violation,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused, decoder_keys
+from specheads.export.eagle3 import ExportRefused, decoder_keys
 from specheads.export.load import _read_json, read_weights
+from specheads.export.plan import cast, head_plan
 from specheads.heads.dflash import DFlashConfig, DFlashHead
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("vllm", "vllm-native", "sglang")
-REFUSED = {}
 ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -38,20 +41,15 @@ def check_exportable(config: DFlashConfig, fmt: str, weights: dict) -> None:
     if fmt == "sglang" and config.own_lm_head:
         raise ExportRefused(
             f"this DFlash head has its own reduced vocabulary ({config.draft_vocab_size} of "
-            f"{config.vocab_size} tokens), but SGLang 0.5.23 always drafts with the target's lm_head "
+            f"{config.vocab_size} tokens), but {SGLANG} always drafts with the target's lm_head "
             "and reads no d2t map. Export it with --format vllm or --format vllm-native, or retrain "
             "with head.draft_vocab_size: null for SGLang.")
 
 
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head tensors under their own (= the engines') names; floating ones cast to `dtype`."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-    out = {}
-    for name, t in weights.items():
-        t = t.detach().cpu()
-        out[name] = (t.to(DTYPES[dtype]) if dtype and t.is_floating_point() else t).contiguous()
-    return out  # fc.weight [H, K*H], hidden_norm / norm [H], layers.{i}.*, (lm_head [Vd, H], d2t, t2d)
+    # fc.weight [H, K*H], hidden_norm / norm [H], layers.{i}.*, (lm_head [Vd, H], d2t, t2d)
+    return {name: cast(t, dtype) for name, t in weights.items()}
 
 
 def layer_keys(config: DFlashConfig, dtype: str) -> dict:
@@ -93,7 +91,7 @@ def speculators_config(config: DFlashConfig, k: int, verifier: str, verifier_arc
         "speculators_model_type": "dflash",
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
-        "aux_hidden_state_layer_ids": [t + 1 for t in config.target_layer_ids],
+        "aux_hidden_state_layer_ids": [t + DFLASH_SPECULATORS_OFFSET for t in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
         "block_size": config.block_size,
         "sample_from_anchor": False,
@@ -117,6 +115,11 @@ def config_json(config: DFlashConfig, fmt: str, k: int, verifier: str, verifier_
     if fmt == "vllm":
         return speculators_config(config, k, verifier, verifier_archs, dtype)
     return native_config(config, dtype)
+
+
+def plan(request: ExportRequest) -> ExportPlan:
+    """The tensors and config.json of a DFlash export (export() writes and checks them)."""
+    return head_plan(request, export_tensors, config_json)
 
 
 # --- contract --------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ NATIVE_KEYS = (
     KeyRule("dflash_config.target_layer_ids", "id_list", 0, "DFlash numbering: id t = output of layer t"),
     KeyRule("dflash_config.causal", "bool"),
     KeyRule("dflash_config.sample_from_anchor", "not_true",
-            fix="vLLM 0.33 refuses it for DFlash: the anchor is the bonus token"),
+            fix=f"{VLLM} refuses it for DFlash: the anchor is the bonus token"),
     KeyRule("dflash_config.use_swa", "not_true", fix="the head was trained with full attention"),
     KeyRule("eagle_aux_hidden_state_layer_ids", "absent",
             fix="vLLM reads a top-level list before dflash_config.target_layer_ids; keep one list"),
@@ -159,7 +162,7 @@ SPECULATORS_KEYS = (
     KeyRule("target_hidden_size", "positive_int"),
     KeyRule("aux_hidden_state_layer_ids", "id_list", 1, "vLLM numbering (= DFlash id + 1); vLLM requires it"),
     KeyRule("mask_token_id", "nonneg_int", fix="vLLM requires it for speculators dflash"),
-    KeyRule("sample_from_anchor", "not_true", fix="vLLM 0.33 refuses it for DFlash"),
+    KeyRule("sample_from_anchor", "not_true", fix=f"{VLLM} refuses it for DFlash"),
     KeyRule("sliding_window_non_causal", "bool",
             fix="write it explicitly: vLLM sets causal = not this (default true)"),
     KeyRule("transformer_layer_config", "dict"),
@@ -185,7 +188,7 @@ def layer_ids(cfg: dict, fmt: str):
     """Target layers in DFlash numbering, from wherever this format keeps them."""
     if fmt == "vllm":
         ids = cfg.get("aux_hidden_state_layer_ids")
-        return [i - 1 for i in ids] if _ids_ok(ids, 1) else None
+        return [i - DFLASH_SPECULATORS_OFFSET for i in ids] if _ids_ok(ids, DFLASH_SPECULATORS_OFFSET) else None
     ids = get_key(cfg, "dflash_config.target_layer_ids")
     return ids if _ids_ok(ids, 0) else None
 
@@ -218,15 +221,8 @@ def tensor_rules(cfg: dict, fmt: str) -> tuple[list[TensorRule], dict]:
 
 
 def check_keys(cfg: dict, fmt: str) -> list[Violation]:
-    out = []
-    for rule in SPECULATORS_KEYS if fmt == "vllm" else NATIVE_KEYS:
-        passes, expected = CHECKS[rule.check]
-        value = get_key(cfg, rule.key) if rule.key else cfg
-        if not passes(value, rule):
-            found = "no RoPE keys" if rule.check == "rope" else _found(value)
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), found,
-                                 rule.fix or "re-run the export"))
-    return out + _check_consistency(cfg, fmt)
+    rules = SPECULATORS_KEYS if fmt == "vllm" else NATIVE_KEYS
+    return check_key_rules(cfg, rules, checks=CHECKS) + _check_consistency(cfg, fmt)
 
 
 def _check_consistency(cfg: dict, fmt: str) -> list[Violation]:
@@ -243,7 +239,7 @@ def _check_consistency(cfg: dict, fmt: str) -> list[Violation]:
                              _found(get_key(cfg, "is_causal")), "vLLM reads is_causal first; make them agree"))
     if fmt == "sglang" and cfg.get("draft_vocab_size") != V:
         out.append(Violation(f"{CONFIG_FILE}: draft_vocab_size", f"{V} (vocab_size)", _found(cfg.get("draft_vocab_size")),
-                             "SGLang 0.5.23 drafts with the target's lm_head: no reduced vocabulary"))
+                             f"{SGLANG} drafts with the target's lm_head: no reduced vocabulary"))
     return out
 
 

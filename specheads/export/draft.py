@@ -8,25 +8,20 @@ Both engines require the target's vocabulary size and tokenizer (docs/engines.md
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from specheads.export.contract import KEY_CHECKS, _found, get_key, read_config, read_tensor_specs
+from specheads.export.contract import check_key_rules, read_config, read_tensor_specs
 from specheads.export.contract_rules import (
     CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused
-from specheads.export.readme import readme_text, serve_commands, target_ref
-from specheads.export.record import export_record
+from specheads.export.plan import cast, float_dtype, target_folder
 from specheads.heads.draft import DraftConfig, DraftHead
-from specheads.target import resolve_target_path, tokenizer_hash
+from specheads.protocols import ExportPlan, ExportRequest
+from specheads.target import tokenizer_hash
 
 FORMATS = ("vllm", "sglang")
-REFUSED = {f: "a draft model is a plain HF causal LM: export it with --format vllm or --format sglang"
-           for f in ("vllm-native", "vllm-0.32", "medusa")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
@@ -35,48 +30,18 @@ def check_exportable(config: DraftConfig, fmt: str, weights=None) -> None:
     """Every engine loads a plain Llama LM: nothing to refuse beyond the format itself."""
 
 
-def tokenizer_source(ckpt, verifier: str | None) -> Path:
-    """The target folder whose tokenizer files the draft ships with."""
-    if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
-        return Path(verifier).expanduser()
-    path = (ckpt.recipe.get("target") or {}).get("path") or ""
-    if not path:
-        raise ExportRefused("a draft model ships the target's tokenizer: pass --verifier TARGET_FOLDER")
-    return resolve_target_path(path)
-
-
 def model_tensors(head: DraftHead, dtype: str | None) -> dict[str, torch.Tensor]:
     """HF names (model.layers.*, lm_head.weight) -> tensors, optionally cast."""
-    cast = DTYPES[dtype] if dtype else None
-    out = {}
-    for name, t in head.model.state_dict().items():
-        t = t.detach().cpu()
-        out[name] = (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous()
-    return out
+    return {name: cast(t, dtype) for name, t in head.model.state_dict().items()}
 
 
-def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
-    """Write the draft LM as an HF folder into `tmp`, the atomic folder
-    that becomes `out_dir` (export/folder.py); contract-checked."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-    head = ckpt.build_head()
-    src = tokenizer_source(ckpt, verifier)
-    tensors = model_tensors(head, dtype)
-    k = k or head.config.ttt_steps
-    target = target_ref(ckpt.provenance, ckpt.recipe, verifier)
-    record = export_record(ckpt, head.config, fmt, k, target, dtype or "float32")
-    record["serve_commands"] = serve_commands(fmt, out_dir, target, k, "draft")
-    config = {**head.config.model_config, "architectures": ["LlamaForCausalLM"], "dtype": record["dtype"]}
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, tmp / name)
-    (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
-    validate(tmp, fmt, expected=head.config)
-    return out_dir
+def plan(request: ExportRequest) -> ExportPlan:
+    """The draft LM as an HF folder: its weights, a Llama config.json and the target's tokenizer files."""
+    src = target_folder(request.ckpt, request.verifier, "a draft model ships the target's tokenizer")
+    tensors = model_tensors(request.head, request.dtype)
+    config = {**request.head.config.model_config, "architectures": ["LlamaForCausalLM"], "dtype": float_dtype(tensors)}
+    return ExportPlan(config=config, tensors=tensors,
+                      copies={name: src / name for name in TOKENIZER_FILES if (src / name).is_file()})
 
 
 # --- the contract -------------------------------------------------------------------------------
@@ -88,24 +53,13 @@ def validate(folder, fmt: str, expected=None) -> None:
     specs = read_tensor_specs(folder / WEIGHTS_FILE, problems)
     record = _record(folder)
     if cfg is not None:
-        problems += _check_keys(cfg)
+        problems += check_key_rules(cfg, DRAFT_KEYS)
         problems += _check_target(cfg, record)
         problems += _check_tokenizer(folder, record)
     if cfg is not None and specs is not None and not problems:
         problems += _check_tensors(cfg, specs)
     if problems:
         raise ContractError(folder, fmt, problems)
-
-
-def _check_keys(cfg: dict) -> list[Violation]:
-    out = []
-    for rule in DRAFT_KEYS:
-        passes, expected = KEY_CHECKS[rule.check]
-        value = get_key(cfg, rule.key)
-        if not passes(value, rule):
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), _found(value),
-                                 rule.fix or "re-run the export"))
-    return out
 
 
 def _record(folder: Path) -> dict:

@@ -17,18 +17,19 @@ import torch
 
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, _found, check_files, check_folder, check_tensors, config_dims, config_rope, get_key,
+    _found, check_files, check_folder, check_key_rules, check_tensors, config_dims, config_rope,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, WEIGHTS_FILE, Violation, contract_for,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused, layer_keys
+from specheads.export.eagle3 import ExportRefused, layer_keys
 from specheads.export.load import _read_json, read_weights
+from specheads.export.plan import cast, head_plan
 from specheads.heads.eagle import EagleConfig, EagleHead
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("vllm", "sglang")
 ARCHITECTURES = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}
-REFUSED = {"vllm-native": "EAGLE-1 has one vLLM format: use --format vllm (method: eagle)"}
 
 
 def check_exportable(config: EagleConfig, fmt: str, weights: dict) -> None:
@@ -42,12 +43,10 @@ def check_exportable(config: EagleConfig, fmt: str, weights: dict) -> None:
 
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head tensors under the engines' names; SGLang gets an exact zero fc.bias when there is none."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-    out = {name: t.detach().cpu() for name, t in weights.items()}
+    out = dict(weights)
     if fmt == "sglang" and "fc.bias" not in out:
         out["fc.bias"] = torch.zeros(out["fc.weight"].shape[0], dtype=out["fc.weight"].dtype)  # [H]
-    return {n: (t.to(DTYPES[dtype]) if dtype else t).contiguous() for n, t in out.items()}
+    return {n: cast(t, dtype) for n, t in out.items()}
 
 
 def config_json(config: EagleConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
@@ -68,18 +67,15 @@ def _as_layer(config: EagleConfig):
         "rope_parameters")}, aux_layers=[])
 
 
+def plan(request: ExportRequest) -> ExportPlan:
+    """The tensors and config.json of an EAGLE-1 export (export() writes and checks them)."""
+    return head_plan(request, export_tensors, config_json)
+
+
 # --- contract check ----------------------------------------------------------------------------
 def check_keys(cfg: dict, contract) -> list[Violation]:
     """The format's key rules plus the Llama decoder-layer keys, all at the top level."""
-    out = []
-    for rule in contract.keys + LAYER_KEYS:
-        passes, expected = KEY_CHECKS[rule.check]
-        value = get_key(cfg, rule.key)
-        if not passes(value, rule):
-            found = "no RoPE keys" if rule.check == "rope" else _found(value)
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key or 'RoPE keys'}", expected(rule), found,
-                                 rule.fix or "re-run the export"))
-    return out
+    return check_key_rules(cfg, contract.keys + LAYER_KEYS)
 
 
 def check_forbidden(specs: dict) -> list[Violation]:

@@ -9,29 +9,27 @@ from __future__ import annotations
 
 import torch
 
+from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG
+from specheads.export.contract import validate as check_contract
 from specheads.export.load import load_eagle3
+from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.eagle3 import Eagle3Config
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("vllm", "vllm-native", "sglang")
 LAYER_PREFIX = {"vllm": "layers.0.", "vllm-native": "layers.0.", "sglang": "midlayer."}
-AUX_OFFSET = {"vllm": 0, "vllm-native": 0, "sglang": -1}  # engine id = aux_layers id + offset
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ExportRefused(ValueError):
-    """This head cannot be served correctly in the requested format; the message says where it can."""
 
 
 def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
     """Refuse heads an engine would load but run differently from training."""
     if fmt == "sglang" and config.parallel_drafting:
         raise ExportRefused(
-            "this is a P-EAGLE head (parallel_drafting: true), and SGLang 0.5.23 has no P-EAGLE loader "
+            f"this is a P-EAGLE head (parallel_drafting: true), and {SGLANG} has no P-EAGLE loader "
             "(no mask_hidden, no parallel drafting). Export it with --format vllm (speculators peagle) "
             "or --format vllm-native (method eagle3 + parallel_drafting).")
     if fmt == "sglang" and config.norm_before_residual:
         raise ExportRefused(
-            "this head was trained with norm_before_residual: true, but SGLang 0.5.23 always uses the "
+            f"this head was trained with norm_before_residual: true, but {SGLANG} always uses the "
             "raw fc output as the residual, so it would run a different layer. Export it with "
             "--format vllm or --format vllm-native instead."
         )
@@ -46,16 +44,11 @@ def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head state-dict tensors under the format's names, in the checkpoint's dtype unless `dtype`
     is given; only floating tensors are cast (d2t / t2d never)."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     out = {}
     for name, tensor in without_full_vocab_map(weights).items():
         if name.startswith("layers.0."):
             name = LAYER_PREFIX[fmt] + name[len("layers.0."):]
-        tensor = tensor.detach().cpu()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(DTYPES[dtype])
-        out[name] = tensor.contiguous()
+        out[name] = cast(tensor, dtype)
     return out  # fc.weight [Hd, n_aux*H], ..., lm_head.weight [Vd, Hd], d2t [Vd] int64, t2d [V] bool (Vd < V)
 
 
@@ -158,7 +151,7 @@ def native_config(config: Eagle3Config, dtype: str) -> dict:
 
 def sglang_config(config: Eagle3Config, dtype: str) -> dict:
     """docs/engines.md §3.1: LlamaForCausalLMEagle3, ids in SGLang numbering inside eagle_config."""
-    ids = [a + AUX_OFFSET["sglang"] for a in config.aux_layers]
+    ids = [a + AUX_LAYER_OFFSET["sglang"] for a in config.aux_layers]
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_keys(config, dtype),
@@ -178,6 +171,16 @@ def config_json(config: Eagle3Config, fmt: str, k: int, verifier: str, verifier_
     if fmt == "vllm-native":
         return native_config(config, dtype)
     return sglang_config(config, dtype)
+
+
+def plan(request: ExportRequest) -> ExportPlan:
+    """The tensors and config.json of an EAGLE-3 export (export() writes and checks them)."""
+    return head_plan(request, export_tensors, config_json)
+
+
+def validate(folder, fmt: str, expected=None) -> None:
+    """Check an EAGLE-3 folder against its engine's loader contract (export/contract.py)."""
+    check_contract(folder, fmt, "eagle3", expected=expected)
 
 
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):

@@ -12,6 +12,7 @@ them unless `overwrite`. Files a user added to an export are refused the same wa
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -115,6 +116,14 @@ def check_nothing_else_lost(rep: Replacement, tmp: Path, overwrite: bool) -> Non
             f"{rep.old} is an earlier export holding files this export does not write ({', '.join(lost[:5])}"
             f"{' ...' if len(lost) > 5 else ''}), which would be lost. Nothing was changed: pass --overwrite to "
             f"replace it anyway, or {REEXPORT_HINT}")
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link `src` (a target's file an export carries unchanged); copy it where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def weight_hashes(folder: Path, names: list[str] | None = None) -> dict[str, str]:

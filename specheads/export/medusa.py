@@ -18,22 +18,19 @@ import torch
 
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, _found, check_float_dtypes, check_folder, get_key,
+    _found, check_float_dtypes, check_folder, check_key_rules,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused
 from specheads.export.load import _read_json, read_weights
+from specheads.export.plan import cast, head_plan
 from specheads.heads.medusa import MedusaConfig, MedusaHead
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("medusa", "vllm-0.32")
 ORIGINAL_FILE = "medusa_lm_head.safetensors"
 WEIGHTS_FILES = {"medusa": ORIGINAL_FILE, "vllm-0.32": WEIGHTS_FILE}
-NO_LOADER = ("vLLM 0.33 removed Medusa (model, proposer and the 'medusa' method) and SGLang 0.5.23 has no "
-             "Medusa loader, so no current engine can serve these heads. Export with --format vllm-0.32 "
-             "(vLLM <= 0.32, MedusaModel) or --format medusa (the original Medusa layout)")
-REFUSED = {"vllm": NO_LOADER, "vllm-native": NO_LOADER, "sglang": NO_LOADER}
 ORIGINAL_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 
 
@@ -43,12 +40,10 @@ def check_exportable(config: MedusaConfig, fmt: str, weights: dict) -> None:
 
 def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Head tensors under the format's names, optionally cast to `dtype`."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     out = {name: t.detach().cpu() for name, t in weights.items()}
     if fmt == "medusa":
         out = to_original(out)
-    return {n: (t.to(DTYPES[dtype]) if dtype else t).contiguous() for n, t in out.items()}
+    return {n: cast(t, dtype) for n, t in out.items()}
 
 
 def to_original(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,6 +89,11 @@ def config_json(config: MedusaConfig, fmt: str, k: int, verifier: str, verifier_
             "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
             "medusa_fc_bias": bool(config.bias), "original_lm_head": False, "logit_scale": 1.0,
             "dtype": dtype}
+
+
+def plan(request: ExportRequest) -> ExportPlan:
+    """The tensors and config.json of a Medusa export (export() writes and checks them)."""
+    return head_plan(request, export_tensors, config_json, weights_file=WEIGHTS_FILES[request.fmt])
 
 
 # --- contract check ----------------------------------------------------------------------------
@@ -144,14 +144,7 @@ def check_tensors(specs: dict, cfg: dict, fmt: str) -> list[Violation]:
 
 def check_keys(cfg: dict, fmt: str) -> list[Violation]:
     """The format's config.json key rules."""
-    out = []
-    for rule in contract_for(fmt, "medusa").keys:
-        passes, expected = KEY_CHECKS[rule.check]
-        value = get_key(cfg, rule.key)
-        if not passes(value, rule):
-            out.append(Violation(f"{CONFIG_FILE}: {rule.key}", expected(rule), _found(value),
-                                 rule.fix or "re-run the export"))
-    return out
+    return check_key_rules(cfg, contract_for(fmt, "medusa").keys)
 
 
 def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:

@@ -9,23 +9,20 @@ choice under "adapter"; the README says how to serve it. The heads themselves ar
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
 import torch
 
 from specheads.export import medusa
-from specheads.export.contract_rules import CONFIG_FILE, META_FILE
-from specheads.export.eagle3 import DTYPES, ExportRefused
-from specheads.export.readme import readme_text, target_ref
-from specheads.export.record import export_record, float_dtype, write_json
+from specheads.export.eagle3 import ExportRefused
+from specheads.export.plan import DTYPES, float_dtype, target_folder
 from specheads.heads.medusa2 import ADAPTER
-from specheads.target import resolve_target_path
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = medusa.FORMATS
-REFUSED = medusa.REFUSED
 WEIGHTS_FILES = medusa.WEIGHTS_FILES
+validate = medusa.validate  # the heads are Medusa-1 heads
 ADAPTER_MODES = ("merge", "ship")
 FOLDERS = {"merge": "target", "ship": "adapter"}  # subfolder of the export per mode
 
@@ -37,17 +34,6 @@ def check_exportable(config, fmt: str, weights: dict) -> None:
 def heads_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> the Medusa heads' own names (the `medusa.` prefix dropped)."""
     return {n[len("medusa."):]: t for n, t in weights.items() if n.startswith("medusa.")}
-
-
-def target_folder(ckpt, verifier: str | None) -> Path:
-    """The base target to merge into / to name: `verifier` when it is a local folder, else the recipe's."""
-    if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
-        return Path(verifier).expanduser()
-    path = (ckpt.recipe.get("target") or {}).get("path") or ""
-    if not path:
-        raise ExportRefused("a Medusa-2 export needs the base target (to merge into or to name in the adapter): "
-                            "pass --verifier TARGET_FOLDER")
-    return resolve_target_path(path)
 
 
 def peft_model(head, base_dir: Path, dtype: torch.dtype = torch.float32):
@@ -87,19 +73,14 @@ def write_adapter(head, base_dir: Path, out: Path, base_name: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def serve_lines(fmt: str, out: Path, adapter: str, base: str, k: int) -> list[str]:
-    """How to serve: the merged target with the heads (ship: merge with peft first)."""
-    q, merged = shlex.quote, str(out / "target")
-    spec = json.dumps({"method": "medusa", "model": str(out), "num_speculative_tokens": k}, separators=(",", ":"))
-    serve = (f"vllm serve {q(merged)} --speculative-config {q(spec)}" if fmt == "vllm-0.32"
-             else f"python -m medusa.inference.cli --model {q(str(out))}")
-    if adapter == "merge":
-        return [serve]
-    merge = ("python -c " + q("from peft import PeftModel; from transformers import AutoModelForCausalLM as M, "
-                              f"AutoTokenizer as T; b = M.from_pretrained({base!r}); "
-                              f"PeftModel.from_pretrained(b, {str(out / 'adapter')!r}).merge_and_unload()"
-                              f".save_pretrained({merged!r}); T.from_pretrained({base!r}).save_pretrained({merged!r})"))
-    return [merge, serve]
+def merge_command(out: Path, base: str) -> str:
+    """The command that merges a shipped adapter into the base target, as target/ beside the heads."""
+    merged = str(out / FOLDERS["merge"])
+    return "python -c " + shlex.quote(
+        "from peft import PeftModel; from transformers import AutoModelForCausalLM as M, "
+        f"AutoTokenizer as T; b = M.from_pretrained({base!r}); "
+        f"PeftModel.from_pretrained(b, {str(out / FOLDERS['ship'])!r}).merge_and_unload()"
+        f".save_pretrained({merged!r}); T.from_pretrained({base!r}).save_pretrained({merged!r})")
 
 
 def adapter_section(adapter: str, base: str) -> str:
@@ -116,41 +97,28 @@ def adapter_section(adapter: str, base: str) -> str:
     return "\n## Adapter\n\n" + what + "\n"
 
 
-def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, num_speculative_tokens: int | None, verifier: str | None,
-                  dtype: str | None, adapter: str = "merge") -> Path:
-    """Heads (as Medusa-1 in `fmt`) + target/ (merged) or adapter/ (peft), validated, into `tmp`, the
-    atomic folder that becomes `out_dir` (export/folder.py)."""
-    from safetensors.torch import save_file
-
-    if adapter not in ADAPTER_MODES:
-        raise ValueError(f"adapter '{adapter}': expected one of {', '.join(ADAPTER_MODES)}")
-    head = ckpt.build_head()
-    k = head.config.num_heads if num_speculative_tokens is None else num_speculative_tokens
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"num_speculative_tokens {k!r}: expected a positive integer")
-    base_dir = target_folder(ckpt, verifier)
-    target = target_ref(ckpt.provenance, ckpt.recipe, verifier)
-    base_name = target.hub_id or str(base_dir)
-    tensors = medusa.export_tensors(heads_weights(ckpt.weights), fmt, dtype)
-    record = export_record(ckpt, head.config, fmt, k, target, float_dtype(tensors))
-    record["adapter"] = {"mode": adapter, "folder": FOLDERS[adapter], "base_target": base_name,
-                         "verifier": "the merged target in target/" if adapter == "merge"
-                         else "the base target with the peft adapter in adapter/ applied"}
-    record["serve_commands"] = serve_lines(fmt, out_dir, adapter, base_name, k)
-    verifier_name = str(out_dir / "target")  # the verifier the heads were trained for is the adapted target
-    config = medusa.config_json(head.config.medusa_config(), fmt, k, verifier_name, target.architectures,
-                                record["dtype"])
-    save_file(tensors, str(tmp / WEIGHTS_FILES[fmt]), metadata={"format": "pt"})
-    write_json(tmp / CONFIG_FILE, config)
-    write_json(tmp / META_FILE, record)
-    readme = readme_text(fmt, out_dir, record["serve_commands"], target, record)
-    (tmp / "README.md").write_text(readme + adapter_section(adapter, base_name))
+def plan(request: ExportRequest) -> ExportPlan:
+    """Heads (as Medusa-1 in the format) + target/ (merged) or adapter/ (peft); the verifier named in
+    config.json and served is the adapted target, target/."""
+    ckpt, head, fmt, out = request.ckpt, request.head, request.fmt, request.out_dir
+    adapter = request.adapter or "merge"
+    base_dir = target_folder(ckpt, request.verifier, "a Medusa-2 export needs the base target (to merge into or to "
+                             "name in the adapter)")
+    base_name = request.target.hub_id or str(base_dir)
+    tensors = medusa.export_tensors(heads_weights(ckpt.weights), fmt, request.dtype)
+    merged = str(out / FOLDERS["merge"])  # the verifier the heads were trained for is the adapted target
+    config = medusa.config_json(head.config.medusa_config(), fmt, request.k, merged, request.target.architectures,
+                                float_dtype(tensors))
     if adapter == "merge":
-        write_merged(head, base_dir, tmp / "target", dtype)
+        write = {FOLDERS[adapter]: lambda path: write_merged(head, base_dir, path, request.dtype)}
     else:
-        write_adapter(head, base_dir, tmp / "adapter", base_name)
-    medusa.validate(tmp, fmt, expected=head.config.medusa_config())
-    return out_dir
+        write = {FOLDERS[adapter]: lambda path: write_adapter(head, base_dir, path, base_name)}
+    record = {"adapter": {"mode": adapter, "folder": FOLDERS[adapter], "base_target": base_name,
+                          "verifier": "the merged target in target/" if adapter == "merge"
+                          else "the base target with the peft adapter in adapter/ applied"}}
+    return ExportPlan(config=config, tensors=tensors, weights_file=WEIGHTS_FILES[fmt], written=write, record=record,
+                      serve_as=merged, serve_prefix=[] if adapter == "merge" else [merge_command(out, base_name)],
+                      readme_extra=adapter_section(adapter, base_name), expected=head.config.medusa_config())
 
 
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):

@@ -13,31 +13,28 @@ modules go to `model-mtp.safetensors` and the index is rewritten. The same folde
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specheads.engine_facts import SGLANG, VLLM
 from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, MTP_SGLANG_MAX_LAYERS, MTP_SHAPES, ContractError, Violation,
 )
-from specheads.export.eagle3 import DTYPES, ExportRefused
-from specheads.export.readme import readme_text, serve_commands, target_ref
-from specheads.export.record import export_record
+from specheads.export.eagle3 import ExportRefused
+from specheads.export.plan import DTYPES, target_folder
+from specheads.export.readme import target_ref
 from specheads.heads.mtp import ZERO_FIRST_EMBEDDING, MtpConfig, MtpHead, target_config_dict
 from specheads.heads.mtp_checkpoint import (
     INDEX_FILE, MTP_LAYOUTS, block_prefix, layout_of, load_modules, meta_model, mtp_names, own_names, read_tensors,
     weight_map,
 )
-from specheads.target import resolve_target_path
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS = ("vllm", "sglang")
 MTP_FILE = "model-mtp.safetensors"
-REFUSED = {f: "an MTP head lives inside the target checkpoint; export it with --format vllm or --format sglang"
-           for f in ("vllm-native", "vllm-0.32", "medusa")}
 
 
 # --- layout ------------------------------------------------------------------------------------
@@ -48,7 +45,7 @@ def family(config: MtpConfig | dict) -> tuple[str, str]:
     if model_type not in MTP_LAYOUTS:
         arch = (cfg.get("architectures") or ["?"])[0]
         raise ExportRefused(
-            f"target family '{model_type}' ({arch}) has no MTP draft class in vLLM 0.33 or SGLang 0.5.23, so "
+            f"target family '{model_type}' ({arch}) has no MTP draft class in {VLLM} or {SGLANG}, so "
             f"neither engine can serve MTP modules for it. Families with one: {', '.join(MTP_LAYOUTS)}. "
             "For this target train an EAGLE-3 head or a draft model (recipes/eagle3, recipes/draft)")
     return layout_of(cfg)
@@ -61,7 +58,7 @@ def check_exportable(config: MtpConfig, fmt: str, weights=None) -> None:
                             f"layers; this head has "
                             f"{config.num_layers} modules. Train it with head.num_layers: 1")
     if fmt == "sglang" and config.num_layers > MTP_SGLANG_MAX_LAYERS[layout]:
-        raise ExportRefused(f"SGLang 0.5.23 asserts num_nextn_predict_layers == 1 for this family; this head has "
+        raise ExportRefused(f"{SGLANG} asserts num_nextn_predict_layers == 1 for this family; this head has "
                             f"{config.num_layers} modules. Export it with --format vllm, or train head.num_layers: 1")
 
 
@@ -84,41 +81,29 @@ def to_checkpoint(head: MtpHead, lm_head: torch.Tensor) -> dict[str, torch.Tenso
 
 
 # --- writing ------------------------------------------------------------------------------------
-def target_folder(ckpt, verifier: str | None) -> Path:
-    """The target checkpoint to copy: `verifier` when it is a local folder, else the recipe's target."""
-    if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
-        return Path(verifier).expanduser()
-    path = (ckpt.recipe.get("target") or {}).get("path") or ""
-    if not path:
-        raise ExportRefused("an MTP export is a copy of the target checkpoint: pass --verifier TARGET_FOLDER")
-    return resolve_target_path(path)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def write_checkpoint(src: Path, tmp: Path, tensors: dict[str, torch.Tensor], config: dict, count: tuple[str, int],
-                     layout: str, L: int) -> None:
-    """Copy the target folder into tmp with `tensors` as its MTP modules (stale ones removed)."""
+def checkpoint_files(src: Path, tensors: dict[str, torch.Tensor], config: dict, count: tuple[str, int],
+                     layout: str, L: int) -> dict:
+    """The target folder `src` with `tensors` as its MTP modules (stale ones removed), as ExportPlan
+    fields: its files linked unchanged, the shards that held stale MTP tensors rewritten without them,
+    the index and config.json."""
     wm = weight_map(src)
     stale = set(mtp_names(wm, layout, L))
     dirty = {wm[n] for n in stale}
-    for path in sorted(src.iterdir()):
-        if path.is_file() and path.name not in {INDEX_FILE, CONFIG_FILE, META_FILE, "README.md"} | dirty:
-            _link_or_copy(path, tmp / path.name)
-    for shard in sorted(dirty):  # rewrite shards that held old MTP tensors, without them
-        keep = [n for n, f in wm.items() if f == shard and n not in stale]
-        save_file(read_tensors(src, keep), str(tmp / shard), metadata={"format": "pt"})
-    save_file(tensors, str(tmp / MTP_FILE), metadata={"format": "pt"})
+    ours = {INDEX_FILE, CONFIG_FILE, META_FILE, "README.md", MTP_FILE} | dirty
+    links = {path.name: path for path in sorted(src.iterdir()) if path.is_file() and path.name not in ours}
+    rewrite = {shard: _without(src, [n for n, f in wm.items() if f == shard and n not in stale])
+               for shard in sorted(dirty)}
     new_map = {n: f for n, f in wm.items() if n not in stale} | {n: MTP_FILE for n in tensors}
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": size + _size_without(src, wm, stale)}, "weight_map": dict(sorted(new_map.items()))}
-    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / CONFIG_FILE).write_text(json.dumps({**config, count[0]: count[1]}, indent=2) + "\n")
+    index = {"metadata": {"total_size": size + _size_without(src, wm, stale)},
+             "weight_map": dict(sorted(new_map.items()))}
+    return {"config": {**config, count[0]: count[1]}, "tensors": tensors, "weights_file": MTP_FILE, "links": links,
+            "written": rewrite, "json_files": {INDEX_FILE: index}}
+
+
+def _without(src: Path, keep: list[str]):
+    """Writes a shard of `src` holding only `keep` (read when written: one shard in memory at a time)."""
+    return lambda path: save_file(read_tensors(src, keep), str(path), metadata={"format": "pt"})
 
 
 def _size_without(src: Path, wm: dict, skip: set) -> int:
@@ -142,30 +127,21 @@ def _numel(shape) -> int:
     return n
 
 
-def export_folder(ckpt, fmt: str, tmp: Path, out_dir: Path, k: int | None, verifier: str | None, dtype: str | None) -> Path:
-    """Write the target checkpoint + trained MTP modules into `tmp`, the atomic folder
-    that becomes `out_dir` (export/folder.py); contract-checked."""
-    head = ckpt.build_head()
-    check_exportable(head.config, fmt)
-    layout, count_key = family(head.config)
-    src = target_folder(ckpt, verifier)
+def plan(request: ExportRequest) -> ExportPlan:
+    """A copy of the target checkpoint with the trained MTP modules, in the target's dtype unless
+    `dtype` is given; the serve commands name the target folder."""
+    ckpt, cfg = request.ckpt, request.head.config
+    layout, count_key = family(cfg)
+    src = target_folder(ckpt, request.verifier, "an MTP export is a copy of the target checkpoint")
     config = json.loads((src / CONFIG_FILE).read_text())
-    _check_same_target(config, head.config, src)
+    _check_same_target(config, cfg, src)
     wm = weight_map(src)
     lm_name = "lm_head.weight" if "lm_head.weight" in wm else "model.embed_tokens.weight"
     lm_head = read_tensors(src, [lm_name])[lm_name]
-    cast = DTYPES[dtype] if dtype else lm_head.dtype
-    tensors = {n: t.to(cast) for n, t in to_checkpoint(head, lm_head).items()}
-    k = k or head.config.ttt_steps
-    target = target_ref(ckpt.provenance, ckpt.recipe, verifier or str(src))
-    record = export_record(ckpt, head.config, fmt, k, target, str(cast).removeprefix("torch."))
-    record["serve_commands"] = serve_commands(fmt, out_dir, target, k, "mtp")
-    write_checkpoint(src, tmp, tensors, config, (count_key, head.config.num_layers), layout,
-                     head.config.num_target_layers)
-    (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    (tmp / "README.md").write_text(readme_text(fmt, out_dir, record["serve_commands"], target, record))
-    validate(tmp, fmt, expected=head.config)
-    return out_dir
+    dtype = DTYPES[request.dtype] if request.dtype else lm_head.dtype
+    tensors = {n: t.to(dtype) for n, t in to_checkpoint(request.head, lm_head).items()}
+    files = checkpoint_files(src, tensors, config, (count_key, cfg.num_layers), layout, cfg.num_target_layers)
+    return ExportPlan(**files, target=target_ref(ckpt.provenance, ckpt.recipe, request.verifier or str(src)))
 
 
 def _check_same_target(config: dict, head: MtpConfig, src: Path) -> None:
@@ -195,7 +171,7 @@ def validate(folder, fmt: str, expected=None) -> None:
     elif want_d is not None and D != want_d:
         problems.append(Violation(f"{CONFIG_FILE}: {count_key}", str(want_d), str(D), "write the trained module count"))
     if fmt == "sglang" and D > MTP_SGLANG_MAX_LAYERS[layout]:
-        problems.append(Violation(f"{CONFIG_FILE}: {count_key}", "1", str(D), "SGLang 0.5.23 asserts one NextN layer"))
+        problems.append(Violation(f"{CONFIG_FILE}: {count_key}", "1", str(D), f"{SGLANG} asserts one NextN layer"))
     problems += _check_files(folder)
     if not problems or all("index" not in v.where for v in problems):
         problems += _check_tensors(folder, cfg, layout, D)

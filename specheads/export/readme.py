@@ -1,4 +1,5 @@
-"""Serve commands and the README.md of an export folder: how to run it in vLLM 0.33 or SGLang 0.5.23.
+"""Serve commands and the README.md of an export folder: how to run it in the engines of
+`engine_facts`, with the commands its SERVING table gives per (kind, format).
 
 Commands pass the method explicitly: vLLM only guesses EAGLE-3 from a path containing "eagle3"
 (docs/engines.md §2.1), and SGLang needs the algorithm flag anyway.
@@ -12,13 +13,12 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads.engine_facts import (
+    FORMATS, LAUNCHERS, LEGACY_VLLM, SERVING, SGLANG, SGLANG_CHAIN, SGLANG_DRAFT, VLLM, VLLM_SERVE_DIR, Serving,
+)
+
 RECOMMENDED = "## Recommended settings"  # the README section `specheads eval --attach` adds
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-FORMAT_TITLES = {
-    "vllm": "vLLM 0.33, speculators format",
-    "vllm-native": "vLLM 0.33, native EAGLE-3 format",
-    "sglang": "SGLang 0.5.23",
-}
 
 
 @dataclass
@@ -69,101 +69,43 @@ def _architectures(local: str | None) -> list[str]:
         return []
 
 
-def vllm_command(target: str, folder: str, k: int, parallel: bool = False) -> str:
-    """`vllm serve TARGET --speculative-config {...}`: works for every vLLM format and any target
-    (P-EAGLE heads add parallel_drafting, which vLLM takes from the speculative config)."""
-    spec = {"method": "eagle3", "model": folder, "num_speculative_tokens": k}
+def serve_command(serving: Serving, folder: str, served: str, k: int, parallel: bool = False) -> str:
+    """One command line of `serving`'s launcher (engine_facts.LAUNCHERS) for the export at `folder`,
+    serving `served`, drafting k tokens (P-EAGLE heads add parallel_drafting to vLLM's config)."""
+    q = shlex.quote
+    spec = {"method": serving.method, **({"model": folder} if serving.draft else {}), "num_speculative_tokens": k}
     spec = json.dumps({**spec, "parallel_drafting": True} if parallel else spec, separators=(",", ":"))
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+    cmd = LAUNCHERS[serving.launcher].format(served=q(served), folder=q(folder), spec=q(spec), method=serving.method)
+    if serving.launcher == "sglang" and serving.draft:
+        cmd += SGLANG_DRAFT.format(folder=q(folder))
+    if serving.launcher == "sglang" and serving.chain:  # topk 1, k steps, k + 1 tokens verified per step
+        cmd += SGLANG_CHAIN.format(k=k, k1=k + 1)
+    return cmd
 
 
-def sglang_command(target: str, folder: str, k: int) -> str:
-    """Chain drafting of k tokens: topk 1, k steps, k + 1 tokens verified per step."""
-    return (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
-            f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(folder)} "
-            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str = "eagle3",
+                   parallel: bool = False, served: str | None = None) -> list[str]:
+    """The exact commands that serve the export, best first (engine_facts.SERVING says how);
+    `served` overrides the model served (Medusa-2: the merged target)."""
+    folder, serving = str(folder), SERVING[(kind, fmt)]
+    served = served or (folder if serving.serves == "export" else target.serve_as)
+    cmds = [serve_command(serving, folder, served, k, parallel)]
+    if serving.serve_dir and target.hub_id:  # the config names a hub verifier: `vllm serve DIR` works
+        cmds.insert(0, VLLM_SERVE_DIR.format(folder=shlex.quote(folder)))
+    return cmds
 
 
-KIND_FORMAT_TITLES = {  # (format, kind) -> title, where the format's own title does not fit the kind
-    ("vllm", "eagle"): "vLLM 0.33, method eagle",
-    ("sglang", "eagle"): "SGLang 0.5.23, LlamaForCausalLMEagle",
-    ("vllm-0.32", "medusa"): "vLLM <= 0.32, MedusaModel",
-    ("medusa", "medusa"): "the original Medusa layout",
-    ("vllm-0.32", "medusa2"): "vLLM <= 0.32, MedusaModel",
-    ("medusa", "medusa2"): "the original Medusa layout",
-    ("vllm", "mtp"): "vLLM 0.33, method mtp",
-    ("sglang", "mtp"): "SGLang 0.5.23, NEXTN",
-    ("vllm", "draft"): "vLLM 0.33, method draft_model",
-    ("sglang", "draft"): "SGLang 0.5.23, STANDALONE",
-    ("vllm", "dflash"): "vLLM 0.33, speculators dflash format",
-    ("vllm-native", "dflash"): "vLLM 0.33, method dflash (DFlashDraftModel)",
-    ("sglang", "dflash"): "SGLang 0.5.23, DFLASH (DFlashDraftModel)",
-}
 KIND_NAMES = {"eagle3": "EAGLE-3 draft", "eagle": "EAGLE-1 draft", "medusa": "Medusa heads",
               "medusa2": "Medusa-2 heads (trained with LoRA on the target)",
               "mtp": "MTP modules inside the target checkpoint", "draft": "Draft model",
               "dflash": "DFlash block drafter"}
 
 
-def mtp_draft_commands(fmt: str, kind: str, folder: str, target: str, k: int) -> list[str]:
-    """MTP: serve the export itself as the target (vLLM method mtp, SGLang NEXTN). Draft model:
-    vLLM method draft_model, SGLang STANDALONE."""
-    q = shlex.quote
-    if kind == "mtp" and fmt == "vllm":
-        spec = json.dumps({"method": "mtp", "num_speculative_tokens": k}, separators=(",", ":"))
-        return [f"vllm serve {q(folder)} --speculative-config {q(spec)}"]
-    if kind == "mtp":
-        return [f"python -m sglang.launch_server --model-path {q(folder)} --speculative-algorithm NEXTN "
-                f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
-    if fmt == "vllm":
-        spec = json.dumps({"method": "draft_model", "model": folder, "num_speculative_tokens": k}, separators=(",", ":"))
-        return [f"vllm serve {q(target)} --speculative-config {q(spec)}"]
-    return [f"python -m sglang.launch_server --model-path {q(target)} --speculative-algorithm STANDALONE "
-            f"--speculative-draft-model-path {q(folder)} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-            f"--speculative-num-draft-tokens {k + 1}"]
-
-
-def dflash_commands(fmt: str, folder: str, target: str, k: int) -> list[str]:
-    """vLLM method dflash (k = block size - 1 drafts per step); SGLang DFLASH (block from config)."""
-    if fmt == "sglang":
-        return [f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm "
-                f"DFLASH --speculative-draft-model-path {shlex.quote(folder)}"]
-    return [vllm_command(target, folder, k).replace('"eagle3"', '"dflash"')]
-
-
-def other_kind_commands(fmt: str, kind: str, target: str, folder: str, k: int) -> list[str]:
-    """Serve commands of the EAGLE-1 and Medusa formats."""
-    if kind == "eagle" and fmt == "sglang":
-        return [sglang_command(target, folder, k).replace("EAGLE3", "EAGLE")]
-    if kind == "eagle":
-        return [vllm_command(target, folder, k).replace('"eagle3"', '"eagle"')]
-    if fmt == "vllm-0.32":
-        return [vllm_command(target, folder, k).replace('"eagle3"', '"medusa"')]
-    return [f"python -m medusa.inference.cli --model {shlex.quote(folder)}"]
-
-
-def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str = "eagle3",
-                   parallel: bool = False) -> list[str]:
-    """The exact commands that serve the export, best first."""
-    folder = str(folder)
-    if kind in ("eagle", "medusa"):
-        return other_kind_commands(fmt, kind, target.serve_as, folder, k)
-    if kind in ("mtp", "draft"):
-        return mtp_draft_commands(fmt, kind, folder, target.serve_as, k)
-    if kind == "dflash":
-        return dflash_commands(fmt, folder, target.serve_as, k)
-    if fmt == "sglang":
-        return [sglang_command(target.serve_as, folder, k)]
-    if fmt == "vllm" and target.hub_id:
-        return [f"vllm serve {shlex.quote(folder)}", vllm_command(target.serve_as, folder, k, parallel)]
-    return [vllm_command(target.serve_as, folder, k, parallel)]
-
-
 def notes(fmt: str, target: TargetRef) -> list[str]:
     """Why the commands look the way they do, for this format and target."""
     out = []
     if fmt == "vllm" and not target.hub_id:
-        out.append("The target is not a Hugging Face hub id, and vLLM 0.33 rejects a local verifier in "
+        out.append(f"The target is not a Hugging Face hub id, and {VLLM} rejects a local verifier in "
                    "`vllm serve DIR` (\"Speculators verifier must name a remote model repository\"). "
                    "Serve the local target and pass this folder in `--speculative-config`: vLLM still "
                    "parses its speculators config.")
@@ -189,7 +131,7 @@ def head_lines(kind: str, fmt: str, head: dict) -> list[str]:
         zeros = " (written as exact zeros: the original layout always has one)" if fmt == "medusa" and not head["bias"] else ""
         return [f"- {head['num_heads']} Medusa heads of {head['num_layers']} residual block(s), {bias} block bias{zeros}",
                 f"- each head has its own output layer over the full vocabulary ({head['vocab_size']} tokens)",
-                "- vLLM 0.33 and SGLang 0.5.23 cannot load Medusa heads; this layout is for vLLM <= 0.32 "
+                f"- {VLLM} and {SGLANG} cannot load Medusa heads; this layout is for {LEGACY_VLLM} "
                 "or the original Medusa code"]
     if kind == "mtp":
         return [f"- {head['num_layers']} MTP module(s) after target layer {head['num_target_layers'] - 1}, "
@@ -213,7 +155,7 @@ def head_lines(kind: str, fmt: str, head: dict) -> list[str]:
                 f"input norm, the target's lm_head; {bias}",
                 f"- hidden size {head['hidden_size']}, trained for {head['ttt_steps']} draft step(s)"]
     parallel = [f"- P-EAGLE: all {head['ttt_steps']} drafts in one forward (mask token id {head['mask_token_id']}, "
-                "learned `mask_hidden`); vLLM serves it with `parallel_drafting: true`, SGLang 0.5.23 cannot"
+                f"learned `mask_hidden`); vLLM serves it with `parallel_drafting: true`, {SGLANG} cannot"
                 ] if head.get("parallel_drafting") else []
     return parallel + [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
             f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
@@ -223,7 +165,7 @@ def head_lines(kind: str, fmt: str, head: dict) -> list[str]:
 
 def readme_title(fmt: str, kind: str) -> str:
     """The engine and format named in the README's heading (speculators: EAGLE-3 in `vllm` only)."""
-    return KIND_FORMAT_TITLES.get((fmt, kind)) or FORMAT_TITLES[fmt]
+    return SERVING[(kind, fmt)].title or FORMATS[fmt].title
 
 
 def readme_text(fmt: str, folder: str | Path, commands: list[str], target: TargetRef, meta: dict) -> str:

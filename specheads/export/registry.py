@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specheads.engine_facts import REFUSED
 from specheads.export import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.export.eagle3 import ExportRefused
 from specheads.export.folder import verify_export
@@ -39,7 +40,7 @@ def writer_for(kind: str, fmt: str):
         raise ExportRefused(f"head kind '{kind}' has no exporter; kinds with one: {', '.join(WRITERS)}")
     writer = WRITERS[kind]
     if fmt not in writer.FORMATS:
-        reason = getattr(writer, "REFUSED", {}).get(fmt)  # optional: a kind-specific explanation
+        reason = REFUSED.get((kind, fmt))  # a kind-specific explanation, when there is one
         raise ExportRefused(reason or f"format '{fmt}' cannot serve a '{kind}' head; use one of: "
                             f"{', '.join(writer.FORMATS)}")
     return writer

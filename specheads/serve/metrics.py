@@ -15,6 +15,7 @@ import threading
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from specheads.engine_facts import VLLM_SPEC_METRICS
 from specheads.verify.decode import DecodeStats
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -23,9 +24,9 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 prometheus_client.disable_created_metrics()
 
 _COUNTERS = {
-    "drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
-    "draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
-    "accepted": ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    "drafts": (VLLM_SPEC_METRICS["drafts"], "Number of spec decoding drafts."),
+    "draft_tokens": (VLLM_SPEC_METRICS["draft_tokens"], "Number of draft tokens."),
+    "accepted": (VLLM_SPEC_METRICS["accepted"], "Number of accepted tokens."),
     "prompt": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
     "generation": ("vllm:generation_tokens", "Number of generation tokens processed."),
 }
@@ -41,7 +42,7 @@ class Metrics:
         names = list(labels)
         self.counters = {key: Counter(name, help_, names, registry=self.registry).labels(**labels)
                          for key, (name, help_) in _COUNTERS.items()}
-        self.per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+        self.per_pos = Counter(VLLM_SPEC_METRICS["per_pos"],
                                "Accepted tokens per draft position.", names + ["position"],
                                registry=self.registry)
         self.finished = Counter("vllm:request_success", "Count of successfully processed requests.",

@@ -1,0 +1,138 @@
+"""The engine facts specheads relies on, in one table: the engine versions it targets, the export
+formats and how each (kind, format) is served, the (kind, format) pairs refused with why, the head
+options an engine cannot reproduce, the layer numbering of each engine and vLLM's
+speculative-decoding metric names.
+
+Writers, README, `--format` choices, the engine venvs, the server's metrics and the benchmark read
+these tables; a new engine version or format is an edit here (docs/engines.md has the sources).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine (or legacy loader) an export format is written for."""
+
+    name: str  # as users read it: "vLLM"
+    series: str  # the version export records and messages name: "0.33"
+    release: str  # the exact release the engine venvs install and the probes ran: "0.33.0"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.series}"
+
+
+# engine key (specheads.json "engine".name) -> Engine; the order is specheads.json "engine_versions"'
+ENGINES = {
+    "vllm": Engine("vLLM", "0.33", "0.33.0"),
+    "sglang": Engine("SGLang", "0.5.23", "0.5.23"),
+    "vllm-0.32": Engine("vLLM <= 0.32", "0.32", "0.32"),
+    "medusa": Engine("Medusa (original)", "1.0", "1.0"),
+}
+VLLM = ENGINES["vllm"].label  # "vLLM 0.33", as messages name it
+SGLANG = ENGINES["sglang"].label  # "SGLang 0.5.23"
+LEGACY_VLLM = "vLLM <= 0.32"  # the last vLLM with Medusa
+
+
+@dataclass(frozen=True)
+class Format:
+    """An export format: the engine that loads it and the README title of an EAGLE-3 export."""
+
+    engine: str
+    title: str
+
+
+# --format choices, in this order (`specheads export --help`)
+FORMATS = {
+    "vllm": Format("vllm", f"{VLLM}, speculators format"),
+    "vllm-native": Format("vllm", f"{VLLM}, native EAGLE-3 format"),
+    "sglang": Format("sglang", SGLANG),
+    "medusa": Format("medusa", "the original Medusa layout"),
+    "vllm-0.32": Format("vllm-0.32", f"{LEGACY_VLLM}, MedusaModel"),
+}
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How one (kind, format) export is served (docs/engines.md §2, §3).
+
+    launcher: "vllm" (`vllm serve` + --speculative-config), "sglang" (`sglang.launch_server`) or
+    "medusa" (the original Medusa CLI); method: vLLM's speculative method / SGLang's algorithm;
+    serves: the model the engine serves, "target" or "export" (MTP: the export is the target);
+    draft: the export is passed as the draft model; chain: SGLang's chain flags (k steps, topk 1);
+    title: the README's, where the format's own title does not fit the kind.
+    """
+
+    launcher: str
+    method: str = ""
+    serves: str = "target"
+    draft: bool = True
+    chain: bool = True
+    serve_dir: bool = False  # the config names its verifier: `vllm serve DIR` works with a hub target
+    title: str = ""
+
+
+SERVING = {  # (kind, format) -> Serving; a pair absent here is not written
+    ("eagle3", "vllm"): Serving("vllm", "eagle3", serve_dir=True),
+    ("eagle3", "vllm-native"): Serving("vllm", "eagle3"),
+    ("eagle3", "sglang"): Serving("sglang", "EAGLE3"),
+    ("medusa", "medusa"): Serving("medusa"),
+    ("medusa", "vllm-0.32"): Serving("vllm", "medusa"),
+    ("medusa2", "medusa"): Serving("medusa"),
+    ("medusa2", "vllm-0.32"): Serving("vllm", "medusa"),
+    ("eagle", "vllm"): Serving("vllm", "eagle", title=f"{VLLM}, method eagle"),
+    ("eagle", "sglang"): Serving("sglang", "EAGLE", title=f"{SGLANG}, LlamaForCausalLMEagle"),
+    ("mtp", "vllm"): Serving("vllm", "mtp", serves="export", draft=False, title=f"{VLLM}, method mtp"),
+    ("mtp", "sglang"): Serving("sglang", "NEXTN", serves="export", draft=False, title=f"{SGLANG}, NEXTN"),
+    ("draft", "vllm"): Serving("vllm", "draft_model", title=f"{VLLM}, method draft_model"),
+    ("draft", "sglang"): Serving("sglang", "STANDALONE", title=f"{SGLANG}, STANDALONE"),
+    ("dflash", "vllm"): Serving("vllm", "dflash", title=f"{VLLM}, speculators dflash format"),
+    ("dflash", "vllm-native"): Serving("vllm", "dflash", title=f"{VLLM}, method dflash (DFlashDraftModel)"),
+    ("dflash", "sglang"): Serving("sglang", "DFLASH", chain=False, title=f"{SGLANG}, DFLASH (DFlashDraftModel)"),
+}
+
+# the command lines of each launcher; {served} {folder} {spec} are shell-quoted, {k1} = k + 1
+LAUNCHERS = {
+    "vllm": "vllm serve {served} --speculative-config {spec}",
+    "sglang": "python -m sglang.launch_server --model-path {served} --speculative-algorithm {method}",
+    "medusa": "python -m medusa.inference.cli --model {folder}",
+}
+SGLANG_DRAFT = " --speculative-draft-model-path {folder}"
+SGLANG_CHAIN = " --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k1}"
+VLLM_SERVE_DIR = "vllm serve {folder}"  # speculators format with a hub verifier: the folder names it
+
+_NO_MEDUSA = (f"{VLLM} removed Medusa (model, proposer and the 'medusa' method) and {SGLANG} has no "
+              "Medusa loader, so no current engine can serve these heads. Export with --format vllm-0.32 "
+              f"({LEGACY_VLLM}, MedusaModel) or --format medusa (the original Medusa layout)")
+_PLAIN_LM = "a draft model is a plain HF causal LM: export it with --format vllm or --format sglang"
+_IN_TARGET = "an MTP head lives inside the target checkpoint; export it with --format vllm or --format sglang"
+REFUSED = {  # (kind, format) -> why no engine serves it and what to export instead
+    **{(kind, fmt): _NO_MEDUSA for kind in ("medusa", "medusa2") for fmt in ("vllm", "vllm-native", "sglang")},
+    ("eagle", "vllm-native"): "EAGLE-1 has one vLLM format: use --format vllm (method: eagle)",
+    **{("draft", fmt): _PLAIN_LM for fmt in ("vllm-native", "vllm-0.32", "medusa")},
+    **{("mtp", fmt): _IN_TARGET for fmt in ("vllm-native", "vllm-0.32", "medusa")},
+}
+
+# head options an engine cannot reproduce: (format, option) -> why (training refuses such a recipe up front)
+REFUSED_OPTIONS = {
+    ("sglang", "norm_before_residual"): f"{SGLANG} always uses the raw fc output as the residual",
+    ("vllm", "fc_bias"): "vLLM builds the EAGLE-1 fc without a bias and drops a trained one silently",
+    ("sglang", "parallel_drafting"): f"{SGLANG} has no P-EAGLE loader",
+}
+
+# EAGLE-3 target-layer numbering: engine id = specheads aux_layers id + offset (docs/engines.md §3.1:
+# SGLang counts the hidden state after layer k as k - 1, vLLM as k)
+AUX_LAYER_OFFSET = {"vllm": 0, "vllm-native": 0, "sglang": -1}
+# DFlash: speculators' aux_hidden_state_layer_ids = target_layer_ids (output of layer t) + 1
+DFLASH_SPECULATORS_OFFSET = 1
+
+# vLLM's speculative-decoding counters (SpecDecodingProm; Prometheus adds `_total`), docs/engines.md §2.8
+VLLM_SPEC_METRICS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+    "per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
