@@ -59,7 +59,7 @@ class DFlashProposer:
         self._add_context(out, prompt_ids.numel(), 0)
         self.anchor = int(first_token)
 
-    def _block_logits(self, k: int) -> torch.Tensor:
+    def block_logits(self, k: int) -> torch.Tensor:
         """Draft logits [k, Vd] of slots 1..k of the block at the anchor; the block is dropped."""
         cfg, device = self.head.config, self.target.device
         ids = torch.tensor([[self.anchor] + [cfg.mask_token_id] * k], device=device)
@@ -77,7 +77,7 @@ class DFlashProposer:
         k = min(k, self.head.config.block_size - 1)
         if k < 1:
             return torch.empty(0, dtype=torch.long)
-        return self.head.to_target_ids(self._block_logits(k).argmax(-1)).cpu()
+        return self.head.to_target_ids(self.block_logits(k).argmax(-1)).cpu()
 
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput, start: int) -> None:
@@ -97,7 +97,7 @@ class SampledDFlashProposer(DFlashProposer):
         V = self.target.vocab_size
         if k < 1:
             return torch.empty(0, dtype=torch.long), torch.empty(0, V)
-        return sample_draft_rows(self._block_logits(k), self.head, V, warper, gen)  # logits [k, Vd]
+        return sample_draft_rows(self.block_logits(k), self.head, V, warper, gen)  # logits [k, Vd]
 
 
 def make_proposer(spec, head, target, sampled: bool = False):
