@@ -372,8 +372,9 @@ def stage_forward_dflash(args, result, tensors, target_model, draft_model, hidde
     """Stage 4 for DFLASH: the worker's context write and the draft block at every anchor."""
     try:
         REPLACED.append(KV_NOTE)
+        block_size = int(result["config"]["num_draft_tokens"])  # what ServerArgs resolved, as the worker reads it
         logits, chain, block_size = run_blocks(draft_model, target_model, hidden, ids, next_token, anchors, args.k,
-                                               result["config"]["mask_token_id"])
+                                               result["config"]["mask_token_id"], block_size)
     except Exception as exc:
         raise StageError("forward", exc) from exc
     tensors["draft_logits"], tensors["chain"] = logits.float().contiguous(), chain.to("cpu").long()

@@ -49,15 +49,17 @@ def mask_token_id(draft_cfg, target_cfg) -> int:
                                                  mask_token_id=parsed.mask_token_id)
 
 
-def run_blocks(draft_model, target_model, hidden, ids, next_token: int, anchors, k: int, mask_id: int):
+def run_blocks(draft_model, target_model, hidden, ids, next_token: int, anchors, k: int, mask_id: int,
+               block_size: int):
     """Logits of slots 1..k of each anchor's block [len(anchors) * k, V] and the last block's greedy
-    tokens [k]. The block is the worker's: block_size tokens (anchor + block_size - 1 masks) at
-    positions a..a+block_size-1, embedded with the target's table (times its noise scale)."""
+    tokens [k]. The block is the worker's: block_size (= speculative_num_draft_tokens, which the
+    worker hands the draft with set_block_size) tokens, anchor + block_size - 1 masks, at positions
+    a..a+block_size-1, embedded with the target's table (times its noise scale)."""
     import torch
     from sglang.srt.layers.logits_processor import LogitsMetadata
     from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
 
-    block_size = int(draft_model.block_size)
+    draft_model.set_block_size(block_size)
     if k > block_size - 1:
         raise ValueError(f"k {k} > block_size - 1 = {block_size - 1}: SGLang drafts block_size - 1 tokens")
     embed = _resolve_dflash_embedding_module(draft_model, target_model)
