@@ -96,7 +96,7 @@ def test_training_blocks_equal_the_block_proposer(target):
         proposer = DFlashProposer(head, target)
         prefix = ids[0, :a]
         proposer.start(prefix, int(ids[0, a]), out)
-        logits = proposer._block_logits(3)  # [3, V]
+        logits = proposer.block_logits(3)  # [3, V]
         expect = head.logits(captured["out"][0, n, 1:], target.lm_head.weight)
         torch.testing.assert_close(logits, expect, atol=1e-9, rtol=1e-9)
 

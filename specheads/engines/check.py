@@ -11,12 +11,16 @@ with `specheads.export.load` and the target with `specheads.target.Target`. Four
   layers   the target hidden states the engine taps for the draft equal ours (per position: 1e-4, or
            1e-5 of the position's norm where larger: see `row_tolerance`)
   forward  the engine's draft logits equal our head's (same tolerance, same argmax everywhere),
-           and the same greedy chain of k tokens
+           and the same greedy chain of k tokens (DFlash: the block at every anchor, and the block
+           after the prompt as the chain; our side is the head as trained, so an export whose
+           config.json makes the engine draft differently fails here)
 
 Probe protocol (every engine):
   CLI      --target DIR --draft DIR --kind KIND --inputs FILE.safetensors --out DIR [--k N]
   inputs   `input_ids` [1, T] int64 (the prompt) and `next_token` [1] int64 (the target's greedy
-           token after it, computed here, so both sides draft from the same token)
+           token after it, computed here, so both sides draft from the same token); DFlash also
+           `anchors` [n] int64: block anchor positions a (context = rows 0..a-1, block = [x_a, or
+           next_token when a = T, then mask x k] at positions a..a+k)
   result   OUT/result.json: engine, version, config {method, num_speculative_tokens,
            draft_architecture, vocab_size, draft_vocab_size, aux_layer_ids (the engine's own
            numbering), ...}, weights {created, loaded, never_written, dropped, shape_mismatch, warnings
@@ -26,7 +30,8 @@ Probe protocol (every engine):
   tensors  OUT/tensors.safetensors: aux_hidden [T, n_aux*H] (the states the engine feeds the draft,
            in its concatenation order), draft_logits [T, V] (the draft module on the first draft
            pass: row t reads token t+1 and the state at t; scattered to the full vocabulary with
-           -inf elsewhere, as the engine does), chain [k] (greedy draft tokens after next_token)
+           -inf elsewhere, as the engine does; DFlash: slots 1..k of each anchor's block, [n*k, V]),
+           chain [k] (greedy draft tokens after next_token)
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
 BATCH_PROBES = {"vllm"}  # probes that also take `--jobs FILE.json` (many exports, one engine import)
 TOLERANCE = 1e-4  # absolute below magnitude 1; logits: relative to their largest magnitude
 ROW_TOLERANCE = 1e-5  # tapped states: relative to each position's norm (`row_tolerance`)
+DFLASH_ANCHORS = 8  # DFlash blocks compared per export, anchors spread over the prompt
 PASS, FAIL, NOT_RUN, REFUSED = "PASS", "FAIL", "NOT RUN", "REFUSED"
 # engine aux-layer id = specheads aux_layers id + offset (SGLang counts from the first decoder layer's input)
 AUX_OFFSET = {"vllm": 0, "sglang": -1}
@@ -185,6 +191,8 @@ class Ours:
             from specheads.export import load
 
             self._head = load(self.meta.folder, attn_implementation="eager", check=False)
+            if self.kind == "dflash":
+                self._head = as_trained(self._head, self.meta.head_config)
             if self.kind == "eagle":
                 from specheads.verify.eagle1_proposers import bind_to_target
 
@@ -207,15 +215,18 @@ class Ours:
 
     def features(self, ids: torch.Tensor):
         """(target output, the states the draft reads [T, n*H])."""
-        if self.kind == "eagle3":
-            out = self.target.forward(ids, layers=self.aux_layers())
-            return out, torch.cat([out.hidden[i][0] for i in self.aux_layers()], dim=-1)
+        if self.kind in ("eagle3", "dflash"):
+            layers = self.head.required_layers() if self.kind == "dflash" else self.aux_layers()
+            out = self.target.forward(ids, layers=layers)
+            return out, torch.cat([out.hidden[i][0] for i in layers], dim=-1)
         out = self.target.forward(ids)
         return out, out.final[0]
 
     @torch.no_grad()
-    def draft_logits(self, ids: torch.Tensor, next_token: int, out) -> torch.Tensor:
-        """Our draft module on the first pass, as full-vocabulary logits [T, V] (-inf off the draft vocab)."""
+    def draft_logits(self, ids: torch.Tensor, next_token: int, out, anchors: list[int] | None = None,
+                     k: int | None = None) -> torch.Tensor:
+        """Our draft module on the first pass, as full-vocabulary logits [T, V] (-inf off the draft vocab);
+        DFlash: the blocks at `anchors`, [len(anchors) * k, V]."""
         from specheads.verify.decode import causal_mask, positions
 
         T = ids.shape[1]
@@ -224,16 +235,32 @@ class Ours:
             return model(input_ids=ids, attention_mask=causal_mask(0, T, torch.float32, ids.device),
                          position_ids=positions(0, T, ids.device)).logits[0].float()
         head = self.head
+        if self.kind == "dflash":
+            return self._block_logits(ids, next_token, out, anchors, k or self.k())
         shifted = torch.cat([ids[0, 1:], ids.new_tensor([next_token])])[None]  # [1, T]
         hidden = head.fuse([out.hidden[i] for i in self.aux_layers()]) if self.kind == "eagle3" else out.final
         o = head.step(hidden, self.target.embed(shifted), positions(0, T, ids.device),
                       causal_mask(0, T, hidden.dtype, ids.device))
         logits = head.logits(o)[0].float()  # [T, Vd]
-        if logits.shape[-1] == self.target.vocab_size and self.kind != "eagle3":
+        return self._full_vocab(logits)
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [N, Vd] at their target ids [N, V], -inf elsewhere."""
+        if logits.shape[-1] == self.target.vocab_size and self.kind not in ("eagle3",):
             return logits
-        full = logits.new_full((T, self.target.vocab_size), float("-inf"))
-        full[:, head.to_target_ids(torch.arange(logits.shape[-1]))] = logits
+        full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))
+        full[:, self.head.to_target_ids(torch.arange(logits.shape[-1]))] = logits
         return full
+
+    def _block_logits(self, ids: torch.Tensor, next_token: int, out, anchors: list[int], k: int) -> torch.Tensor:
+        """DFlash: slots 1..k of the block at each anchor [len(anchors) * k, V], from our proposer."""
+        from specheads.verify.dflash_proposers import DFlashProposer
+
+        proposer, T, rows = DFlashProposer(self.head, self.target), ids.shape[1], []
+        for a in anchors:
+            proposer.start(ids[0, :a], next_token if a == T else int(ids[0, a]), out)
+            rows.append(self._full_vocab(proposer.block_logits(k).float()))
+        return torch.cat(rows)
 
     @torch.no_grad()
     def chain(self, ids: torch.Tensor, next_token: int, out, k: int) -> list[int]:
@@ -243,6 +270,24 @@ class Ours:
         proposer = make_proposer(TreeSpec(kind="chain", k=k), self.head, self.target)
         proposer.start(ids[0], next_token, out)
         return [int(t) for t in proposer.propose(k)]
+
+
+def as_trained(head, trained: dict | None):
+    """A DFlash head rebuilt with the config it was trained with (specheads.json `head_config`) and the
+    export's weights: the mask token, causality and taps we compare with are the trained ones, not
+    whatever config.json says (the engine reads config.json)."""
+    from specheads.heads.dflash import DFlashConfig, DFlashHead
+
+    if not trained:
+        return head
+    rebuilt = DFlashHead(DFlashConfig(**trained), attn_implementation="eager")
+    rebuilt.load_state_dict(head.state_dict())
+    return rebuilt.eval()
+
+
+def dflash_anchors(T: int, n: int = DFLASH_ANCHORS) -> torch.Tensor:
+    """n anchor positions spread over 1..T (T: the block right after the prompt), ascending."""
+    return torch.linspace(1, T, min(n, T)).round().long().unique()
 
 
 # --- verdicts ----------------------------------------------------------------------------------------
@@ -265,6 +310,11 @@ def judge_config(result: dict, ours: Ours, engine: str, k: int) -> Stage:
     want["draft_architecture"] = EXPECTED_ARCH.get((engine, ours.probe_kind(), layout))
     if ours.kind in ("eagle3", "eagle", "draft", "dflash"):
         want["vocab_size"] = ours.target.vocab_size
+    if ours.kind == "dflash":  # vLLM's aux ids count HF hidden states (DFlash id + 1)
+        hc = ours.meta.head_config or {}
+        want["mask_token_id"] = hc.get("mask_token_id")
+        if engine == "vllm":
+            want["aux_layer_ids"] = [t + 1 for t in hc.get("target_layer_ids") or []] or None
     if ours.kind == "eagle3":
         hc = ours.meta.head_config or {}
         want["draft_vocab_size"] = hc.get("draft_vocab_size")
@@ -452,9 +502,11 @@ def prepare(export: str | Path, engine: str, target: str | Path | None = None, k
     k = k or ours.k()
     work = Path(work).resolve() if work else Path(tempfile.mkdtemp(prefix="specheads-engine-check-"))
     (work / engine).mkdir(parents=True, exist_ok=True)
-    if ours.kind in ("eagle3", "eagle", "draft"):
+    if ours.kind in ("eagle3", "eagle", "draft", "dflash"):
         max_pos = int(getattr(ours.target.config, "max_position_embeddings", 256))
         inputs = make_inputs(ours.target, num_positions(max_pos, k, positions))
+        if ours.kind == "dflash":
+            inputs["anchors"] = dflash_anchors(inputs["input_ids"].shape[1])
     else:  # the engine runs no forward for these kinds; the file keeps the protocol uniform
         inputs = {"input_ids": torch.arange(8)[None] % 7 + 1, "next_token": torch.tensor([1])}
     from safetensors.torch import save_file
@@ -481,7 +533,8 @@ def finish(job: Job, result: dict, tensors: dict, tail: str) -> EngineCheck:
         ids, next_token = job.inputs["input_ids"], int(job.inputs["next_token"][0])
         try:
             out, feats = ours.features(ids) if ours.kind != "draft" else (None, None)
-            mine = ours.draft_logits(ids, next_token, out)
+            anchors = [int(a) for a in job.inputs["anchors"]] if "anchors" in job.inputs else None
+            mine = ours.draft_logits(ids, next_token, out, anchors, k)
             chain = ours.chain(ids, next_token, out, k)
         except Exception as err:  # noqa: BLE001 - reported as our side's failure, next to the engine's result
             report.numbers["ours_error"] = f"{type(err).__name__}: {err}"

@@ -166,7 +166,7 @@ def build_exports(root: Path) -> list[Row]:
     _export_all(root, "peagle", "eagle3", ckpt("peagle", peagle_head(target, 7)), ("vllm", "vllm-native"), tiny,
                 rows, "P-EAGLE (parallel drafting)")
     _export_all(root, "dflash", "dflash", ckpt("dflash", dflash_head(target, 8)), ("vllm", "vllm-native", "sglang"),
-                tiny, rows, "block size 4")
+                tiny, rows, "block size 4, 8 anchors")
     _export_all(root, "eagle", "eagle", ckpt("eagle", eagle_head(target, 3)), ("vllm", "sglang"), tiny, rows)
     _export_all(root, "draft", "draft", ckpt("draft", draft_head(target, 4)), ("vllm", "sglang"), tiny, rows)
     _export_all(root, "medusa", "medusa", ckpt("medusa", medusa_head(target, 5)), ("vllm-0.32", "medusa"), tiny,

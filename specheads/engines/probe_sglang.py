@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
+from probe_sglang_dflash import KV_NOTE, mask_token_id, run_blocks  # noqa: E402
 from probe_sglang_forward import (  # noqa: E402
     STANDALONE_NOTE, replace_attention_kernel, run_draft, run_target, standalone_chain_as_served,
 )
@@ -257,6 +258,11 @@ def stage_config(args, result: dict):
     except Exception as exc:
         raise StageError("config", exc) from exc
     result["config"] = config_report(sa, algo, draft_cfg, aux)
+    if algorithm == "DFLASH":
+        try:
+            result["config"]["mask_token_id"] = mask_token_id(draft_cfg, target_cfg)
+        except Exception as exc:
+            raise StageError("config", exc) from exc
     return algo, target_cfg, draft_cfg, aux
 
 
@@ -314,24 +320,26 @@ def forward_skip_reason(args, target_cfg) -> str | None:
     if args.kind == "mtp":
         mt = getattr(target_cfg.hf_config, "model_type", "?")
         return MTP_FORWARD_SKIP.get(mt, f"no CPU path for the '{mt}' MTP module")
-    if args.kind in ("dflash", "peagle"):
-        return f"the {args.kind} draft forward is not probed on a CPU"
+    if args.kind == "peagle":
+        return "the peagle draft forward is not probed on a CPU"
     return None
 
 
 def read_inputs(path: Path):
-    """input_ids [1, T] -> [T]; next_token (the target's greedy token after the prompt) if given."""
+    """input_ids [1, T] -> [T]; next_token (the target's greedy token after the prompt) if given;
+    DFLASH block anchors (default: the block right after the prompt)."""
     from safetensors.torch import load_file
 
     t = load_file(str(path))
     ids = t["input_ids"].reshape(-1).to("cpu").long()  # [T]
-    return ids, int(t["next_token"].reshape(-1)[0]) if "next_token" in t else None
+    anchors = [int(a) for a in t["anchors"].tolist()] if "anchors" in t else [ids.shape[0]]
+    return ids, int(t["next_token"].reshape(-1)[0]) if "next_token" in t else None, anchors
 
 
 def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg) -> dict:
     """Stages 3 and 4: the hidden states SGLang hands the draft, then the draft's logits and chain.
     The chain starts from the given next_token (else SGLang's own target's greedy token)."""
-    ids, given_next = read_inputs(args.inputs)
+    ids, given_next, anchors = read_inputs(args.inputs)
     tensors = {}
     try:
         hidden, engine_next = run_target(target_model, ids)
@@ -344,6 +352,8 @@ def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg
         result["layers"] = "ok"
     result["config"]["target_next_token"] = engine_next  # SGLang's target, greedy after the prompt
     next_token = engine_next if given_next is None else given_next
+    if args.kind == "dflash":
+        return stage_forward_dflash(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors)
     try:
         logits, chain = run_draft(args.kind, draft_model, ids, hidden, next_token, hot,
                                   int(target_cfg.vocab_size), args.k)
@@ -354,6 +364,21 @@ def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg
     if args.kind == "draft":
         tensors["chain_as_served"] = standalone_chain_as_served(draft_model, ids, next_token, args.k)
         result["config"]["standalone_prefill"] = STANDALONE_NOTE
+    result["forward"] = "ok"
+    return tensors
+
+
+def stage_forward_dflash(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors):
+    """Stage 4 for DFLASH: the worker's context write and the draft block at every anchor."""
+    try:
+        REPLACED.append(KV_NOTE)
+        block_size = int(result["config"]["num_draft_tokens"])  # what ServerArgs resolved, as the worker reads it
+        logits, chain, block_size = run_blocks(draft_model, target_model, hidden, ids, next_token, anchors, args.k,
+                                               result["config"]["mask_token_id"], block_size)
+    except Exception as exc:
+        raise StageError("forward", exc) from exc
+    tensors["draft_logits"], tensors["chain"] = logits.float().contiguous(), chain.to("cpu").long()
+    result["config"].update(block_size=block_size, anchors=list(anchors))
     result["forward"] = "ok"
     return tensors
 

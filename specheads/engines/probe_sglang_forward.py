@@ -23,12 +23,14 @@ KV = KVStore()
 
 
 def causal_attention(self, q, k, v, forward_batch, save_kv_cache=True, **kwargs):
-    """Causal softmax attention over this layer's own cached and new q/k/v (replaces the kernel).
+    """Causal softmax attention over this layer's own cached and new q/k/v (replaces the kernel);
+    an ENCODER_ONLY layer (DFLASH's non-causal draft) sees every new row too.
 
     q: [N, nh*hd], k: [N, kvh*hd], v: [N, kvh*vd] -> [N, nh*vd]. Rows are one sequence, appended
     after whatever this layer cached since KV.reset().
     """
     import torch
+    from sglang.srt.layers.radix_attention import AttentionType
 
     nh, kvh, hd, vd = self.tp_q_head_num, self.tp_k_head_num, self.qk_head_dim, self.v_head_dim
     q = q.reshape(-1, nh, hd)
@@ -42,8 +44,9 @@ def causal_attention(self, q, k, v, forward_batch, save_kv_cache=True, **kwargs)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * self.scaling  # [nh, N, P+N]
     if getattr(self, "logit_cap", 0) and self.logit_cap > 0:
         scores = self.logit_cap * torch.tanh(scores / self.logit_cap)
-    rows = torch.arange(total - n, total).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(total).unsqueeze(0) > rows, float("-inf"))
+    if getattr(self, "attn_type", AttentionType.DECODER) != AttentionType.ENCODER_ONLY:
+        rows = torch.arange(total - n, total).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(total).unsqueeze(0) > rows, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())  # [N, nh, vd]
     return out.reshape(n, nh * vd).to(q.dtype)
 
@@ -54,8 +57,8 @@ def replace_attention_kernel() -> str:
 
     RadixAttention.forward = causal_attention
     return ("RadixAttention.forward: plain causal softmax over the layer's own q/k/v (SGLang's attention "
-            "kernels need CUDA and a paged KV pool); projections, RoPE, norms, MLP, fc and lm_head are "
-            "SGLang's own modules")
+            "kernels need CUDA and a paged KV pool), no mask inside the new rows for an ENCODER_ONLY layer "
+            "(DFLASH's non-causal draft); projections, RoPE, norms, MLP, fc and lm_head are SGLang's own modules")
 
 
 def forward_batch(ids, positions, mode, capture, hidden=None):

@@ -14,10 +14,13 @@ Stages (each recorded in result.json; a failing stage keeps the engine's own exc
   layers   the target hidden states vLLM taps for the draft (EAGLE-3: its aux layers; EAGLE-1 and
            MTP: the state the target returns), written as `aux_hidden`
   forward  the draft module's logits on the first draft pass (`draft_logits`, scattered to the full
-           vocabulary as compute_logits does) and a greedy chain of k tokens (`chain`)
+           vocabulary as compute_logits does) and a greedy chain of k tokens (`chain`); DFlash: the
+           block logits at each anchor of the inputs (`draft_logits` [n_anchors * k, V]) and the
+           last block's greedy tokens (`chain`), see probe_vllm_dflash.py
 
 Only `Attention.forward` is replaced (the CPU platform's attention kernels need a KV cache and
 scheduler metadata): the replacement is a plain causal softmax over the layer's own q / k / v.
+DFlash also needs its context K/V precompute's two fused ops and cache write (probe_vllm_dflash.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
+from probe_vllm_dflash import block_attention, file_context_kv, native_custom_ops, run_blocks  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -140,7 +146,7 @@ class Probe:
             "draft_path": sc.draft_model_config.model,
             "aux_layer_ids": None,
         }
-        if sc.method == "eagle3":
+        if sc.method in ("eagle3", "dflash"):  # DFlash taps the target through the same aux-layer machinery
             from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
             ids = get_eagle3_aux_layers_from_config(sc)
@@ -148,6 +154,10 @@ class Probe:
             cfg["aux_layer_ids_source"] = "draft config" if ids else "target default"
             for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "target_hidden_size"):
                 cfg[key] = getattr(hf, key, None)
+        if sc.method == "dflash":
+            from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+            cfg["mask_token_id"] = get_parallel_drafting_token_id(hf)
         if sc.method == "mtp":
             cfg["n_predict"] = getattr(hf, "n_predict", None)
         cfg["parallel_drafting"] = bool(getattr(sc, "parallel_drafting", False))
@@ -194,6 +204,10 @@ class Probe:
             from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
             return StandaloneARSpeculator(self.vc, torch.device("cpu")).load_draft_model(self.target, set())
+        if method == "dflash":  # the V2 runner's DFlash loader (its own attention config, embed / head sharing)
+            from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
+
+            return load_dflash_model(self.target, self.vc)
         from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
         return load_eagle_model(self.target, self.vc)
@@ -294,6 +308,7 @@ class Probe:
 
         t = load_file(self.args.inputs)
         ids = t["input_ids"].reshape(-1).to(torch.long)  # [T]
+        self.anchors = [int(a) for a in t["anchors"].tolist()] if "anchors" in t else [ids.numel()]
         return ids, int(t["next_token"].reshape(-1)[0])
 
     def _plain_attention(self):
@@ -339,13 +354,10 @@ class Probe:
         if self.args.kind == "mtp":
             self.result["layers"] = f"not_run: {self._mtp_reason()}"
             return
-        if self.args.kind == "dflash":
-            self.result["layers"] = f"not_run: {DFLASH_NOT_COMPARED}"
-            return
         ids, _ = self._inputs()
         try:
             self._plain_attention()
-            if method == "eagle3":
+            if method in ("eagle3", "dflash"):
                 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 
                 set_eagle3_aux_hidden_state_layers(self.target, self.vc.speculative_config)
@@ -379,12 +391,11 @@ class Probe:
         if kind == "mtp":
             self.result["forward"] = f"not_run: {self._mtp_reason()}"
             return
-        if kind == "dflash":
-            self.result["forward"] = f"not_run: {DFLASH_NOT_COMPARED}"
-            return
         try:
             if kind == "draft":
                 self._forward_draft_model()
+            elif kind == "dflash":
+                self._forward_dflash()
             else:
                 self._forward_eagle()
         except Exception as err:  # noqa: BLE001
@@ -422,6 +433,17 @@ class Probe:
             hid = torch.cat([hid, carried[-1:]])
         self.tensors["chain"] = torch.tensor(tokens, dtype=torch.long)
 
+    def _forward_dflash(self):
+        """The engine's own context precompute and block forward at every anchor of the inputs."""
+        ids, next_token = self._inputs()
+        for note in (native_custom_ops(), file_context_kv(self.draft), block_attention()):
+            if note not in self.result["replaced_kernels"]:
+                self.result["replaced_kernels"].append(note)
+        logits, tokens, mask_id = run_blocks(self.vc, self.draft, self.target_hidden, ids, next_token,
+                                             self.anchors, self.args.k)
+        self.tensors["draft_logits"], self.tensors["chain"] = logits, tokens
+        self.result["config"]["anchors"] = list(self.anchors)
+
     def _forward_draft_model(self):
         import torch
 
@@ -444,8 +466,6 @@ class Probe:
         self.tensors["chain"] = torch.tensor(tokens, dtype=torch.long)
 
 
-DFLASH_NOT_COMPARED = ("DFlash drafts a whole block in one forward over target context keys/values; this "
-                       "probe checks its config and weights, not its block forward")
 MTP_NO_CPU = {  # target model_type -> why the MTP target / module cannot run forward here
     "deepseek_v3": "DeepSeek-V3 runs MLA attention and fused-MoE kernels that vLLM 0.33 has only for CUDA "
                    "(its CPU MoE kernel is not in the PyPI wheel)",

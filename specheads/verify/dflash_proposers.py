@@ -1,9 +1,15 @@
-"""Block proposers: one DFlash forward drafts the whole chain (protocol: verify/proposers.py).
+"""Block proposers: one DFlash forward drafts the whole chain (protocol: verify/proposers.py),
+or a static tree (protocol: verify/tree_decode.py).
 
 The draft keeps one KV cache per layer holding only context rows: the keys/values projected
 from the target states of every verified position. A proposal appends the block [last verified
 token (the anchor), mask x k] at the positions after them, reads slots 1..k, and drops the block
 again, so every proposal is exactly the training computation for that anchor.
+
+The slots never see each other's tokens, so, as with Medusa heads, a tree node's token depends on
+its depth and rank alone: node (r_1, .., r_d) holds the r_d-th most likely token of slot d. The
+tree is deterministic given the verified context: greedy verification and the point-mass sampling
+rule keep the target's output (distribution) exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from transformers import DynamicCache
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.decode import positions, trim_cache
 from specheads.verify.sampling import sample_draft_rows
-from specheads.verify.trees import SettingsError
+from specheads.verify.trees import SettingsError, Tree, TreeError, tree_from_choices
 
 
 def check_dflash_fits(head, target) -> None:
@@ -59,7 +65,7 @@ class DFlashProposer:
         self._add_context(out, prompt_ids.numel(), 0)
         self.anchor = int(first_token)
 
-    def _block_logits(self, k: int) -> torch.Tensor:
+    def block_logits(self, k: int) -> torch.Tensor:
         """Draft logits [k, Vd] of slots 1..k of the block at the anchor; the block is dropped."""
         cfg, device = self.head.config, self.target.device
         ids = torch.tensor([[self.anchor] + [cfg.mask_token_id] * k], device=device)
@@ -77,7 +83,7 @@ class DFlashProposer:
         k = min(k, self.head.config.block_size - 1)
         if k < 1:
             return torch.empty(0, dtype=torch.long)
-        return self.head.to_target_ids(self._block_logits(k).argmax(-1)).cpu()
+        return self.head.to_target_ids(self.block_logits(k).argmax(-1)).cpu()
 
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput, start: int) -> None:
@@ -97,13 +103,52 @@ class SampledDFlashProposer(DFlashProposer):
         V = self.target.vocab_size
         if k < 1:
             return torch.empty(0, dtype=torch.long), torch.empty(0, V)
-        return sample_draft_rows(self._block_logits(k), self.head, V, warper, gen)  # logits [k, Vd]
+        return sample_draft_rows(self.block_logits(k), self.head, V, warper, gen)  # logits [k, Vd]
+
+
+class DFlashStaticTreeProposer:
+    """A fixed tree from one block forward: node (r_1, .., r_d) holds rank r_d of slot d (rank 0 =
+    argmax). Drafts are top-k, never sampled: sampled decoding verifies them as point masses."""
+
+    def __init__(self, head, target, tree: Tree | list):
+        self.chain = DFlashProposer(head, target)
+        self.layers = self.chain.layers
+        self.tree = tree if isinstance(tree, Tree) else tree_from_choices(tree)
+        slots = head.config.block_size - 1
+        if self.tree.max_depth > slots:
+            raise TreeError(f"the tree is {self.tree.max_depth} levels deep but a block of {head.config.block_size} "
+                            f"drafts {slots} tokens: use a tree of depth <= {slots}")
+        self.max_nodes = self.tree.size
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        self.chain.start(prompt_ids, first_token, out)
+
+    def accept(self, inputs, following, out, start) -> None:
+        self.chain.accept(inputs, following, out, start)
+
+    @torch.no_grad()
+    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
+        """The tree and its node tokens [N-1] (target ids), from one block of max_depth slots."""
+        tree = self.tree
+        depths, ranks = tree.depths.tolist(), tree.ranks.tolist()
+        logits = self.chain.block_logits(tree.max_depth)  # [D, Vd]
+        tokens = torch.zeros(tree.size, dtype=torch.long)
+        for depth in range(1, tree.max_depth + 1):
+            level = [v for v in range(tree.size) if depths[v] == depth]
+            top = self.chain.head.to_target_ids(logits[depth - 1].topk(max(ranks[v] for v in level) + 1).indices)
+            for v in level:
+                tokens[v] = top[ranks[v]]
+        return tree, tokens[1:].to(self.chain.target.device)
 
 
 def make_proposer(spec, head, target, sampled: bool = False):
-    """Chains only: a block is drafted in parallel, so there is no per-node ranking to grow a
-    tree from (the engines verify DFlash blocks as chains too)."""
-    if spec.kind != "chain":
-        raise SettingsError(f"a DFlash head drafts one block per forward and is verified as a chain; "
-                            f"'{spec.kind}' trees are not supported: use --tree chain")
-    return SampledDFlashProposer(head, target) if sampled else DFlashProposer(head, target)
+    """A chain (sampled from q when `sampled`) or a static tree (top-k drafts, verified as point
+    masses when sampling). EAGLE-2 trees are refused: they grow a node's children from its own
+    draft state, and a DFlash slot's distribution does not depend on the tokens before it."""
+    if spec.kind == "chain":
+        return SampledDFlashProposer(head, target) if sampled else DFlashProposer(head, target)
+    if spec.kind == "static":
+        return DFlashStaticTreeProposer(head, target, list(spec.choices))
+    raise SettingsError(f"a DFlash head drafts one block per forward, every slot independent of the tokens "
+                        f"before it: '{spec.kind}' trees are not supported; use --tree chain or a static tree "
+                        f"file (--tree FILE.json, node (r_1, .., r_d) = rank r_d of slot d)")
