@@ -51,7 +51,7 @@ def test_greedy_follows_the_argmax_child_and_emits_the_bonus():
     tokens = torch.tensor([[9, 3, 4, 0, 1, 2]])  # [B, N]
     logits = one_hot_logits([4, 0, 2, 0, 0, 5])  # root wants 4 (node 2), node 2 wants 2 (node 5)
     path, nxt = GreedyRule().decide(tree, tokens, logits, None)
-    assert (path, nxt) == ([0, 2, 5], 5)
+    assert (path, nxt) == ([[0, 2, 5]], [5])
 
 
 def test_greedy_on_a_chain_is_the_matching_prefix():
@@ -63,8 +63,9 @@ def test_greedy_on_a_chain_is_the_matching_prefix():
         path, nxt = GreedyRule().decide(chain_tree(4), torch.cat([torch.tensor([7]), draft])[None],
                                         logits, None)
         m = accepted_prefix(draft, argmax)
-        assert path == list(range(m + 1)) and nxt == int(argmax[m])
-        assert greedy_tree_accept(chain_tree(4), torch.cat([torch.tensor([7]), draft]), argmax) == path
+        assert path == [list(range(m + 1))] and nxt == [int(argmax[m])]
+        chain = torch.cat([torch.tensor([7]), draft])
+        assert greedy_tree_accept(chain_tree(4), chain, argmax) == path[0]
 
 
 # --- lossless sampling rules -------------------------------------------------------------------
@@ -88,7 +89,7 @@ def test_leviathan_first_token_follows_p_whatever_q_drafts():
 
     def once() -> int:
         d = int(sample(q, gen))
-        path, nxt = rule.decide(chain_tree(1), torch.tensor([[9, d]]), p, q[None, None])
+        (path,), (nxt,) = rule.decide(chain_tree(1), torch.tensor([[9, d]]), p, q[None, None])
         return d if len(path) == 2 else nxt
 
     freqs = first_token_freqs(once)
@@ -101,8 +102,8 @@ def test_leviathan_accepts_with_min_one_p_over_q():
     q = torch.zeros(V, dtype=torch.float64)
     q[0] = 1.0  # draft 0 with q = 1: accepted with probability p(0) = 0.2
     p = torch.stack([P_ROOT, P_ROOT])[None]
-    accepted = sum(len(rule.decide(chain_tree(1), torch.tensor([[9, 0]]), p, q[None, None])[0]) == 2
-                   for _ in range(4000))
+    accepted = sum(len(rule.decide(chain_tree(1), torch.tensor([[9, 0]]), p, q[None, None])[0][0])
+                   == 2 for _ in range(4000))
     assert abs(accepted / 4000 - 0.2) < 0.03
 
 
@@ -112,7 +113,7 @@ def test_pointmass_first_token_follows_p_over_sibling_drafts():
     p = torch.stack([P_ROOT, P_ROOT, P_ROOT])[None]  # [1, 3, V]
 
     def once() -> int:
-        path, nxt = rule.decide(tree, torch.tensor([[9, 1, 0]]), p, None)
+        (path,), (nxt,) = rule.decide(tree, torch.tensor([[9, 1, 0]]), p, None)
         return [9, 1, 0][path[1]] if len(path) > 1 else nxt
 
     freqs = first_token_freqs(once)
@@ -124,7 +125,7 @@ def test_pointmass_follows_a_one_hot_target_deterministically():
     rule = PointMassRule(identity, make_generator(3, "cpu"), 3)
     p = torch.softmax(one_hot_logits([4, 0, 1, 2])[0] * 100, -1)[None]  # one-hot rows
     for _ in range(20):
-        assert rule.decide(tree, torch.tensor([[9, 3, 4, 1]]), p, None) == ([0, 2, 3], 2)
+        assert rule.decide(tree, torch.tensor([[9, 3, 4, 1]]), p, None) == ([[0, 2, 3]], [2])
 
 
 # --- typical (lossy) -------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def test_typical_golden_path_on_hand_made_entropies():
     rows[2, :3] = 1.0 / 3
     rows[3, 5] = 1.0  # after the accepted path: the next token is 5
     rule = TypicalRule(identity, make_generator(4, "cpu"), 4, epsilon=0.09, delta=0.3)
-    assert rule.decide(tree, tokens, rows[None], None) == ([0, 2, 3], 5)
+    assert rule.decide(tree, tokens, rows[None], None) == ([[0, 2, 3]], [5])
     assert rule.lossy and rule.new_result(None).lossy and rule.new_result(None).rule == "typical"
 
 
@@ -163,7 +164,8 @@ def test_rules_by_name_and_refusals():
 
 def test_batch_of_two_is_refused_clearly():
     with pytest.raises(DecodeError, match="batch size 2"):
-        GreedyRule().decide(chain_tree(0), torch.tensor([[1], [2]]), one_hot_logits([0, 1]).reshape(2, 1, V), None)
+        GreedyRule().decide(chain_tree(0), torch.tensor([[1], [2]]),
+                            one_hot_logits([0, 1]).reshape(2, 1, V), None)
     target = make_target()
     for shape in (ChainShape(2), TreeShape()):
         with pytest.raises(DecodeError, match="prompt_ids has batch size 2"):
@@ -188,7 +190,8 @@ def calls_in(path: Path) -> set[str]:
 def test_only_the_loop_runs_verification_forwards():
     """The target's prefill / verification forwards and cache compaction are called from
     verify/loop.py alone (verify/steps.py defines them): a second decode loop fails here."""
-    loop_only = {"prefill", "target_step", "tree_forward", "compact_cache", "gather_rows", "fit_tree"}
+    loop_only = {"prefill", "target_step", "tree_forward", "compact_cache", "gather_rows",
+                 "fit_tree"}
     offenders = {}
     for path in sorted(VERIFY.glob("*.py")):
         if path.name in ("loop.py", "steps.py"):

@@ -71,8 +71,8 @@ class BatchProposer:
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput,
                start: int) -> None:
         """inputs [B, n] fed at start.., following [B, n]: the token settled after each."""
-        self.inner.accept(one_row(inputs, "the accepted inputs"), one_row(following, "the emitted tokens"),
-                          out, start)
+        self.inner.accept(one_row(inputs, "the accepted inputs"),
+                          one_row(following, "the emitted tokens"), out, start)
 
 
 # --- draft shapes --------------------------------------------------------------------------------
@@ -174,11 +174,11 @@ class _Run:
     eos: frozenset[int]
     budget: int
     result: DecodeResult
+    layers: list[int]  # target hidden states the proposer reads
+    tgt_clock: Clock
+    prop_clock: Clock
     seq: list[int] = field(default_factory=list)
     cache: object = None
-    layers: list[int] = field(default_factory=list)
-    tgt_clock: Clock | None = None
-    prop_clock: Clock | None = None
     done: bool = False
 
 
@@ -199,8 +199,8 @@ def decode(target, proposer, prompt_ids, max_new_tokens: int, rule: AcceptRule,
     ids, budget = prepare_prompt(target, batch_prompt(prompt_ids), max_new_tokens)  # [1, P]
     drafts = BatchProposer(proposer) if shape.drafts_with(proposer) else None
     run = _Run(target, rule, shape, drafts, frozenset(int(e) for e in eos_token_ids), budget,
-               rule.new_result(shape.new_stats()), layers=drafts.layers if drafts else [],
-               tgt_clock=Clock(target.device), prop_clock=Clock(target.device))
+               rule.new_result(shape.new_stats()), drafts.layers if drafts else [],
+               Clock(target.device), Clock(target.device))
     t_start = time.perf_counter()
     if budget > 0:
         begin(run, ids)
@@ -213,7 +213,7 @@ def begin(run: _Run, ids: torch.Tensor) -> None:
     """Prefill the prompt ids [B, P], choose the first token, start the proposer."""
     stats = run.result.stats
     run.cache, out = prefill(run.target, ids, run.layers, stats, run.tgt_clock)
-    first = run.rule.first_token(out.logits[:, -1])  # logits [B, V]
+    first = run.rule.first_token(out.logits[:, -1])[0]  # logits [B, V]
     run.seq = ids[0].tolist() + [first]
     run.result.tokens.append(first)
     run.done = first in run.eos
@@ -244,7 +244,8 @@ def step(run: _Run) -> None:
     tree, tokens, q = propose(run, remaining, past)
     with run.tgt_clock:
         out = shape.forward(run.target, tokens, tree, past, run.cache, run.layers)
-        path, nxt = run.rule.decide(tree, tokens, out.logits, q)  # logits [B, N, V]
+        paths, nexts = run.rule.decide(tree, tokens, out.logits, q)  # logits [B, N, V]
+        path, nxt = paths[0], nexts[0]
         shape.keep(run.cache, past, path)
     toks = tokens[0].tolist()
     emitted, run.done = cut_at_eos([toks[i] for i in path[1:]] + [nxt], run.eos)

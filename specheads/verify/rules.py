@@ -39,19 +39,22 @@ from specheads.verify.trees import Tree
 Warper = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probs [..., V]
 
 
+Decision = tuple[list[list[int]], list[int]]  # per sequence: accepted path (root first), next token
+
+
 class AcceptRule(Protocol):
     """What the loop asks of an acceptance rule (shapes at the batch boundary: B == 1 today)."""
 
     name: str
     lossy: bool
 
-    def first_token(self, logits: torch.Tensor) -> int: ...  # prefill logits [B, V]
+    def first_token(self, logits: torch.Tensor) -> list[int]: ...  # prefill logits [B, V] -> [B]
 
     def draft_chain(self, proposer, k: int,
                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # [n], [n, V]
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
-               q: torch.Tensor | None) -> tuple[list[int], int]: ...  # [B, N], [B, N, V] -> path, next
+               q: torch.Tensor | None) -> Decision: ...  # tokens [B, N], logits [B, N, V]
 
     def new_result(self, stats: DecodeStats) -> DecodeResult: ...
 
@@ -101,17 +104,17 @@ class GreedyRule:
 
     name, lossy = "greedy", False
 
-    def first_token(self, logits: torch.Tensor) -> int:
-        return int(one_row(logits, "the prefill logits").argmax())  # logits [B, V]
+    def first_token(self, logits: torch.Tensor) -> list[int]:
+        return [int(one_row(logits, "the prefill logits").argmax())]  # logits [B, V]
 
     def draft_chain(self, proposer, k: int, vocab_size: int) -> tuple[torch.Tensor, None]:
         return deterministic_drafts(proposer, k), None
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
-               q=None) -> tuple[list[int], int]:
+               q=None) -> Decision:
         argmax = one_row(logits, "the verification logits").argmax(-1)  # [N]
         path = greedy_tree_accept(tree, one_row(tokens, "the verified tokens"), argmax)
-        return path, int(argmax[path[-1]])
+        return [path], [int(argmax[path[-1]])]
 
     def new_result(self, stats: DecodeStats) -> DecodeResult:
         return DecodeResult(tokens=[], stop_reason="length", stats=stats)
@@ -120,21 +123,21 @@ class GreedyRule:
 # --- sampled -------------------------------------------------------------------------------------
 
 
-def draft_chain(proposer, k: int, warper: Warper, gen: torch.Generator, vocab_size: int,
-                deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafts [n <= k] and their q [n, V]: sampled if the proposer can (and not
-    `deterministic`, as typical acceptance wants top-1 drafts), else a point mass."""
-    if hasattr(proposer, "propose_sampled") and not deterministic:
+def draft_chain(proposer, k: int, warper: Warper, gen: torch.Generator,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts [n <= k] and their q [n, V] for Leviathan's rule: sampled from the proposer's own
+    q if it can (`propose_sampled`), else its top-1 chain as a point mass."""
+    if hasattr(proposer, "propose_sampled"):
         tokens, q = proposer.propose_sampled(k, warper, gen)
     else:
-        tokens = proposer.propose(k).reshape(-1)[:k]
+        tokens = deterministic_drafts(proposer, k)
         q = point_mass(tokens, vocab_size)
     return tokens.reshape(-1)[:k], q[:k]
 
 
 @dataclass
 class SampledRule:
-    """Shared by the sampling rules: the target's warp (the draft's too) and the seeded generator."""
+    """Shared by the sampling rules: the target's warp (the draft's too), the seeded generator."""
 
     warper: Warper
     gen: torch.Generator
@@ -143,14 +146,15 @@ class SampledRule:
     name = "sampled"
     lossy = False
 
-    def first_token(self, logits: torch.Tensor) -> int:
+    def first_token(self, logits: torch.Tensor) -> list[int]:
         row = one_row(logits, "the prefill logits")  # [V]
-        return int(sample(self.warper(row).to(self.gen.device), self.gen))
+        return [int(sample(self.warper(row).to(self.gen.device), self.gen))]
 
     def draft_chain(self, proposer, k: int, vocab_size: int) -> tuple[torch.Tensor, None]:
         return deterministic_drafts(proposer, k), None
 
-    def probs(self, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def probs(self, tokens: torch.Tensor,
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, N] tokens and [B, N, V] logits -> row 0's tokens [N] and warped p [N, V], where
         the generator draws."""
         toks = one_row(tokens, "the verified tokens").to(self.gen.device)
@@ -171,7 +175,7 @@ class LeviathanRule(SampledRule):
         return draft_chain(proposer, k, self.warper, self.gen, vocab_size)
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
-               q: torch.Tensor | None) -> tuple[list[int], int]:
+               q: torch.Tensor | None) -> Decision:
         n = tree.size - 1
         if tree.max_depth != n or (q is None and n > 0):
             raise DecodeError("Leviathan / Chen acceptance verifies a chain with its draft "
@@ -180,23 +184,24 @@ class LeviathanRule(SampledRule):
         V = p.shape[-1]
         q = torch.empty(0, V) if q is None else one_row(q, "the draft distributions")  # [n, V]
         m, nxt = accept_chain(toks[1:], q.reshape(n, V).to(self.gen.device), p, self.gen)
-        return list(range(m + 1)), nxt
+        return [list(range(m + 1))], [nxt]
 
 
 class PointMassRule(SampledRule):
-    """EAGLE-2/3: try each child of the current node with its residual mass (deterministic drafts)."""
+    """EAGLE-2/3: try each child of the current node against its residual (top-k drafts)."""
 
     name = "pointmass"
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
-               q=None) -> tuple[list[int], int]:
+               q=None) -> Decision:
         toks, p = self.probs(tokens, logits)  # [N], [N, V]
-        return accept_tree_pointmass(tree, toks, p, self.gen)
+        path, nxt = accept_tree_pointmass(tree, toks, p, self.gen)
+        return [path], [nxt]
 
 
 @dataclass
 class TypicalRule(SampledRule):
-    """Accept a node whose token is likely enough under its parent: min(epsilon, delta * exp(-H))."""
+    """Accept a node whose token's p under its parent beats min(epsilon, delta * exp(-H))."""
 
     epsilon: float = 0.09
     delta: float = 0.3
@@ -205,11 +210,11 @@ class TypicalRule(SampledRule):
     lossy = True
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
-               q=None) -> tuple[list[int], int]:
+               q=None) -> Decision:
         toks, p = self.probs(tokens, logits)  # [N], [N, V]
         decision = typical_accept(tree, toks, p, self.gen, posterior_threshold=self.epsilon,
                                   posterior_alpha=self.delta)
-        return decision.path, decision.next_token
+        return [decision.path], [decision.next_token]
 
 
 RULES = {"leviathan": LeviathanRule, "pointmass": PointMassRule, "typical": TypicalRule}
