@@ -98,6 +98,9 @@ class ChainShape:
     def drafts_with(self, proposer) -> bool:
         return proposer is not None and self.k > 0
 
+    def depth(self, tree: Tree) -> int:
+        return tree.size - 1  # a path
+
     def tree(self, n: int) -> Tree:
         """The chain of n drafts as a tree (built once per length)."""
         if n not in self._trees:
@@ -135,6 +138,9 @@ class TreeShape:
 
     def drafts_with(self, proposer) -> bool:
         return proposer is not None
+
+    def depth(self, tree: Tree) -> int:
+        return tree.max_depth
 
     def tree(self, n: int) -> Tree:
         return chain_tree(n)
@@ -177,6 +183,7 @@ class _Run:
     layers: list[int]  # target hidden states the proposer reads
     tgt_clock: Clock
     prop_clock: Clock
+    context: int | None  # the target's max_position_embeddings
     seq: list[int] = field(default_factory=list)
     cache: object = None
     done: bool = False
@@ -200,7 +207,7 @@ def decode(target, proposer, prompt_ids, max_new_tokens: int, rule: AcceptRule,
     drafts = BatchProposer(proposer) if shape.drafts_with(proposer) else None
     run = _Run(target, rule, shape, drafts, frozenset(int(e) for e in eos_token_ids), budget,
                rule.new_result(shape.new_stats()), drafts.layers if drafts else [],
-               Clock(target.device), Clock(target.device))
+               Clock(target.device), Clock(target.device), context_length(target))
     t_start = time.perf_counter()
     if budget > 0:
         begin(run, ids)
@@ -233,7 +240,7 @@ def propose(run: _Run, remaining: int, past: int) -> tuple[Tree, torch.Tensor, t
             tree, nodes, q = run.shape.draft(run.drafts, run.rule, remaining,
                                              run.target.vocab_size)
     tokens = torch.cat([root, nodes.to(device)], dim=1)  # [B, N]
-    tree, tokens = run.shape.fit(tree, tokens, remaining, past, context_length(run.target))
+    tree, tokens = run.shape.fit(tree, tokens, remaining, past, run.context)
     return tree, tokens, q
 
 
@@ -249,7 +256,7 @@ def step(run: _Run) -> None:
         shape.keep(run.cache, past, path)
     toks = tokens[0].tolist()
     emitted, run.done = cut_at_eos([toks[i] for i in path[1:]] + [nxt], run.eos)
-    result.record_step(len(emitted), len(path) - 1, tree.size - 1, tree.max_depth)
+    result.record_step(len(emitted), len(path) - 1, tree.size - 1, shape.depth(tree))
     run.seq.extend(emitted)
     result.tokens.extend(emitted)
     if run.drafts is not None and not run.done and len(result.tokens) < run.budget:

@@ -177,7 +177,7 @@ class LeviathanRule(SampledRule):
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
                q: torch.Tensor | None) -> Decision:
         n = tree.size - 1
-        if tree.max_depth != n or (q is None and n > 0):
+        if int(tree.depths[-1]) != n or (q is None and n > 0):  # a path: last node at depth n
             raise DecodeError("Leviathan / Chen acceptance verifies a chain with its draft "
                               "distributions q; use the point-mass or typical rule for trees")
         toks, p = self.probs(tokens, logits)  # [1 + n], [1 + n, V]
