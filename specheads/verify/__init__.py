@@ -1,4 +1,4 @@
-"""Speculative verification: proposers, trees, acceptance rules and the decode loops."""
+"""Speculative verification: proposers, trees, acceptance rules and the decode loop."""
 
 from specheads.verify.decode import (
     DecodeError,

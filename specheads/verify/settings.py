@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.verify import dflash_proposers, eagle1_proposers, eagle3_proposers, medusa_proposers, mtp_proposers
-from specheads.verify.decode import generate
-from specheads.verify.sample_decode import sample_generate, sample_tree_generate
-from specheads.verify.tree_decode import tree_generate
+from specheads.verify.decode import as_batch
+from specheads.verify.loop import ChainShape, TreeShape, decode
+from specheads.verify.rules import GreedyRule, sampled_rule
 from specheads.verify.trees import SettingsError, normalize_choices
 
 # --- tree settings -------------------------------------------------------------------------------
@@ -142,11 +142,17 @@ def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
     return proposer_module(head.kind).make_proposer(spec, head, target, sampled)
 
 
+def loop_shape(spec: TreeSpec | None) -> ChainShape | TreeShape:
+    """The decode loop's draft shape for a spec (None: no drafts, a chain of 0)."""
+    if spec is None:
+        return ChainShape(0)
+    return ChainShape(spec.k) if spec.kind == "chain" else TreeShape()
+
+
 def speculative_decode(spec: TreeSpec, target, proposer, ids, max_new_tokens: int, eos):
-    """Run the loop the spec needs (chain or tree) -> DecodeResult."""
-    if spec.kind == "chain":
-        return generate(target, proposer, ids, max_new_tokens, spec.k, eos)
-    return tree_generate(target, proposer, ids, max_new_tokens, eos)
+    """Greedy speculative decoding with the spec's draft shape (chain or tree) -> DecodeResult."""
+    return decode(target, proposer, as_batch(ids), max_new_tokens, GreedyRule(), loop_shape(spec),
+                  eos)[0]
 
 
 @dataclass(frozen=True)
@@ -202,16 +208,14 @@ def check_acceptance(sampling: Sampling) -> None:
 
 def sampled_decode(spec: TreeSpec | None, target, proposer, ids, max_new_tokens: int, eos,
                    sampling: Sampling):
-    """Speculative sampling with the loop the spec needs and the sampling's acceptance rule
-    (exact: Leviathan / point-mass, lossless; typical: LOSSY); `spec` None samples plainly."""
-    warp = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0,
-            "seed": sampling.seed, "eos_token_ids": eos}
-    if spec is None:
-        return sample_generate(target, None, ids, max_new_tokens, 0, **warp)
-    typical = {"epsilon": sampling.epsilon, "delta": sampling.delta}
-    chain_rule, tree_rule = ("leviathan", "pointmass") if sampling.lossless else ("typical",) * 2
-    if spec.kind == "chain":
-        return sample_generate(target, proposer, ids, max_new_tokens, spec.k, **warp,
-                               rule=chain_rule, **typical)
-    return sample_tree_generate(target, proposer, ids, max_new_tokens, **warp, rule=tree_rule,
-                                **typical)
+    """Speculative sampling with the spec's draft shape and the sampling's acceptance rule
+    (exact: Leviathan for chains, point mass for trees, lossless; typical: LOSSY); `spec` None
+    samples plainly."""
+    shape = loop_shape(spec)
+    exact = "leviathan" if isinstance(shape, ChainShape) else "pointmass"
+    name = exact if sampling.lossless or spec is None else "typical"  # no drafts: plain sampling
+    rule = sampled_rule(name, target.device,
+                        sampling.temperature, sampling.top_p, 0, sampling.seed, sampling.epsilon,
+                        sampling.delta)
+    return decode(target, proposer if spec is not None else None, as_batch(ids), max_new_tokens,
+                  rule, shape, eos)[0]
