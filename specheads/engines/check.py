@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.engine_facts import SGLANG, VLLM
+from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG, VLLM
 from specheads.engines import venvs
 
 PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
@@ -58,8 +58,6 @@ TOLERANCE = 1e-4  # absolute below magnitude 1; logits: relative to their larges
 ROW_TOLERANCE = 1e-5  # tapped states: relative to each position's norm (`row_tolerance`)
 DFLASH_ANCHORS = 8  # DFlash blocks compared per export, anchors spread over the prompt
 PASS, FAIL, NOT_RUN, REFUSED = "PASS", "FAIL", "NOT RUN", "REFUSED"
-# engine aux-layer id = specheads aux_layers id + offset (SGLang counts from the first decoder layer's input)
-AUX_OFFSET = {"vllm": 0, "sglang": -1}
 # (engine, kind) -> the method the engine must derive
 EXPECTED_METHOD = {
     ("vllm", "eagle3"): "eagle3", ("vllm", "eagle"): "eagle", ("vllm", "draft"): "draft_model",
@@ -318,7 +316,7 @@ def judge_config(result: dict, ours: Ours, engine: str, k: int) -> Stage:
     if ours.kind == "eagle3":
         hc = ours.meta.head_config or {}
         want["draft_vocab_size"] = hc.get("draft_vocab_size")
-        want["aux_layer_ids"] = [a + AUX_OFFSET[engine] for a in ours.aux_layers()]
+        want["aux_layer_ids"] = [a + AUX_LAYER_OFFSET[engine] for a in ours.aux_layers()]
         if engine == "vllm":  # speculators defaults it to true, native vLLM to false: it must match training
             want["norm_before_residual"] = bool(hc.get("norm_before_residual", False))
     for key, value in want.items():
