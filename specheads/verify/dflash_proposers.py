@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.decode import positions, trim_cache
 from specheads.verify.sampling import sample_draft_rows
-from specheads.verify.trees import SettingsError, Tree, TreeError, tree_from_choices
+from specheads.verify.trees import SettingsError, Tree, TreeError, tokens_by_rank, tree_from_choices
 
 
 def check_dflash_fits(head, target) -> None:
@@ -129,16 +129,9 @@ class DFlashStaticTreeProposer:
     @torch.no_grad()
     def propose_tree(self) -> tuple[Tree, torch.Tensor]:
         """The tree and its node tokens [N-1] (target ids), from one block of max_depth slots."""
-        tree = self.tree
-        depths, ranks = tree.depths.tolist(), tree.ranks.tolist()
-        logits = self.chain.block_logits(tree.max_depth)  # [D, Vd]
-        tokens = torch.zeros(tree.size, dtype=torch.long)
-        for depth in range(1, tree.max_depth + 1):
-            level = [v for v in range(tree.size) if depths[v] == depth]
-            top = self.chain.head.to_target_ids(logits[depth - 1].topk(max(ranks[v] for v in level) + 1).indices)
-            for v in level:
-                tokens[v] = top[ranks[v]]
-        return tree, tokens[1:].to(self.chain.target.device)
+        logits = self.chain.block_logits(self.tree.max_depth)  # [D, Vd]
+        tokens = tokens_by_rank(self.tree, lambda d, n: self.chain.head.to_target_ids(logits[d - 1].topk(n).indices))
+        return self.tree, tokens[1:].to(self.chain.target.device)
 
 
 def make_proposer(spec, head, target, sampled: bool = False):

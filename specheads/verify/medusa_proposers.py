@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specheads.target import TargetError, TargetOutput
-from specheads.verify.trees import Tree, TreeError, tree_from_choices
+from specheads.verify.trees import Tree, TreeError, tokens_by_rank, tree_from_choices
 
 
 def check_medusa_fits(head, target) -> None:
@@ -80,15 +80,8 @@ class MedusaStaticTreeProposer:
 
     @torch.no_grad()
     def propose_tree(self) -> tuple[Tree, torch.Tensor]:
-        tree = self.tree
-        depths, ranks = tree.depths.tolist(), tree.ranks.tolist()
-        tokens = torch.zeros(tree.size, dtype=torch.long)
-        for depth in range(1, tree.max_depth + 1):
-            level = [v for v in range(tree.size) if depths[v] == depth]
-            top = self.chain.ranked(depth, max(ranks[v] for v in level) + 1).cpu()
-            for v in level:
-                tokens[v] = top[ranks[v]]
-        return tree, tokens[1:].to(self.chain.last.device)
+        tokens = tokens_by_rank(self.tree, self.chain.ranked)  # [N]
+        return self.tree, tokens[1:].to(self.chain.last.device)
 
 
 def make_proposer(spec, head, target, sampled: bool = False):

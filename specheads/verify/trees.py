@@ -221,3 +221,19 @@ def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
     if bool((new_parents[1:] < 0).any()):
         raise TreeError("the kept nodes are not ancestor-closed")
     return tree_from_parents(new_parents, tree.ranks[kept])
+
+
+def tokens_by_rank(tree: Tree, ranked) -> torch.Tensor:
+    """Node tokens [N] of a rank tree: node (r_1, .., r_d) holds the r_d-th best token of level d.
+
+    `ranked(depth, n)` returns the n best target ids of level `depth` [n] (Medusa head d, DFlash slot d);
+    the root (node 0) is left 0, it is the token already emitted.
+    """
+    depths, ranks = tree.depths.tolist(), tree.ranks.tolist()
+    tokens = torch.zeros(tree.size, dtype=torch.long)
+    for depth in range(1, tree.max_depth + 1):
+        level = [v for v in range(tree.size) if depths[v] == depth]
+        top = ranked(depth, max(ranks[v] for v in level) + 1).cpu()  # [n]
+        for v in level:
+            tokens[v] = top[ranks[v]]
+    return tokens
