@@ -47,10 +47,23 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 import torch
 
+from specheads.atomic import write_json
 from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG, VLLM
 from specheads.engines import venvs
+from specheads.export import load
+from specheads.export.load import read_export_meta
+from specheads.heads.dflash import DFlashConfig, DFlashHead
+from specheads.target import Target
+from specheads.verify.decode import causal_mask, positions
+from specheads.verify.dflash_proposers import DFlashProposer
+from specheads.verify.eagle1_proposers import bind_to_target
+from specheads.verify.settings import TreeSpec, make_proposer
+
+
 
 PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
 BATCH_PROBES = {"vllm"}  # probes that also take `--jobs FILE.json` (many exports, one engine import)
@@ -156,7 +169,6 @@ def read_probe_output(engine: str, out: Path, rc: int | None, timeout: float) ->
         return {"error": {"stage": "probe", "type": "ProbeDied", "message": f"the {engine} probe {why}"}}, {}
     tensors = {}
     if (out / "tensors.safetensors").is_file():
-        from safetensors.torch import load_file
 
         tensors = load_file(str(out / "tensors.safetensors"))
     return json.loads(result_file.read_text()), tensors
@@ -167,7 +179,6 @@ class Ours:
     """The export as specheads loads it, on the same inputs as the probe."""
 
     def __init__(self, export: Path, target_path: Path | None):
-        from specheads.export.load import read_export_meta
 
         self.meta = read_export_meta(export)
         self.kind, self.format = self.meta.kind, self.meta.format
@@ -178,7 +189,6 @@ class Ours:
     @property
     def target(self):
         if self._target is None:
-            from specheads.target import Target
 
             self._target = Target.load(str(self.target_path), dtype="float32", device="cpu")
         return self._target
@@ -186,13 +196,11 @@ class Ours:
     @property
     def head(self):
         if self._head is None:
-            from specheads.export import load
 
             self._head = load(self.meta.folder, attn_implementation="eager", check=False)
             if self.kind == "dflash":
                 self._head = as_trained(self._head, self.meta.head_config)
             if self.kind == "eagle":
-                from specheads.verify.eagle1_proposers import bind_to_target
 
                 bind_to_target(self._head, self.target)
         return self._head
@@ -225,7 +233,6 @@ class Ours:
                      k: int | None = None) -> torch.Tensor:
         """Our draft module on the first pass, as full-vocabulary logits [T, V] (-inf off the draft vocab);
         DFlash: the blocks at `anchors`, [len(anchors) * k, V]."""
-        from specheads.verify.decode import causal_mask, positions
 
         T = ids.shape[1]
         if self.kind == "draft":
@@ -252,7 +259,6 @@ class Ours:
 
     def _block_logits(self, ids: torch.Tensor, next_token: int, out, anchors: list[int], k: int) -> torch.Tensor:
         """DFlash: slots 1..k of the block at each anchor [len(anchors) * k, V], from our proposer."""
-        from specheads.verify.dflash_proposers import DFlashProposer
 
         proposer, T, rows = DFlashProposer(self.head, self.target), ids.shape[1], []
         for a in anchors:
@@ -263,7 +269,6 @@ class Ours:
     @torch.no_grad()
     def chain(self, ids: torch.Tensor, next_token: int, out, k: int) -> list[int]:
         """The greedy chain our verifier drafts after `next_token`."""
-        from specheads.verify.settings import TreeSpec, make_proposer
 
         proposer = make_proposer(TreeSpec(kind="chain", k=k), self.head, self.target)
         proposer.start(ids[0], next_token, out)
@@ -274,7 +279,6 @@ def as_trained(head, trained: dict | None):
     """A DFlash head rebuilt with the config it was trained with (specheads.json `head_config`) and the
     export's weights: the mask token, causality and taps we compare with are the trained ones, not
     whatever config.json says (the engine reads config.json)."""
-    from specheads.heads.dflash import DFlashConfig, DFlashHead
 
     if not trained:
         return head
@@ -328,7 +332,6 @@ def judge_config(result: dict, ours: Ours, engine: str, k: int) -> Stage:
 
 def our_tensor_names(ours: Ours) -> set[str]:
     """Tensor names in the weight files this export wrote (an MTP export: only its module file)."""
-    from safetensors import safe_open
 
     names = set()
     for rel in (ours.meta.record.get("sha256") or {"model.safetensors": None}):
@@ -507,7 +510,6 @@ def prepare(export: str | Path, engine: str, target: str | Path | None = None, k
             inputs["anchors"] = dflash_anchors(inputs["input_ids"].shape[1])
     else:  # the engine runs no forward for these kinds; the file keeps the protocol uniform
         inputs = {"input_ids": torch.arange(8)[None] % 7 + 1, "next_token": torch.tensor([1])}
-    from safetensors.torch import save_file
 
     save_file({n: t.contiguous() for n, t in inputs.items()}, str(work / "inputs.safetensors"))
     return Job(export, engine, ours, k, inputs, work, time.time())
@@ -616,7 +618,6 @@ def main(argv: list[str] | None = None) -> int:
     if not report.passed and report.stderr_tail:
         print("--- engine log (tail) ---\n" + report.stderr_tail[-1500:], file=sys.stderr)
     if a.json:
-        from specheads.atomic import write_json
 
         write_json(a.json, report.to_dict())
     return 0 if report.passed else 1

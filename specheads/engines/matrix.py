@@ -20,7 +20,22 @@ from pathlib import Path
 
 import torch
 
-from specheads.engines.check import FAIL, PROBES, EngineCheck, format_report, prepare, run_jobs
+from specheads.atomic import write_json, write_text
+from specheads.builtin.family_targets import save_family_target
+from specheads.builtin.tiny_target import cached_tiny_target
+from specheads.engines.check import EngineCheck, FAIL, PROBES, format_report, prepare, run_jobs
+from specheads.export import export
+from specheads.export.checkpoint import Checkpoint, save_checkpoint
+from specheads.heads.dflash import DFlashHead, DFlashOptions
+from specheads.heads.draft import DraftHead, DraftOptions
+from specheads.heads.eagle import EagleHead, EagleOptions
+from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+from specheads.heads.medusa import MedusaHead, MedusaOptions
+from specheads.heads.mtp import MtpHead, MtpOptions
+from specheads.provenance import provenance
+from specheads.target import Target
+
+
 
 # export format -> the engines that load it (Medusa: both engines are asked, and must refuse it)
 FORMAT_ENGINES = {"vllm": ("vllm",), "vllm-native": ("vllm",), "sglang": ("sglang",),
@@ -44,13 +59,11 @@ class Row:
 
 # --- building the small exports ----------------------------------------------------------------------
 def _fingerprint_provenance(target) -> dict:
-    from specheads.provenance import provenance
 
     return provenance(target=target.fingerprint())
 
 
 def _checkpoint(root: Path, head, target_path: Path, prov: dict):
-    from specheads.export.checkpoint import save_checkpoint
 
     return save_checkpoint(root / "run", 1, head.float(), recipe={"target": {"path": str(target_path)}},
                            provenance=prov, trainer_state={})
@@ -78,7 +91,6 @@ def _random_head(head_cls, options, target, seed: int, scale: float = 0.0, init_
 
 
 def eagle3_head(target, draft_vocab: int, seed: int):
-    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 
     head = _random_head(Eagle3Head, Eagle3Options(ttt_steps=3, draft_vocab_size=draft_vocab), target, seed, 0.05)
     V = target.vocab_size
@@ -92,45 +104,38 @@ def eagle3_head(target, draft_vocab: int, seed: int):
 
 def peagle_head(target, seed: int):
     """P-EAGLE: an EAGLE-3 head drafting in parallel (its mask_hidden perturbed like the rest)."""
-    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 
     options = Eagle3Options(ttt_steps=3, draft_vocab_size=target.vocab_size // 2, parallel_drafting=True)
     return _random_head(Eagle3Head, options, target, seed, 0.05)
 
 
 def dflash_head(target, seed: int):
-    from specheads.heads.dflash import DFlashHead, DFlashOptions
 
     return _random_head(DFlashHead, DFlashOptions(num_layers=1, block_size=4), target, seed, 0.05)
 
 
 def eagle_head(target, seed: int):
-    from specheads.heads.eagle import EagleHead, EagleOptions
 
     return _random_head(EagleHead, EagleOptions(ttt_steps=3), target, seed, 0.05)
 
 
 def draft_head(target, seed: int):
-    from specheads.heads.draft import DraftHead, DraftOptions
 
     return _random_head(DraftHead, DraftOptions(num_layers=2, ttt_steps=3), target, seed, 0.02, init_from_target=True)
 
 
 def medusa_head(target, seed: int):
-    from specheads.heads.medusa import MedusaHead, MedusaOptions
 
     return _random_head(MedusaHead, MedusaOptions(num_heads=3, num_layers=1), target, seed, init_from_target=True)
 
 
 def mtp_head(target, seed: int):
-    from specheads.heads.mtp import MtpHead, MtpOptions
 
     return _random_head(MtpHead, MtpOptions(num_layers=1, ttt_steps=1), target, seed, 0.02, init_from_target=True)
 
 
 def _export_all(root: Path, name: str, kind: str, ckpt, formats, target_path: Path | None, rows: list[Row],
                 note: str = "") -> None:
-    from specheads.export import export
 
     for fmt in formats:
         out = root / f"{name}-{fmt}"
@@ -141,9 +146,6 @@ def _export_all(root: Path, name: str, kind: str, ckpt, formats, target_path: Pa
 
 def build_exports(root: Path) -> list[Row]:
     """Every kind x format as a small export under `root` (reused when already there)."""
-    from specheads.builtin.family_targets import save_family_target
-    from specheads.builtin.tiny_target import cached_tiny_target
-    from specheads.target import Target
 
     root.mkdir(parents=True, exist_ok=True)
     tiny = cached_tiny_target("test", progress=False)
@@ -154,7 +156,6 @@ def build_exports(root: Path) -> list[Row]:
         folder = root / "checkpoints" / name
         found = sorted(folder.glob("run/checkpoint-*"))
         if found:
-            from specheads.export.checkpoint import Checkpoint
 
             return Checkpoint(found[-1])
         return _checkpoint(folder, head, tiny, prov)
@@ -177,12 +178,10 @@ def build_exports(root: Path) -> list[Row]:
             save_family_target(folder, family, vocab=V, tokenizer_dir=tiny)
         fam_target = Target(__import__("transformers").AutoModelForCausalLM.from_pretrained(folder), None, folder)
         fp = {"vocab_size": fam_target.vocab_size, "hidden_size": fam_target.hidden_size, "name": family}
-        from specheads.provenance import provenance
 
         name = f"mtp-{family}"
         found = sorted((root / "checkpoints" / name).glob("run/checkpoint-*"))
         if found:
-            from specheads.export.checkpoint import Checkpoint
 
             c = Checkpoint(found[-1])
         else:
@@ -280,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if a.only in r.name]
     results = run_checks(rows, engines, out / "work")
     seconds = time.time() - started
-    from specheads.atomic import write_json, write_text
 
     write_json(out / "engine-check.json", {"seconds": seconds, "engines": engines, "checks": [
         {"name": row.name, "kind": row.kind, "format": row.format, "note": row.note, **r.to_dict()}
