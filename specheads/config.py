@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from specheads.bounds import ConfigError, bounded, check_bounds
+from specheads.errors import read_user_text
 from specheads.heads import head_options_class
 from specheads.schedule import SCHEDULES
 
@@ -204,8 +205,6 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {path}")
-        from specheads.errors import read_user_text
-
         text = read_user_text(path, "recipe", ConfigError)
         try:
             raw = yaml.safe_load(text) or {}

@@ -15,7 +15,8 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from specheads.errors import read_user_text
+from specheads.errors import first_line, is_network_error, read_user_text
+from specheads.eval.predict import advice_summary
 
 METRICS = Path("eval") / "metrics.json"
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -80,8 +81,6 @@ def metrics_section(metrics: dict) -> list[str]:
              f"{(metrics.get('ngram') or {}).get('tau', float('nan')):.3f} |", ""]
     adv = metrics.get("advice")
     if adv:
-        from specheads.eval.predict import advice_summary
-
         lines += [f"Recommended on that hardware: {advice_summary(adv)}.", ""]
     return lines
 
@@ -120,8 +119,6 @@ def upload_plan(export_dir: str | Path) -> list[tuple[str, Path | None]]:
 def hub_errors(repo_id: str, endpoint: str):
     """The hub's failures as one PushError line: no network, no login, no access, refused."""
     from huggingface_hub.errors import HfHubHTTPError
-
-    from specheads.errors import first_line, is_network_error
 
     try:
         yield

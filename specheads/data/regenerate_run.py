@@ -19,6 +19,7 @@ from specheads.data.conversations import read_conversations
 from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, Row, count_turns
 from specheads.data.resume import RowWriter, check_resumable
+from specheads.errors import read_user_text
 from specheads.progress import Progress
 from specheads.target import Target
 
@@ -27,8 +28,6 @@ from specheads.target import Target
 
 def _raw_rows(path: Path) -> list | None:
     """A .json list / .jsonl file's rows when they are OpenAI `messages` rows, else None."""
-    from specheads.errors import read_user_text
-
     if path.suffix.lower() not in (".json", ".jsonl") or not path.is_file():
         return None
     text = read_user_text(path, "dataset", RegenerateError)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads import engine_facts as facts
+from specheads.atomic import write_text
 from specheads.builtin.tiny_target import cache_dir
 
 
@@ -121,6 +122,4 @@ def _run(cmd: list[str], log: Path, engine: str) -> None:
 
 
 def _stamp(folder: Path, version: str) -> None:
-    from specheads.atomic import write_text
-
     write_text(folder / STAMP, version + "\n")

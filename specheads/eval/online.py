@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
+from specheads.errors import read_user_text
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
@@ -59,8 +60,6 @@ class Totals:
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
     """jsonl rows with `prompt` (one user message) or `turns` (MT-bench / Spec-Bench style)."""
-    from specheads.errors import read_user_text
-
     path = Path(path)
     if limit is not None and limit < 1:
         raise PromptsError(f"--limit {limit}: must be >= 1 (the number of prompts to evaluate)")

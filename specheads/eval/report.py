@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specheads.atomic import check_output, write_bytes, write_json, write_text
+from specheads.errors import read_user_text
 from specheads.eval.predict import sglang_flags
 from specheads.export.readme import RECOMMENDED
 
@@ -233,8 +234,6 @@ def read_json(path: str | Path | None, what: str = "JSON input") -> dict | None:
     """An optional JSON input (None stays None); a missing or broken file is a clear error."""
     if path is None:
         return None
-    from specheads.errors import read_user_text
-
     try:
         return json.loads(read_user_text(path, what, ReportError))
     except json.JSONDecodeError as err:
