@@ -204,8 +204,8 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = No
     inside our temp folder, so a kill leaves only a temporary we recognise."""
     from safetensors.torch import save_file
 
-    # lazy: integrity imports torch (1.7 s CPU), and `specheads bench` imports this module while
-    # it checks its options before any torch import
+    # lazy, measured: `import specheads.atomic` 0.07 s, specheads.integrity (torch) 1.9 s, and
+    # `specheads bench` imports this module while it checks its options before any torch import
     from specheads.integrity import sha256_file
 
     with atomic_file(path) as tmp:

@@ -16,6 +16,7 @@ from specheads.bounds import ConfigError, bounded, check_bounds
 from specheads.errors import read_user_text
 from specheads.heads import head_options_class
 from specheads.schedule import SCHEDULES
+from specheads.target import DTYPES, peek_config
 
 
 @dataclass
@@ -244,8 +245,6 @@ def check_recipe_inputs(recipe: Recipe, outputs: tuple[str, ...] = (),
     data keys the calling command writes (capture: features) rather than reads; `batch`: (option,
     value) of the command's batch size (default: train.batch_size); `memory` False: no target
     forward, no memory check."""
-    from specheads.target import DTYPES, peek_config
-
     d = recipe.data
     if not d.train:
         raise ConfigError("data.train is empty: list at least one dataset file or folder")
@@ -274,8 +273,6 @@ def check_recipe_inputs(recipe: Recipe, outputs: tuple[str, ...] = (),
 def check_batch_memory(recipe: Recipe, cfg: dict, key: str, batch_size: int) -> None:
     """A lower bound of one micro-batch's activations (the target's logits and hidden states of
     every layer, B x max_length tokens) against the device's memory: refuse what cannot fit."""
-    from specheads.target import DTYPES
-
     vocab, hidden, layers = (cfg.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
     if not all(isinstance(v, int) for v in (vocab, hidden, layers)):
         return

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specheads.builtin.tiny_target import cached_tiny_target
+from specheads.builtin.tiny_target import BUILD_INFO, PRESETS, cache_path, cached_tiny_target
 from specheads.hf_compat import cache_kwargs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,8 +49,6 @@ def peek_config(path: str) -> tuple[dict, Path] | None:
     """The target's config.json (and where it is) without loading weights; an embedded target
     not built yet gives its preset's sizes; None for an unreadable file (loading reports it)."""
     if path.startswith("builtin:"):
-        from specheads.builtin.tiny_target import BUILD_INFO, PRESETS, cache_path
-
         name = path.split(":", 1)[1]
         name = "default" if name in ("", "tiny") else name
         folder, preset = cache_path(name), PRESETS.get(name)

@@ -20,7 +20,8 @@ from transformers import DynamicCache
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.decode import positions, trim_cache
 from specheads.verify.sampling import sample_draft_rows
-from specheads.verify.trees import SettingsError, Tree, TreeError, tokens_by_rank, tree_from_choices
+from specheads.verify.rank_trees import Ranker, RankTreeProposer
+from specheads.verify.trees import SettingsError, Tree
 
 
 def check_dflash_fits(head, target) -> None:
@@ -106,32 +107,18 @@ class SampledDFlashProposer(DFlashProposer):
         return sample_draft_rows(self.block_logits(k), self.head, V, warper, gen)  # logits [k, Vd]
 
 
-class DFlashStaticTreeProposer:
+class DFlashStaticTreeProposer(RankTreeProposer):
     """A fixed tree from one block forward: node (r_1, .., r_d) holds rank r_d of slot d (rank 0 =
     argmax). Drafts are top-k, never sampled: sampled decoding verifies them as point masses."""
 
     def __init__(self, head, target, tree: Tree | list):
-        self.chain = DFlashProposer(head, target)
-        self.layers = self.chain.layers
-        self.tree = tree if isinstance(tree, Tree) else tree_from_choices(tree)
         slots = head.config.block_size - 1
-        if self.tree.max_depth > slots:
-            raise TreeError(f"the tree is {self.tree.max_depth} levels deep but a block of {head.config.block_size} "
-                            f"drafts {slots} tokens: use a tree of depth <= {slots}")
-        self.max_nodes = self.tree.size
+        super().__init__(DFlashProposer(head, target), tree, slots,
+                         f"a block of {head.config.block_size} drafts {slots} tokens")
 
-    def start(self, prompt_ids, first_token, out) -> None:
-        self.chain.start(prompt_ids, first_token, out)
-
-    def accept(self, inputs, following, out, start) -> None:
-        self.chain.accept(inputs, following, out, start)
-
-    @torch.no_grad()
-    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
-        """The tree and its node tokens [N-1] (target ids), from one block of max_depth slots."""
-        logits = self.chain.block_logits(self.tree.max_depth)  # [D, Vd]
-        tokens = tokens_by_rank(self.tree, lambda d, n: self.chain.head.to_target_ids(logits[d - 1].topk(n).indices))
-        return self.tree, tokens[1:].to(self.chain.target.device)
+    def rankings(self) -> Ranker:
+        logits = self.chain.block_logits(self.tree.max_depth)  # [D, Vd], one block forward
+        return lambda d, n: self.chain.head.to_target_ids(logits[d - 1].topk(n).indices)
 
 
 def make_proposer(spec, head, target, sampled: bool = False):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from specheads.target import TargetError, TargetOutput
-from specheads.verify.trees import Tree, TreeError, tokens_by_rank, tree_from_choices
+from specheads.verify.rank_trees import Ranker, RankTreeProposer
+from specheads.verify.trees import Tree, TreeError
 
 
 def check_medusa_fits(head, target) -> None:
@@ -59,29 +60,15 @@ class MedusaProposer:
         self._remember(out, inputs.numel() - 1)
 
 
-class MedusaStaticTreeProposer:
+class MedusaStaticTreeProposer(RankTreeProposer):
     """A fixed Medusa tree: node (r_1, .., r_d) holds rank r_d of head d (rank 0 = argmax)."""
 
     def __init__(self, head, target, tree: Tree | list):
-        self.chain = MedusaProposer(head, target)
-        self.layers = self.chain.layers
-        self.tree = tree if isinstance(tree, Tree) else tree_from_choices(tree)
-        if self.tree.max_depth > head.config.num_heads:
-            raise TreeError(f"the tree is {self.tree.max_depth} levels deep but there are only "
-                            f"{head.config.num_heads} Medusa heads: use a tree of depth <= "
-                            f"{head.config.num_heads}")
-        self.max_nodes = self.tree.size
+        n = head.config.num_heads
+        super().__init__(MedusaProposer(head, target), tree, n, f"there are only {n} Medusa heads")
 
-    def start(self, prompt_ids, first_token, out) -> None:
-        self.chain.start(prompt_ids, first_token, out)
-
-    def accept(self, inputs, following, out, start) -> None:
-        self.chain.accept(inputs, following, out, start)
-
-    @torch.no_grad()
-    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
-        tokens = tokens_by_rank(self.tree, self.chain.ranked)  # [N]
-        return self.tree, tokens[1:].to(self.chain.last.device)
+    def rankings(self) -> Ranker:
+        return self.chain.ranked
 
 
 def make_proposer(spec, head, target, sampled: bool = False):
