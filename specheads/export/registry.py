@@ -23,15 +23,7 @@ WRITERS = {
     "draft": draft,
     "dflash": dflash,
 }
-LOADERS = {
-    "eagle3": eagle3,
-    "medusa": medusa,
-    "medusa2": medusa2,
-    "eagle": eagle1,
-    "mtp": mtp,
-    "draft": draft,
-    "dflash": dflash,
-}
+LOADERS = WRITERS  # each kind's writer module also reads its folders back (`load`)
 
 
 def writer_for(kind: str, fmt: str):
