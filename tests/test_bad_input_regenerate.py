@@ -25,6 +25,8 @@ def work(tmp_path):
     (["data.jsonl", "--target", "T", "--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["data.jsonl"], ["exactly one of --target", "--endpoint"]),
     (["data.jsonl", "--target", "T", "--out", "folder"], ["--out 'folder' is a folder"]),
+    (["data.jsonl", "--endpoint", "http://127.0.0.1:9/v1", "--draft", "D"], ["--draft", "--endpoint"]),
+    (["data.jsonl", "--target", "T", "--draft", "no-such-export"], ["no-such-export", "does not exist"]),
     (["data.jsonl", "--endpoint", "http://127.0.0.1:9/v1", "--retries", "0", "--timeout", "5"],
      ["http://127.0.0.1:9/v1", "Connection refused"]),
 ])

@@ -22,7 +22,7 @@ FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("artifacts", {"export", "verify", "session"}),
     ("measurement", {"eval", "engines"}),
     ("services", {"train", "runlog", "serve", "hub", "cli_options"}),
-    ("commands", {"generate", "demo"}),
+    ("commands", {"generate", "regenerate", "demo"}),
     ("entry", {"cli", "__main__"}),
 ]
 

@@ -132,7 +132,7 @@ def test_regenerate_through_server_survives_sigkill_and_matches_local(tiny_targe
         assert victim.wait() == -signal.SIGKILL
         killed_at = len(read_index(out)[0])
         assert 3 <= killed_at < 20, "the kill must land in the middle of the run"
-        from specheads.data.regenerate_run import main  # the resumed run: same command, in-process
+        from specheads.regenerate import main  # the resumed run: same command, in-process
 
         assert main(cmd[4:]) == 0
         report = json.loads(capsys.readouterr().out)
@@ -210,3 +210,25 @@ def test_local_rows_are_yielded_per_batch_and_resume_counts_all_runs(tiny_target
     assert meta["report"]["truncated"] == second.truncated == 7  # this run only
     assert meta["all_runs"]["rows"] == 12 and meta["all_runs"]["truncated"] == 12
     assert meta["all_runs"]["turns"] == sum(r["regenerated"]["turns"] for r in read_out(out))
+
+
+def test_speculative_regeneration_gives_plain_greedy_answers(tiny_target_dir, random_export_dir, tmp_path, capsys):
+    """--draft: every answer comes from speculative decoding in a session, and greedy answers are
+    token for token those of batched plain generate; meta.json names the draft."""
+    from specheads.regenerate import main
+
+    common = [str(SLICE), "--max-new-tokens", "12", "--limit", "12", "--target", str(tiny_target_dir),
+              "--device", "cpu"]
+    assert main([*common, "--out", str(tmp_path / "plain.jsonl"), "--batch-size", "4"]) == 0
+    assert main([*common, "--out", str(tmp_path / "spec.jsonl"), "--draft", str(random_export_dir)]) == 0
+    capsys.readouterr()
+    plain = {r["id"]: r for r in read_out(tmp_path / "plain.jsonl")}
+    spec = read_out(tmp_path / "spec.jsonl")
+    assert len(spec) == len(plain) == 12
+    assert sum(r["regenerated"]["turns"] for r in spec) > 12  # multi-turn rows: later turns see new answers
+    for row in spec:
+        assert row["messages"] == plain[row["id"]]["messages"], row["id"]
+        assert row["regenerated"] == plain[row["id"]]["regenerated"], row["id"]
+    meta = json.loads((tmp_path / "spec.jsonl.meta.json").read_text())
+    assert meta["backend"]["draft"] == str(Path(random_export_dir).resolve())
+    assert "draft" not in json.loads((tmp_path / "plain.jsonl.meta.json").read_text())["backend"]

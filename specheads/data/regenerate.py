@@ -133,13 +133,17 @@ def history(state: TurnState) -> list[dict]:
 
 
 class LocalBackend:
-    """The target in this process: `generate` over a batch of prompts per turn."""
+    """The target in this process: `generate` over a batch of prompts per turn, or, with
+    `decode`, speculative decoding one prompt at a time (`specheads regenerate --draft`)."""
 
-    def __init__(self, target, opts: RegenOptions, batch_size: int = 16):
+    def __init__(self, target, opts: RegenOptions, batch_size: int = 16, decode=None, draft: str | None = None):
         self.target, self.opts, self.batch_size = target, opts, batch_size
+        self.decode = decode  # (prompt ids, max_new_tokens) -> new ids, ending at the first eos
+        self.draft = draft
 
     def describe(self) -> dict:
-        return {"backend": "local", "target": self.target.fingerprint(), "path": str(self.target.path)}
+        about = {"backend": "local", "target": self.target.fingerprint(), "path": str(self.target.path)}
+        return {**about, "draft": self.draft} if self.decode is not None else about
 
     def _render(self, state: TurnState) -> str:
         return self.target.tokenizer.apply_chat_template(
@@ -167,7 +171,7 @@ class LocalBackend:
             later = []
             for b in range(0, len(pending), self.batch_size):
                 chunk = pending[b:b + self.batch_size]
-                answers = _generate_batch(self.target, [prompts[id(s)] for s in chunk], self.opts)
+                answers = self._answers([prompts[id(s)] for s in chunk])
                 for s, (text, cut) in zip(chunk, answers):
                     s.answer(text, None, "length" if cut else "stop")
                     if s.advance():
@@ -177,6 +181,22 @@ class LocalBackend:
                 if progress is not None:
                     progress.update(len(chunk))
             pending = later
+
+
+    def _answers(self, prompts: list[str]) -> list[tuple[str, bool]]:
+        if self.decode is None:
+            return _generate_batch(self.target, prompts, self.opts)
+        return [_decode_one(self.target, p, self.decode, self.opts) for p in prompts]
+
+
+def _decode_one(target, prompt: str, decode, opts: RegenOptions) -> tuple[str, bool]:
+    """One rendered prompt through `decode` -> (answer text without end-of-turn, truncated?)."""
+    tok = target.tokenizer
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    new = list(decode(ids, opts.max_new_tokens))
+    ended = tok.eos_token_id in new
+    new = new[: new.index(tok.eos_token_id)] if ended else new
+    return tok.decode(new, skip_special_tokens=True), not ended
 
 
 def _generate_batch(target, prompts: list[str], opts: RegenOptions) -> list[tuple[str, bool]]:

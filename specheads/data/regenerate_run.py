@@ -1,4 +1,4 @@
-"""`specheads regenerate`: read a dataset, rewrite its assistant turns with a backend, write JSON lines.
+"""Regeneration runs: read a dataset, rewrite its assistant turns with a backend, write JSON lines.
 
 Output OUT (one row per conversation: `id`, `messages`, `tools` if any, `regenerated` counts),
 OUT.index (finished ids, see data/resume.py) and OUT.meta.json (source, options, backend, target
@@ -8,20 +8,16 @@ with the same OUT continues where the last one stopped; failed rows are retried.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_json
 from specheads.data.conversations import read_conversations
-from specheads.data.openai_client import Endpoint
-from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, Row, count_turns
+from specheads.data.regenerate import LocalBackend, RegenOptions, RegenerateError, Row, count_turns
 from specheads.data.resume import RowWriter, check_resumable
 from specheads.errors import read_user_text
 from specheads.progress import Progress
-from specheads.target import Target
 
 # --- input rows --------------------------------------------------------------------------------
 
@@ -177,24 +173,6 @@ def run_regenerate(source, out, backend, opts: RegenOptions, fmt: str = "auto",
     return report
 
 
-def check_options(a: argparse.Namespace) -> None:
-    """Refuse bad options and a missing source before a target is loaded or a server asked."""
-    bad = [(f"--{name.replace('_', '-')} {getattr(a, name)}", rule) for name, ok, rule in (
-        ("concurrency", a.concurrency >= 1, "must be >= 1"),
-        ("batch_size", a.batch_size >= 1, "must be >= 1"),
-        ("retries", a.retries >= 0, "must be >= 0"),
-        ("timeout", a.timeout > 0, "must be > 0 seconds"),
-        ("backoff", a.backoff >= 0, "must be >= 0 seconds"),
-        ("limit", a.limit is None or a.limit >= 1, "must be >= 1 (rows to regenerate)"),
-    ) if not ok]
-    if bad:
-        raise RegenerateError(f"{bad[0][0]}: {bad[0][1]}")
-    if not Path(a.source).exists():
-        raise RegenerateError(f"dataset '{a.source}' does not exist")
-    if Path(a.out).is_dir():
-        raise RegenerateError(f"--out '{a.out}' is a folder: pass a file path for the JSON lines")
-
-
 def count_rows(out: Path) -> dict:
     """Totals over every finished row of OUT, this run's and earlier (killed or not) runs': read
     from the rows themselves, so a resume counts all runs' truncations."""
@@ -207,63 +185,3 @@ def count_rows(out: Path) -> dict:
             totals["truncated_turns"] += regen.get("truncated_turns", 0)
             totals["truncated"] += regen.get("truncated_turns", 0) > 0
     return totals
-
-
-def make_backend(a: argparse.Namespace, opts: RegenOptions):
-    """--target (local) or --endpoint (OpenAI-compatible), exactly one."""
-    if bool(a.target) == bool(a.endpoint):
-        raise RegenerateError("pass exactly one of --target (local generate) or --endpoint "
-                              "(an OpenAI-compatible server)")
-    if a.endpoint:
-        ep = Endpoint(a.endpoint, a.api_key, a.timeout, a.retries, a.backoff)
-        return OpenAIBackend(ep, a.model, opts)
-    target = Target.load(a.target, dtype=a.dtype, device=a.device)
-    return LocalBackend(target, opts, a.batch_size)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads regenerate", description=(
-        "Rewrite the assistant turns of a dataset with the target (turn by turn), locally or "
-        "through an OpenAI-compatible server; resumable after a kill."))
-    p.add_argument("source", help="dataset file (ShareGPT, OpenAI messages, Alpaca; .json/.jsonl/...)")
-    p.add_argument("--out", required=True, help="output JSON-lines file (resumed if it exists)")
-    p.add_argument("--format", default="auto")
-    p.add_argument("--limit", type=int, default=None, help="first N rows only")
-    g = p.add_argument_group("backend")
-    g.add_argument("--target", default=None, help="local HF model folder: generate in this process")
-    g.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
-    g.add_argument("--model", default=None, help="served model name (default: the first listed)")
-    g.add_argument("--api-key", default=None)
-    g.add_argument("--concurrency", type=int, default=8, help="conversations in flight (endpoint)")
-    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request (endpoint)")
-    g.add_argument("--retries", type=int, default=4, help="retries per request (endpoint)")
-    g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubling")
-    g.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (local)")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    s = p.add_argument_group("sampling and content")
-    s.add_argument("--max-new-tokens", type=int, default=512)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--thinking", default="keep", choices=["keep", "drop"],
-                   help="keep or drop <think> blocks / the server's reasoning in new answers")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    s.add_argument("--tools", default="keep", choices=["keep", "skip"],
-                   help="keep: tool results and tool-calling turns stay, text answers are "
-                        "regenerated; skip: leave rows with tool messages out")
-    a = p.parse_args(argv)
-    check_options(a)
-    opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
-    read_rows(a.source, a.format, a.limit)  # a bad dataset fails before a target is loaded
-    check_resumable(a.out)  # before the target loads
-    report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
-                            a.concurrency, chunk=a.batch_size * 4, quiet=a.quiet)
-    print(json.dumps(asdict(report), indent=2))
-    print(f"regenerate: {report.finished} finished now, {report.resumed} from earlier runs, "
-          f"{report.failed} failed, {report.truncated} truncated -> {a.out}", file=sys.stderr)
-    return 1 if report.failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

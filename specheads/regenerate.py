@@ -1,0 +1,127 @@
+"""`specheads regenerate`: the command's options and backend choice (the work: data/regenerate_run.py).
+
+With `--draft` the local target decodes through a speculation session (session.py), so answers
+come from the one decode loop: greedy answers are exactly plain greedy decoding's, sampled ones
+keep the target's distribution (docs/algorithms.md §8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from specheads.cli_options import add_fingerprint_argument
+from specheads.data.openai_client import Endpoint
+from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError
+from specheads.data.regenerate_run import read_rows, run_regenerate
+from specheads.data.resume import check_resumable
+from specheads.session import Session
+from specheads.target import Target
+from specheads.verify.settings import Sampling, TreeSpec
+
+
+def check_options(a: argparse.Namespace) -> None:
+    """Refuse bad options and a missing source before a target is loaded or a server asked."""
+    bad = [(f"--{name.replace('_', '-')} {getattr(a, name)}", rule) for name, ok, rule in (
+        ("concurrency", a.concurrency >= 1, "must be >= 1"),
+        ("batch_size", a.batch_size >= 1, "must be >= 1"),
+        ("retries", a.retries >= 0, "must be >= 0"),
+        ("timeout", a.timeout > 0, "must be > 0 seconds"),
+        ("backoff", a.backoff >= 0, "must be >= 0 seconds"),
+        ("limit", a.limit is None or a.limit >= 1, "must be >= 1 (rows to regenerate)"),
+    ) if not ok]
+    if bad:
+        raise RegenerateError(f"{bad[0][0]}: {bad[0][1]}")
+    if not Path(a.source).exists():
+        raise RegenerateError(f"dataset '{a.source}' does not exist")
+    if a.draft and a.endpoint:
+        raise RegenerateError("--draft speculates with a target loaded in this process; a server "
+                              "(--endpoint) uses its own drafter, if it was started with one")
+    if a.draft and not Path(a.draft).is_dir():
+        raise RegenerateError(f"--draft '{a.draft}' does not exist: pass an export folder written by "
+                              "`specheads export` for this target")
+    if Path(a.out).is_dir():
+        raise RegenerateError(f"--out '{a.out}' is a folder: pass a file path for the JSON lines")
+
+
+def make_backend(a: argparse.Namespace, opts: RegenOptions):
+    """--target (local; speculative with --draft) or --endpoint (OpenAI-compatible), exactly one."""
+    if bool(a.target) == bool(a.endpoint):
+        raise RegenerateError("pass exactly one of --target (local generate) or --endpoint "
+                              "(an OpenAI-compatible server)")
+    if a.endpoint:
+        ep = Endpoint(a.endpoint, a.api_key, a.timeout, a.retries, a.backoff)
+        return OpenAIBackend(ep, a.model, opts)
+    if a.draft:
+        return speculative_backend(a, opts)
+    target = Target.load(a.target, dtype=a.dtype, device=a.device)
+    return LocalBackend(target, opts, a.batch_size)
+
+
+def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBackend:
+    """The target and the draft in one session; each answer decoded speculatively."""
+    session = Session.open(a.target, a.draft, TreeSpec("chain"), device=a.device, dtype=a.dtype,
+                           allow_missing_fingerprint=a.allow_missing_fingerprint)
+    # the end of a turn is the tokenizer's eos, as in the batched path (HF generate's eos_token_id)
+    session.eos = [session.target.tokenizer.eos_token_id]
+    sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+
+    def decode(ids: list[int], max_new_tokens: int) -> list[int]:
+        return session.decode(ids, max_new_tokens, sampling).result.tokens
+
+    return LocalBackend(session.target, opts, a.batch_size, decode, draft=str(Path(a.draft).resolve()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specheads regenerate", description=(
+        "Rewrite the assistant turns of a dataset with the target (turn by turn), locally or "
+        "through an OpenAI-compatible server; resumable after a kill."))
+    p.add_argument("source", help="dataset file (ShareGPT, OpenAI messages, Alpaca; .json/.jsonl/...)")
+    p.add_argument("--out", required=True, help="output JSON-lines file (resumed if it exists)")
+    p.add_argument("--format", default="auto")
+    p.add_argument("--limit", type=int, default=None, help="first N rows only")
+    g = p.add_argument_group("backend")
+    g.add_argument("--target", default=None, help="local HF model folder: generate in this process")
+    g.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
+    g.add_argument("--model", default=None, help="served model name (default: the first listed)")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--concurrency", type=int, default=8, help="conversations in flight (endpoint)")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request (endpoint)")
+    g.add_argument("--retries", type=int, default=4, help="retries per request (endpoint)")
+    g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubling")
+    g.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (local)")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--draft", default=None,
+                   help="an export folder of the target's drafter: decode speculatively, one prompt at a "
+                        "time (greedy: the same answers as plain decoding; sampled: the same distribution)")
+    add_fingerprint_argument(g)
+    s = p.add_argument_group("sampling and content")
+    s.add_argument("--max-new-tokens", type=int, default=512)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--thinking", default="keep", choices=["keep", "drop"],
+                   help="keep or drop <think> blocks / the server's reasoning in new answers")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    s.add_argument("--tools", default="keep", choices=["keep", "skip"],
+                   help="keep: tool results and tool-calling turns stay, text answers are "
+                        "regenerated; skip: leave rows with tool messages out")
+    a = p.parse_args(argv)
+    check_options(a)
+    opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
+    read_rows(a.source, a.format, a.limit)  # a bad dataset fails before a target is loaded
+    check_resumable(a.out)  # before the target loads
+    report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
+                            a.concurrency, chunk=a.batch_size * 4, quiet=a.quiet)
+    print(json.dumps(asdict(report), indent=2))
+    print(f"regenerate: {report.finished} finished now, {report.resumed} from earlier runs, "
+          f"{report.failed} failed, {report.truncated} truncated -> {a.out}", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
