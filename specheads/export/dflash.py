@@ -1,7 +1,7 @@
 """DFlash writers, contract check and loader: vLLM 0.33 native (`method: dflash`,
 `DFlashDraftModel`), the speculators `dflash` format, and SGLang 0.5.23 (`DFLASH`).
 
-research/vllm_contract.md §7.2 / §10 and research/sglang_contract.md §5.3 / D, checked against
+docs/engines.md §2.9 and §3.6, checked against
 the engines' own code (vLLM `models/qwen3_dflash.py`, `configs/speculators/algos.py`; SGLang
 `models/dflash.py`, `speculative/dflash_utils.py`). Native vLLM and SGLang read the same folder:
 a Qwen3 config with `dflash_config`, bare tensor names, no embedding (the target's) and, unless the

@@ -5,7 +5,7 @@ a+s. Every draft layer also attends to context keys/values projected from
 hidden_norm(fc([target states at target_layer_ids])) of the positions strictly before the anchor
 (the layer's own k_proj / v_proj / k_norm, RoPE at the context position), and attention inside the
 block is bidirectional unless `causal`. This is the computation vLLM 0.33 (`qwen3_dflash.py`) and
-SGLang 0.5.23 (`models/dflash.py`) run; research/algorithms.md §8.
+SGLang 0.5.23 (`models/dflash.py`) run; docs/algorithms.md §10, docs/engines.md §2.9 and §3.6.
 """
 
 from __future__ import annotations

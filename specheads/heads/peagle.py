@@ -1,5 +1,5 @@
 """P-EAGLE training: an EAGLE-3 head (`parallel_drafting: true`) that drafts all k tokens in one
-forward (research/algorithms.md §8; vLLM 0.33 `method: eagle3` + `parallel_drafting`).
+forward (docs/algorithms.md §11; vLLM 0.33 `method: eagle3` + `parallel_drafting`, docs/engines.md §2.9).
 
 Depth 0 is EAGLE-3's first step: row i at position i reads fc(target features at i) and the
 embedding of x_{i+1}, and predicts x_{i+2}. Depth d >= 1 of anchor i sits at position i+d, reads
