@@ -18,7 +18,7 @@ from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.resume import check_resumable
-from specheads.session import Session
+from specheads.session import Session, load_draft
 from specheads.target import Target
 from specheads.verify.settings import Sampling, TreeSpec
 
@@ -63,10 +63,10 @@ def make_backend(a: argparse.Namespace, opts: RegenOptions):
 
 def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBackend:
     """The target and the draft in one session; each answer decoded speculatively."""
-    session = Session.open(a.target, a.draft, TreeSpec("chain"), device=a.device, dtype=a.dtype,
-                           allow_missing_fingerprint=a.allow_missing_fingerprint)
-    # the end of a turn is the tokenizer's eos, as in the batched path (HF generate's eos_token_id)
-    session.eos = [session.target.tokenizer.eos_token_id]
+    target = Target.load(a.target, dtype=a.dtype, device=a.device)
+    draft = load_draft(a.draft, target, a.allow_missing_fingerprint)
+    # a turn ends at the tokenizer's eos only, as in the batched path (generate's eos_token_id)
+    session = Session(target, draft, TreeSpec("chain"), eos=[target.tokenizer.eos_token_id])
     sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
 
     def decode(ids: list[int], max_new_tokens: int) -> list[int]:

@@ -108,12 +108,13 @@ class Session:
     Without a draft the same loops run with `NullProposer` (plain decoding that still streams).
     `spec` is the shape asked for; `k` (default: the chain's k, else the draft's default length)
     is the chain length, which a tree session keeps for its chain warm-up and n-gram baseline.
+    `eos` (default `eos_ids(target)`): the ids that end a decode.
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: TreeSpec = TreeSpec("chain"),
-                 k: int | None = None):
+                 k: int | None = None, eos: list[int] | None = None):
         self.target, self.draft = target, draft
-        self.eos = eos_ids(target)
+        self.eos = eos_ids(target) if eos is None else list(eos)
         if draft is None:
             self.spec, self.k = TreeSpec("chain", k=1), None
             return

@@ -139,11 +139,11 @@ class LocalBackend:
     def __init__(self, target, opts: RegenOptions, batch_size: int = 16, decode=None, draft: str | None = None):
         self.target, self.opts, self.batch_size = target, opts, batch_size
         self.decode = decode  # (prompt ids, max_new_tokens) -> new ids, ending at the first eos
-        self.draft = draft
+        self.draft = draft  # the export folder `decode` speculates with (recorded in meta.json)
 
     def describe(self) -> dict:
         about = {"backend": "local", "target": self.target.fingerprint(), "path": str(self.target.path)}
-        return {**about, "draft": self.draft} if self.decode is not None else about
+        return {**about, "draft": self.draft} if self.draft else about
 
     def _render(self, state: TurnState) -> str:
         return self.target.tokenizer.apply_chat_template(
@@ -181,7 +181,6 @@ class LocalBackend:
                 if progress is not None:
                     progress.update(len(chunk))
             pending = later
-
 
     def _answers(self, prompts: list[str]) -> list[tuple[str, bool]]:
         if self.decode is None:
