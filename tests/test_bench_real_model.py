@@ -63,3 +63,21 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert bench.main(args) == 0
     again = json.loads((results / "real_model.json").read_text())
     assert again["stages"] == report["stages"] and again["table"] == report["table"]
+
+    # bench/real_model_scaling.py on that run: 2 more regenerated prompts and raw text, one epoch
+    raw = tmp_path / "wiki.txt"
+    raw.write_text(" ".join(f"Sentence number {i} says something about topic {i % 7}." for i in range(400)))
+    spec = importlib.util.spec_from_file_location("bench_real_model_scaling", SCRIPT.with_name("real_model_scaling.py"))
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    more = tmp_path / "more"
+    assert scaling.main(["--run", str(out), "--target", str(out / "target"), "--prompts", str(prompts),
+                         "--out", str(more), "--results", str(results / "scaling.json"), "--train-prompts", "14",
+                         "--raw-text", str(raw), "--max-new-tokens", "8", "--regen-batch-size", "4",
+                         "--draft-vocab", "64", "--max-length", "64", "--epochs", "1", "--batch-size", "4"]) == 0
+    grown = json.loads((results / "scaling.json").read_text())
+    assert grown["data"]["prompts"] == {"run_had": 12, "new": 2} and grown["conversations"] == 14
+    assert grown["data"]["raw_text"]["rows"] >= 5 and grown["samples"] == 14 + grown["data"]["raw_text"]["rows"]
+    assert (more / "data" / "vocab_stats.json").is_file()  # the draft vocabulary counted from the answers only
+    assert [t["epoch"] for t in grown["table"]] == [1] and 1.0 <= grown["table"][0]["tau"] <= 4.0
+    assert all(grown["stages"][s] > 0 for s in ("regenerate_new", "capture", "train", "table"))
