@@ -84,7 +84,7 @@ def run(a) -> dict:
                    {"1": {"dir": str(out / "ckpt"), "info": train_info}}, a.max_length)
     return {"settings": {k: v for k, v in vars(a).items() if k not in ("out", "run", "target", "results")},
             "conversations": sum(1 for _ in chat.open()), "samples": samples, "data": info, "train": train_info,
-            "table": table, "stages": {k: round(v["wall_s"], 1) for k, v in st.done.items()}}
+            "table": table, "stages": {k: v["wall_s"] for k, v in st.done.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
