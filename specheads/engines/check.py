@@ -26,7 +26,8 @@ Probe protocol (every engine):
            numbering), ...}, weights {created, loaded, never_written, dropped, shape_mismatch, warnings
            (the engine's own warnings while loading the draft)},
            layers / forward ("ok" | "not_run: why" | "failed: ..."), replaced_kernels, error
-           (null | {stage, type, message: the engine's own exception text})
+           (null | {stage, type, message: the engine's own exception text}), cpu {profile, machine,
+           features}: the CPU-feature path the engine took (probe_cpu.py; SPECHEADS_ENGINE_CPU forces one)
   tensors  OUT/tensors.safetensors: aux_hidden [T, n_aux*H] (the states the engine feeds the draft,
            in its concatenation order), draft_logits [T, V] (the draft module on the first draft
            pass: row t reads token t+1 and the state at t; scattered to the full vocabulary with
@@ -117,6 +118,7 @@ class EngineCheck:
     engine_version: str | None = None
     replaced_kernels: list[str] = field(default_factory=list)
     error: dict | None = None
+    cpu: dict = field(default_factory=dict)  # the CPU-feature path the engine took (probe_cpu.py)
     stderr_tail: str = ""
     seconds: float = 0.0
 
@@ -522,6 +524,7 @@ def finish(job: Job, result: dict, tensors: dict, tail: str) -> EngineCheck:
     report.engine_version, report.engine_config = result.get("version"), result.get("config") or {}
     report.replaced_kernels, report.error, report.stderr_tail = (result.get("replaced_kernels") or [],
                                                                  result.get("error"), tail)
+    report.cpu = result.get("cpu") or {}
     if (engine, ours.kind) in ENGINE_REFUSES:
         report.stages = _judge_refusal(result, ENGINE_REFUSES[(engine, ours.kind)])
         report.seconds = time.time() - job.started
@@ -591,7 +594,8 @@ def _judge_refusal(result: dict, why: str) -> dict[str, Stage]:
 
 # --- output --------------------------------------------------------------------------------------------
 def format_report(r: EngineCheck) -> str:
-    lines = [f"{r.export}: {r.kind} ({r.format}) in {r.engine} {r.engine_version or '?'}  "
+    cpu = f", CPU path {r.cpu['profile']} ({r.cpu.get('machine')})" if r.cpu else ""
+    lines = [f"{r.export}: {r.kind} ({r.format}) in {r.engine} {r.engine_version or '?'}{cpu}  "
              f"[{'PASS' if r.passed else 'FAIL'}, {r.seconds:.0f} s]"]
     for name, stage in r.stages.items():
         lines.append(f"  {name:<8} {stage.status:<8} {stage.detail}")

@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
+import probe_cpu  # noqa: E402
 from probe_sglang_dflash import KV_NOTE, mask_token_id, run_blocks  # noqa: E402
 from probe_sglang_forward import (  # noqa: E402
     STANDALONE_NOTE, replace_attention_kernel, run_draft, run_target, standalone_chain_as_served,
@@ -386,6 +387,7 @@ def stage_forward_dflash(args, result, tensors, target_model, draft_model, hidde
 def probe(args) -> tuple[dict, dict]:
     result, tensors = new_result(), {}
     try:
+        result["cpu"] = probe_cpu.apply()  # before SGLang reads the CPU's features at import
         setup_cpu_engine()
         if args.kind == "medusa":
             from sglang.srt.speculative.spec_info import SpeculativeAlgorithm

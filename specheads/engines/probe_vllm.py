@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
+import probe_cpu  # noqa: E402
 from probe_vllm_dflash import block_attention, file_context_kv, native_custom_ops, run_blocks  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -45,7 +46,7 @@ KINDS = ("eagle3", "eagle", "draft", "mtp", "medusa", "dflash", "peagle")
 METHODS = {"eagle3": "eagle3", "eagle": "eagle", "draft": "draft_model", "mtp": "mtp", "medusa": "medusa",
            "dflash": "dflash", "peagle": "eagle3"}
 INT_SENTINEL = -7777
-_ACTIVE = {"probe": None, "distributed": False, "loader_patched": False}  # process-wide (see --jobs)
+_ACTIVE = {"probe": None, "distributed": False, "loader_patched": False, "cpu": None}  # process-wide (--jobs)
 REPLACED = ("vllm.model_executor.layers.attention.Attention.forward -> a plain causal softmax over the "
             "layer's own q/k/v (float32): vLLM's CPU attention kernels need a KV cache, block tables and "
             "scheduler metadata that only a running engine builds; projections, RoPE, norms, MLP, fc, "
@@ -75,7 +76,7 @@ class Probe:
             "engine": "vllm", "version": None, "config": {},
             "weights": {"created": [], "loaded": [], "never_written": [], "dropped": [], "shape_mismatch": []},
             "layers": "not_run: an earlier stage failed", "forward": "not_run: an earlier stage failed",
-            "replaced_kernels": [], "error": None,
+            "replaced_kernels": [], "error": None, "cpu": _ACTIVE.get("cpu"),
         }
         self.tensors = {}
 
@@ -176,6 +177,7 @@ class Probe:
         self._instrument_loader()
         if self.args.kind == "mtp":
             self._skip_moe_prepack()
+            self._skip_amx_mla_packing()
         try:
             self._ctx = set_current_vllm_config(self.vc)
             self._ctx.__enter__()
@@ -285,6 +287,23 @@ class Probe:
             "CPUUnquantizedExperts.process_weights_after_loading (repacking MoE weights for "
             "torch.ops._C.prepack_moe_weight, absent from the PyPI wheel) -> a no-op: the weights stay as "
             "loaded; the MoE forward is not run")
+
+    def _skip_amx_mla_packing(self):
+        """On a CPU with AMX, vLLM serves MLA (DeepSeek-V3) with its AMX backend, which VNNI-packs W_UK / W_UV
+        after loading with `torch.ops._C.convert_weight_packed`; the PyPI wheel has no CPU `_C` ops, so the
+        loader fails on AMX machines only. The packed copies feed only the AMX prefill kernel, never run
+        here; the engine's code runs unchanged wherever the op exists."""
+        import torch
+        from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+        if hasattr(torch.ops._C, "convert_weight_packed"):
+            return
+        def skip_packing(impl, act_dtype):
+            replaced = _ACTIVE["probe"].result["replaced_kernels"]
+            if AMX_MLA_NOTE not in replaced:
+                replaced.append(AMX_MLA_NOTE)
+
+        AMXMLAImpl.process_weights_after_loading = skip_packing
 
     def _record_weights(self, draft=None):
         w = self.result["weights"]
@@ -466,6 +485,9 @@ class Probe:
         self.tensors["chain"] = torch.tensor(tokens, dtype=torch.long)
 
 
+AMX_MLA_NOTE = ("AMXMLAImpl.process_weights_after_loading (VNNI-packing W_UK / W_UV for the AMX MLA prefill "
+                "kernel with torch.ops._C.convert_weight_packed, absent from the PyPI wheel; vLLM picks this "
+                "backend only on CPUs with AMX) -> a no-op: the packed copies are not made; the MLA forward is not run")
 MTP_NO_CPU = {  # target model_type -> why the MTP target / module cannot run forward here
     "deepseek_v3": "DeepSeek-V3 runs MLA attention and fused-MoE kernels that vLLM 0.33 has only for CUDA "
                    "(its CPU MoE kernel is not in the PyPI wheel)",
@@ -510,6 +532,7 @@ def holds_sentinel(param) -> bool:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _ACTIVE["cpu"] = probe_cpu.apply()  # before vLLM reads the CPU's features (import and model build)
     if argv[:1] == ["--jobs"]:  # a batch: one engine import for many exports (a JSON list of CLI dicts)
         for job in json.loads(Path(argv[1]).read_text()):
             Probe(argparse.Namespace(**{"k": 3, **job})).run()
