@@ -79,6 +79,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch, ~10 ms), from /proc; None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime in clock ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def writer_alive(pid: int, temporary: Path) -> bool:
+    """The process that made `temporary` still runs: `pid` is alive and started before the temporary's
+    last change (a pid reused by a later process, e.g. in a new container, does not count)."""
+    if pid == os.getpid() or not _alive(pid):
+        return pid == os.getpid()
+    started = process_start(pid)
+    try:
+        changed = temporary.lstat().st_mtime
+    except OSError:
+        return False
+    return started is None or started <= changed + 2.0  # 2 s: btime is whole seconds
+
+
 def remove_stale(folder: str | Path, name_regex: str, any_pid: bool = False) -> list[Path]:
     """Remove temporaries our writers left in `folder` for names matching `name_regex`, when the
     process that made them is gone (`any_pid`: the caller is the only possible writer of these
@@ -92,7 +116,7 @@ def remove_stale(folder: str | Path, name_regex: str, any_pid: bool = False) -> 
         if not m:
             continue
         pid = m.group("pid") or m.group("old")
-        if pid is not None and not any_pid and (int(pid) == os.getpid() or _alive(int(pid))):
+        if pid is not None and not any_pid and writer_alive(int(pid), p):
             continue  # a writer still at work
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
         removed.append(p)

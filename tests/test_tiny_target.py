@@ -1,5 +1,12 @@
-"""The embedded tiny target ("test" preset): HF loadability, determinism, template, atomicity."""
+"""The embedded tiny target ("test" preset): HF loadability, determinism, template, atomicity; the
+prebuilt default copy (hash-verified) and what killed builds leave behind."""
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -112,3 +119,88 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     assert tiny_target.cache_dir() == tmp_path / "own"
     with pytest.raises(ValueError):
         build_tiny_target(tmp_path / "x", "no-such-preset")
+
+
+# --- the prebuilt default target and the leftovers of killed builds ------------------------------------
+def _leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_prebuilt_default_matches_its_hashes_and_todays_builder():
+    """The shipped build is what this builder version and preset describe (change either: rebuild it)."""
+    from dataclasses import asdict
+
+    prebuilt = tiny_target.prebuilt_path("default")
+    assert prebuilt is not None
+    tiny_target.check_prebuilt(prebuilt, "default")
+    info = json.loads((prebuilt / tiny_target.BUILD_INFO).read_text())
+    assert info["builder_version"] == tiny_target.BUILDER_VERSION and info["preset"] == "default"
+    assert info["hyperparameters"] == asdict(tiny_target.PRESETS["default"])
+    assert set(tiny_target.manifest(prebuilt)) == {p.name for p in prebuilt.iterdir()} - {tiny_target.MANIFEST}
+
+
+def test_cache_installs_the_prebuilt_copy_and_replaces_a_damaged_one(tmp_path, monkeypatch):
+    def no_build(*args):
+        raise AssertionError("the prebuilt copy should have been used")
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiny_target, "build_into", no_build)
+    first = tiny_target.cached_tiny_target("default", progress=False)
+    prebuilt = tiny_target.prebuilt_path("default")
+    assert first == tiny_target.cache_path("default") and tiny_target.verified(first, prebuilt)
+    weights = first / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte in the cached weights
+    weights.write_bytes(bytes(data))
+    assert not tiny_target.verified(first, prebuilt)
+    assert tiny_target.cached_tiny_target("default", progress=False) == first
+    assert tiny_target.verified(first, prebuilt) and _leftovers(tmp_path) == []
+
+
+def test_a_damaged_prebuilt_copy_is_refused_by_name(tmp_path, monkeypatch):
+    fake = tmp_path / "prebuilt" / f"tiny-target-default-{tiny_target.BUILDER_VERSION}"
+    shutil.copytree(tiny_target.prebuilt_path("default"), fake)
+    (fake / "config.json").write_text("{}")
+    monkeypatch.setattr(tiny_target, "PREBUILT_DIR", tmp_path / "prebuilt")
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(tiny_target.PrebuiltCorrupt, match="does not match its recorded sha256"):
+        tiny_target.cached_tiny_target("default", progress=False)
+
+
+def test_a_killed_build_leaves_nothing_after_the_next_build(tmp_path, monkeypatch):
+    """SIGKILL a real build mid-way; the next use of the cache removes its temporary folder."""
+    env = {**os.environ, "SPECHEADS_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    code = "from specheads.builtin.tiny_target import cached_tiny_target; cached_tiny_target('test', progress=False)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 300
+    try:
+        while not _leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL and _leftovers(tmp_path), "the build ended before it was killed"
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    built = tiny_target.cached_tiny_target("test", progress=False)
+    assert (built / tiny_target.BUILD_INFO).is_file() and _leftovers(tmp_path) == []
+
+
+def test_leftover_of_a_reused_pid_is_removed_and_a_live_writers_is_kept(tmp_path, monkeypatch):
+    """A temporary named after a pid that now belongs to a later process (a new container) is stale."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    name = tiny_target.cache_path("test").name
+    later = subprocess.Popen(["sleep", "60"])
+    try:
+        stale = tmp_path / f".{name}.tmp-{later.pid}-abcdefgh"
+        stale.mkdir()
+        os.utime(stale, (time.time() - 3600,) * 2)  # made an hour before that process started
+        live = tmp_path / f".{name}.tmp-{os.getppid()}-ijklmnop"  # our parent started before it was made
+        live.mkdir()
+        monkeypatch.setattr(tiny_target, "build_into", lambda folder, preset, progress:
+                            (folder / tiny_target.BUILD_INFO).write_text("{}"))
+        tiny_target.cached_tiny_target("test", progress=False)
+        assert _leftovers(tmp_path) == [live.name]
+    finally:
+        later.kill()

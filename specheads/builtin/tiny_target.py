@@ -5,9 +5,11 @@ ordinary Hugging Face folder, so every later stage treats it exactly like a hub 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specheads.atomic import atomic_dir
+from specheads.atomic import atomic_dir, remove_stale
 from specheads.builtin import stdlib
 
 BUILDER_VERSION = "stdlib-llama-v4"
@@ -29,6 +31,11 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
 BUILD_INFO = "specheads_build.json"
+MANIFEST = "SHA256SUMS"
+PREBUILT_DIR = Path(__file__).with_name("prebuilt")
+# sha256 of each prebuilt build's SHA256SUMS (which lists every file's sha256): `make demo` starts
+# from this copy instead of a ~15-minute build; `specheads tiny-target --out DIR` rebuilds it
+PREBUILT_SHA256 = {"default": "567741679532656e5795a73b3dc4ea4c7e7e314ed8b2fb68207ed5a5d74818f6"}
 
 
 @dataclass(frozen=True)
@@ -345,8 +352,67 @@ def cache_path(preset: str = "default") -> Path:
 
 
 def cached_tiny_target(preset: str = "default", progress: bool = True) -> Path:
-    """The cached build of `preset` for this builder version, built on first use."""
+    """The cached build of `preset` for this builder version: on first use the prebuilt copy that ships
+    with specheads (hash-verified) where there is one, else built here. Temporaries of killed builds
+    are removed first."""
     dest = cache_path(preset)
-    if (dest / BUILD_INFO).is_file():
+    remove_stale(dest.parent, r"tiny-target-[A-Za-z0-9_.-]+?")
+    prebuilt = prebuilt_path(preset)
+    if (dest / BUILD_INFO).is_file() and (prebuilt is None or verified(dest, prebuilt)):
         return dest
+    if prebuilt is not None:
+        return _install_prebuilt(prebuilt, dest)
     return _build_atomic(dest, preset, progress, overwrite=False)
+
+
+# ---------------------------------------------------------------- the prebuilt copy
+
+
+def prebuilt_path(preset: str) -> Path | None:
+    """The build of `preset` by this builder version that ships in the package, if any."""
+    folder = PREBUILT_DIR / f"tiny-target-{preset}-{BUILDER_VERSION}"
+    return folder if preset in PREBUILT_SHA256 and (folder / MANIFEST).is_file() else None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def manifest(folder: Path) -> dict[str, str]:
+    """{file name: sha256} as MANIFEST lists them ('<sha256>  <name>' lines)."""
+    lines = (folder / MANIFEST).read_text(encoding="utf-8").splitlines()
+    return {name: sha for sha, name in (line.split("  ", 1) for line in lines if line.strip())}
+
+
+def verified(folder: Path, prebuilt: Path) -> bool:
+    """Every file of the prebuilt build is in `folder` with the hash its manifest records."""
+    return all((folder / name).is_file() and file_sha256(folder / name) == sha
+               for name, sha in manifest(prebuilt).items())
+
+
+class PrebuiltCorrupt(RuntimeError):
+    """The prebuilt tiny target in the package does not match its recorded hashes."""
+
+
+def check_prebuilt(prebuilt: Path, preset: str) -> None:
+    """The manifest is the one this code records and every file matches it."""
+    if file_sha256(prebuilt / MANIFEST) != PREBUILT_SHA256[preset] or not verified(prebuilt, prebuilt):
+        raise PrebuiltCorrupt(f"{prebuilt}: the prebuilt tiny target does not match its recorded sha256; "
+                              "reinstall specheads, or build it here with `specheads tiny-target --out DIR`")
+
+
+def _install_prebuilt(prebuilt: Path, dest: Path) -> Path:
+    """Copy the verified prebuilt build into the cache atomically (replacing a stale or damaged copy)."""
+    preset = json.loads((prebuilt / BUILD_INFO).read_text(encoding="utf-8"))["preset"]
+    check_prebuilt(prebuilt, preset)
+    with atomic_dir(dest, owned=is_tiny_target, what="a tiny target folder",
+                    hint="choose another --out, or move or remove it yourself") as tmp:
+        for name in manifest(prebuilt):
+            shutil.copyfile(prebuilt / name, tmp / name)
+        if not verified(tmp, prebuilt):
+            raise PrebuiltCorrupt(f"{dest}: the copy of the prebuilt tiny target does not match its sha256")
+    return dest
