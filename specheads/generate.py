@@ -28,6 +28,7 @@ from pathlib import Path
 from specheads.cli_options import (
     add_fingerprint_argument, add_sampling_arguments, add_tree_arguments, sampling_from_args, spec_from_args,
 )
+from specheads.data.messages import FieldError, check_text
 from specheads.eval.online import encode_chat
 from specheads.metrics import broken_draft_warning
 from specheads.session import Session
@@ -96,6 +97,16 @@ def report_lines(spec: TreeSpec, spec_result, plain_result, equal: bool | None,
     return lines
 
 
+def check_prompt_text(prompt: str) -> None:
+    """The user message must hold only characters; on a command line a lone surrogate is how
+    Python reads a byte that is not UTF-8 (U+DC80-U+DCFF)."""
+    try:
+        check_text(prompt, "--prompt")
+    except FieldError as err:
+        raise GenerateError(f"--prompt: {err.problem}; from a shell, pass the prompt as UTF-8 "
+                            "text") from None
+
+
 def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling,
                  device: str = "auto") -> None:
     """Refuse bad arguments before anything is loaded."""
@@ -104,6 +115,7 @@ def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling
         raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt or not prompt.strip():
         raise GenerateError("the prompt is empty: pass some text with --prompt")
+    check_prompt_text(prompt)
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export "
                                 "folder written by `specheads export`")

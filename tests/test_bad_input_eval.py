@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+import json
+
 from refusals import BINARY, LATIN1, refused, write_prompts
+
+ROLES = "expected one of system, developer, user, assistant, tool"
 
 
 @pytest.fixture
@@ -14,6 +18,12 @@ def work(tmp_path):
     (tmp_path / "binary.jsonl").write_bytes(BINARY)
     (tmp_path / "latin1.jsonl").write_bytes(LATIN1)
     (tmp_path / "broken.json").write_text("{not json")
+    # json.dumps writes the lone surrogates as \ud800 escapes, the way they reach us from other tools
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "ok"}\n' + json.dumps({"turns": ["fine", "a\ud800b"]}) + "\n")
+    (tmp_path / "surrogate_prompt.jsonl").write_text(json.dumps({"prompt": "\udc00"}) + "\n")
+    held_out = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    (tmp_path / "wizard.jsonl").write_text(json.dumps({"messages": held_out}) + "\n" + json.dumps(
+        {"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
     return tmp_path
 
 
@@ -24,6 +34,10 @@ def work(tmp_path):
     (["--prompts", "binary.jsonl"], ["binary.jsonl", "binary"]),
     (["--prompts", "latin1.jsonl"], ["latin1.jsonl", "not UTF-8"]),
     (["--prompts", "bad.jsonl"], ["bad.jsonl:2", "'prompt'"]),
+    (["--prompts", "surrogate.jsonl"], ["surrogate.jsonl:2: field 'turns[1]': lone surrogate U+D800 at "
+                                        "position 1", "remove it or write the character meant"]),
+    (["--prompts", "surrogate_prompt.jsonl"], ["surrogate_prompt.jsonl:1: field 'prompt': lone surrogate "
+                                               "U+DC00 at position 0"]),
     (["--verifier-json", "missing.json"], ["--verifier-json 'missing.json'"]),
     (["--bench-json", "broken.json"], ["broken.json", "not valid JSON"]),
     (["--draft", "no_export"], ["no_export", "does not exist"]),
@@ -40,3 +54,10 @@ def test_bad_eval_input_is_named(work, tiny_target_dir, random_export_dir, extra
                                                      if kv[0] not in base for x in kv]
     refused(["eval", *args], needles, work, watch=(tiny_target_dir, random_export_dir), output=work / "out")
     assert not (work / "out").exists()
+
+
+def test_bad_offline_data_is_named_before_the_target_loads(work, tiny_target_dir, random_export_dir):
+    args = ["eval", "--offline", "--data", "wizard.jsonl", "--target", "no_target",
+            "--draft", str(random_export_dir), "--out", "out"]
+    refused(args, ["wizard.jsonl: row 1 (line 2): field 'messages[0].role': unknown role 'wizard'; "
+                   f"{ROLES}"], work, watch=(random_export_dir,), output=work / "out")

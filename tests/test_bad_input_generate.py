@@ -17,6 +17,8 @@ from refusals import env, refused
     (["--device", "cpux"], ["device 'cpux'"]),
     (["--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
     (["--prompt", "  "], ["the prompt is empty"]),
+    # a byte that is not UTF-8 on the command line (0xE9, Latin-1 e-acute): Python reads it as U+DCE9
+    (["--prompt", "caf\udce9"], ["--prompt: lone surrogate U+DCE9 at position 3", "pass the prompt as UTF-8"]),
     (["--draft", "no_export"], ["no_export"]),
     (["--tree", "missing_tree.json"], ["--tree 'missing_tree.json'"]),
     (["--k", "0"], ["--k must be >= 1"]),

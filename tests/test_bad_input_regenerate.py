@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from refusals import BINARY, LATIN1, refused, write_data
+
+ROLES = "expected one of system, developer, user, assistant, tool"
+ANSWER = {"role": "assistant", "content": "a"}
+
+
+def write_rows(path, *rows):
+    """JSON lines; json.dumps writes a lone surrogate as a \\ud800 escape, as other tools do."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.fixture
@@ -13,6 +23,11 @@ def work(tmp_path):
     (tmp_path / "binary.jsonl").write_bytes(BINARY)
     (tmp_path / "latin1.jsonl").write_bytes(LATIN1)
     (tmp_path / "folder").mkdir()
+    good = {"messages": [{"role": "user", "content": "q"}, ANSWER]}
+    write_rows(tmp_path / "wizard.jsonl", good, {"messages": [{"role": "wizard", "content": "q"}, ANSWER]})
+    write_rows(tmp_path / "surrogate.jsonl", {"messages": [{"role": "user", "content": "a\ud800b"}, ANSWER]})
+    write_rows(tmp_path / "sharegpt.jsonl", {"conversations": [{"from": "human", "value": "caf\udce9"},
+                                                              {"from": "gpt", "value": "a"}]})
     return tmp_path
 
 
@@ -20,6 +35,12 @@ def work(tmp_path):
     (["missing.jsonl", "--target", "T"], ["dataset 'missing.jsonl' does not exist"]),
     (["binary.jsonl", "--target", "T"], ["binary.jsonl", "binary"]),
     (["latin1.jsonl", "--target", "T"], ["latin1.jsonl", "not UTF-8"]),
+    (["wizard.jsonl", "--target", "T"], ["wizard.jsonl: row 1: field 'messages[0].role': unknown role "
+                                          f"'wizard'; {ROLES}"]),
+    (["surrogate.jsonl", "--target", "T"], ["surrogate.jsonl: row 0: field 'messages[0].content': lone "
+                                             "surrogate U+D800 at position 1", "remove it"]),
+    (["sharegpt.jsonl", "--target", "T"], ["sharegpt.jsonl: row 0 (line 1): field 'conversations[0].value': "
+                                            "lone surrogate U+DCE9 at position 3"]),
     (["data.jsonl", "--target", "T", "--limit", "0"], ["--limit 0"]),
     (["data.jsonl", "--target", "T", "--concurrency", "0"], ["--concurrency 0"]),
     (["data.jsonl", "--target", "T", "--max-new-tokens", "0"], ["--max-new-tokens"]),

@@ -83,6 +83,24 @@ CASES = {
     "content_image_part": (post(CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
                            400, "messages[0].content", "text parts"),
     "message_without_role": (post(CHAT, {"messages": [{"content": "hi"}]}), 400, "messages[0]", "role"),
+    # json.dumps writes a lone surrogate as the escape "\ud800", as a careless client would
+    "content_lone_surrogate": (post(CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}]}), 400,
+                               "messages[0].content", "lone surrogate U+D800 at position 1"),
+    "content_part_lone_surrogate": (post(CHAT, {"messages": [MSG[0], {"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}]}), 400,
+        "messages[1].content[1].text", "lone surrogate U+DFFF at position 0"),
+    "tool_arguments_lone_surrogate": (post(CHAT, {"messages": [MSG[0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"x": "\udc80"}'}}]}]}), 400,
+        "messages[1].tool_calls[0].function.arguments", "lone surrogate U+DC80 at position 7"),
+    "tools_lone_surrogate": (post(CHAT, {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f", "description": "x\ud83d"}}]}), 400,
+        "tools[0].function.description", "lone surrogate U+D83D at position 1"),
+    "prompt_lone_surrogate": (post(COMPLETIONS, {"prompt": "def f\udc00"}), 400, "prompt",
+                              "lone surrogate U+DC00 at position 5"),
+    "role_unknown": (post(CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages[0].role",
+                     "unknown role 'wizard'; expected one of system, developer, user, assistant, tool"),
+    "role_unknown_later": (post(CHAT, {"messages": [MSG[0], {"role": "User", "content": "hi"}]}), 400,
+                           "messages[1].role", "unknown role 'User'"),
     "messages_empty": (post(CHAT, {"messages": []}), 400, "messages", "non-empty"),
     "tools_string": (post(CHAT, {"messages": MSG, "tools": "search"}), 400, "tools", "list"),
     "tools_without_function": (post(CHAT, {"messages": MSG, "tools": [{"type": "function"}]}), 400,
@@ -101,6 +119,8 @@ CASES = {
     "prompt_empty": (post(COMPLETIONS, {"prompt": ""}), 400, "prompt", "non-empty"),
     "prompt_too_long": (post(COMPLETIONS, {"prompt": "x " * 400}), 400, "prompt", "context"),
     "unknown_model": (post(COMPLETIONS, {"prompt": "x", "model": "gpt-9"}), 400, "model", "gpt-9"),
+    "unknown_model_lone_surrogate": (post(COMPLETIONS, {"prompt": "x", "model": "gpt\ud800"}), 400, "model",
+                                     "model 'gpt\\ud800' is not served here"),
     "malformed_json": (http("POST", CHAT, b'{"messages": [}'), 400, "body", "not valid JSON"),
     "json_array_body": (http("POST", CHAT, b"[1, 2]"), 400, "body", "JSON object"),
     "deeply_nested_json": (http("POST", CHAT, b"[" * 100_000 + b"]" * 100_000), 400, "body", "JSON"),
@@ -131,6 +151,33 @@ def test_bad_request_is_a_json_4xx_naming_the_field(server, case):
     assert "Traceback" not in log.read_text()
     # the server is still answering
     assert exchange(url, http("GET", "/health"))[0] == 200
+
+
+def test_lone_surrogate_message_says_what_and_what_to_do(server):
+    """The whole message, not the tokenizer's `TypeError: TextEncodeInput must be Union[...]`."""
+    url, _ = server
+    raw = http("POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    code, _, body = exchange(url, raw)
+    assert code == 400
+    assert json.loads(body)["error"]["message"] == (
+        "'messages[0].content': lone surrogate U+D800 at position 1 (counting from 0): half of a "
+        "UTF-16 surrogate pair, not a character, so it cannot be tokenized; remove it or write the "
+        "character meant (one outside the BMP as a whole pair, e.g. \\ud83d\\ude00)")
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "smile \U0001F600 caf\u00e9"}],  # sent as the escapes \ud83d\ude00
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"},
+     {"role": "assistant", "content": "return x"}, {"role": "user", "content": "and g?"}],
+    [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+])
+def test_good_messages_are_still_answered(server, messages):
+    """Characters outside the BMP (a whole surrogate pair in JSON) and every accepted role pass."""
+    url, log = server
+    code, _, body = exchange(url, post(CHAT, {"messages": messages, "max_tokens": 2, "temperature": 0}))
+    assert code == 200, body
+    assert json.loads(body)["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "Traceback" not in log.read_text()
 
 
 def test_headers_that_never_complete_get_408(server):

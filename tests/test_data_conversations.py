@@ -177,6 +177,8 @@ MALFORMED_SHAREGPT = [
     ({"conversations": []}, "conversations", "empty conversation"),
     ({"conversations": [SG]}, "conversations", "no assistant turn"),
     ({"id": [1], "conversations": [SG, GPT]}, "id", "expected a string or integer"),
+    ({"conversations": [SG, {"from": "gpt", "value": "ok\udfff"}]}, "conversations[1].value",
+     "lone surrogate U+DFFF at position 2"),
 ]
 
 
@@ -212,6 +214,16 @@ MALFORMED_OTHER = [
     ("openai", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "assistant", "content": "a"}]},
      "messages[0].content[0].type", "unsupported content part type 'image_url'"),
     ("openai", {"messages": [{"role": "user", "content": "q"}]}, "messages", "no assistant turn"),
+    ("openai", {"messages": [{"role": "user", "content": "a\ud800b"}, {"role": "assistant", "content": "a"}]},
+     "messages[0].content", "lone surrogate U+D800 at position 1 (counting from 0)"),
+    ("openai", {"messages": [{"role": "user", "content": "q"},
+                             {"role": "assistant", "content": "a", "thinking": "hm\udc00"}]},
+     "messages[1].thinking", "lone surrogate U+DC00 at position 2"),
+    ("openai", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "tools": [{"type": "function", "function": {"name": "\ud83d"}}]},
+     "tools[0].function.name", "lone surrogate U+D83D at position 0"),
+    ("alpaca", {"instruction": "do", "input": "x\udc00", "output": "y"}, "input", "lone surrogate U+DC00"),
+    ("text", {"text": "\ud800"}, "text", "lone surrogate U+D800 at position 0"),
     ("alpaca", {"instruction": "do"}, "output", "missing"),
     ("alpaca", {"instruction": 1, "output": "x"}, "instruction", "expected str, got int"),
     ("alpaca", {"instruction": "do", "input": ["x"], "output": "y"}, "input", "expected str, got list"),
@@ -227,6 +239,18 @@ def test_malformed_rows_other_formats(tmp_path, fmt, bad, field, problem):
         read_conversations(path, fmt=fmt)
     msg = str(err.value)
     assert "rows.jsonl: row 0 (line 2):" in msg and f"field '{field}': {problem}" in msg
+
+
+def test_accepted_roles_and_non_bmp_text_read_unchanged(tmp_path):
+    """OpenAI's developer role is accepted; a character outside the BMP (written in JSON as a whole
+    surrogate pair, as json.dumps does) is read as that one character."""
+    row = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "system", "content": "s"},
+                        {"role": "user", "content": "smile \U0001F600"}, {"role": "assistant", "content": "\U0001F600"}]}
+    path = write_jsonl(tmp_path / "data.jsonl", [row])
+    assert "\\ud83d\\ude00" in path.read_text()
+    convs, _ = read_conversations(path)
+    assert convs[0].messages == [Message("developer", "Be brief."), Message("system", "s"),
+                                 Message("user", "smile \U0001F600"), Message("assistant", "\U0001F600")]
 
 
 def test_invalid_json_line_is_a_row_error(tmp_path):

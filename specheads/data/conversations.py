@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from specheads.data.messages import FieldError, Message, check_message, check_strings, check_text
+
 FORMATS = ("sharegpt", "openai", "alpaca", "text")
 FORMAT_ALIASES = {"messages": "openai", "raw": "text"}
 SHAREGPT_ROLES = {
@@ -19,7 +21,6 @@ SHAREGPT_ROLES = {
     "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant",
     "system": "system",
 }
-OPENAI_ROLES = ("system", "user", "assistant", "tool")
 _FORMAT_KEYS = (("conversations", "sharegpt"), ("messages", "openai"), ("instruction", "alpaca"), ("text", "text"))
 _SKIP_HINT = "fix the row or set data.skip_malformed: true"
 _MAX_REASONS = 5
@@ -27,19 +28,6 @@ _MAX_REASONS = 5
 
 class DataError(ValueError):
     """A dataset file or row that cannot be read; the message says where and what to do."""
-
-
-@dataclass(frozen=True)
-class Message:
-    """One chat turn; `role` is system / user / assistant / tool. The optional fields are OpenAI's
-    tool-calling fields and a separate `thinking` text, passed to the chat template as they are."""
-
-    role: str
-    content: str
-    tool_calls: tuple[dict, ...] | None = None  # assistant: [{type, id?, function: {name, arguments}}]
-    tool_call_id: str | None = None  # tool: the call it answers
-    name: str | None = None  # tool: the function's name
-    thinking: str | None = None  # assistant: reasoning kept apart from content (e.g. harmony's analysis)
 
 
 @dataclass
@@ -69,13 +57,6 @@ class ReadStats:
             self.reasons.append(reason)
 
 
-class _RowError(Exception):
-    """A problem inside one row: the field path and what is wrong (the reader adds file and row)."""
-
-    def __init__(self, field_path: str, problem: str):
-        super().__init__(f"field '{field_path}': {problem}")
-
-
 @dataclass
 class _Row:
     """One raw row: 0-based index (used in ids and messages), the jsonl line if any, and the data."""
@@ -83,7 +64,7 @@ class _Row:
     index: int
     value: Any
     line: int | None = None
-    error: _RowError | None = None
+    error: FieldError | None = None
 
     def where(self, path: Path) -> str:
         """`file: row N (line L)` — the location prefix of every row message."""
@@ -104,7 +85,7 @@ def _rows_from_jsonl(path: Path) -> Iterator[_Row]:
             try:
                 yield _Row(index, json.loads(line), line_no)
             except json.JSONDecodeError as e:
-                yield _Row(index, None, line_no, _RowError("<line>", f"invalid JSON ({e.msg} at column {e.colno})"))
+                yield _Row(index, None, line_no, FieldError("<line>", f"invalid JSON ({e.msg} at column {e.colno})"))
             index += 1
 
 
@@ -196,19 +177,21 @@ def _reader_for(path: Path) -> Callable[[Path], Iterator[_Row]]:
 
 
 def _require(row: dict, key: str, kind: type, path: str | None = None) -> Any:
-    """`row[key]`, checked to exist and have type `kind`."""
+    """`row[key]`, checked to exist and have type `kind` (a string: to hold only characters)."""
     path = path or key
     if key not in row or row[key] is None:
-        raise _RowError(path, "missing")
+        raise FieldError(path, "missing")
     if not isinstance(row[key], kind):
-        raise _RowError(path, f"expected {kind.__name__}, got {type(row[key]).__name__}")
+        raise FieldError(path, f"expected {kind.__name__}, got {type(row[key]).__name__}")
+    if isinstance(row[key], str):
+        check_text(row[key], path)
     return row[key]
 
 
 def _turn(item: Any, path: str) -> dict:
     """A conversation turn must be a JSON object."""
     if not isinstance(item, dict):
-        raise _RowError(path, f"expected an object, got {type(item).__name__}")
+        raise FieldError(path, f"expected an object, got {type(item).__name__}")
     return item
 
 
@@ -219,8 +202,8 @@ def _parse_sharegpt(row: dict) -> list[Message]:
         turn = _turn(item, f"conversations[{i}]")
         who = _require(turn, "from", str, f"conversations[{i}].from")
         if who.lower() not in SHAREGPT_ROLES:
-            raise _RowError(f"conversations[{i}].from",
-                            f"unknown role '{who}'; expected one of {', '.join(SHAREGPT_ROLES)}")
+            raise FieldError(f"conversations[{i}].from",
+                             f"unknown role '{who}'; expected one of {', '.join(SHAREGPT_ROLES)}")
         value = _require(turn, "value", str, f"conversations[{i}].value")
         messages.append(Message(SHAREGPT_ROLES[who.lower()], value))
     return messages
@@ -231,13 +214,13 @@ def _content_text(content: Any, path: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _RowError(path, f"expected a string or a list of text parts, got {type(content).__name__}")
+        raise FieldError(path, f"expected a string or a list of text parts, got {type(content).__name__}")
     texts = []
     for j, part in enumerate(content):
         part = _turn(part, f"{path}[{j}]")
         if part.get("type") != "text":
-            raise _RowError(f"{path}[{j}].type", f"unsupported content part type {part.get('type')!r}; "
-                            "only text parts are supported")
+            raise FieldError(f"{path}[{j}].type", f"unsupported content part type {part.get('type')!r}; "
+                             "only text parts are supported")
         texts.append(_require(part, "text", str, f"{path}[{j}].text"))
     return "\n".join(texts)
 
@@ -248,14 +231,14 @@ def _tool_calls(turn: dict, path: str) -> tuple[dict, ...] | None:
     if not calls:
         return None
     if turn["role"] != "assistant":
-        raise _RowError(path, f"only assistant messages carry tool calls, not '{turn['role']}'")
+        raise FieldError(path, f"only assistant messages carry tool calls, not '{turn['role']}'")
     if not isinstance(calls, list):
-        raise _RowError(path, f"expected a list, got {type(calls).__name__}")
+        raise FieldError(path, f"expected a list, got {type(calls).__name__}")
     for j, call in enumerate(calls):
         fn = _require(_turn(call, f"{path}[{j}]"), "function", dict, f"{path}[{j}].function")
         _require(fn, "name", str, f"{path}[{j}].function.name")
         if not isinstance(fn.get("arguments"), (str, dict)):
-            raise _RowError(f"{path}[{j}].function.arguments", "expected a JSON string or an object")
+            raise FieldError(f"{path}[{j}].function.arguments", "expected a JSON string or an object")
     return tuple(calls)
 
 
@@ -263,18 +246,17 @@ def _optional_field(turn: dict, key: str, path: str) -> str | None:
     """An optional string field of a message: absent or null gives None."""
     value = turn.get(key)
     if value is not None and not isinstance(value, str):
-        raise _RowError(path, f"expected str, got {type(value).__name__}")
+        raise FieldError(path, f"expected str, got {type(value).__name__}")
     return value
 
 
 def _openai_message(turn: dict, i: int) -> Message:
     """One OpenAI message; an assistant turn that only calls tools may have null content."""
     role = _require(turn, "role", str, f"messages[{i}].role")
-    if role not in OPENAI_ROLES:
-        raise _RowError(f"messages[{i}].role", f"unknown role '{role}'; expected one of {', '.join(OPENAI_ROLES)}")
+    check_message(turn, f"messages[{i}]")
     calls = _tool_calls(turn, f"messages[{i}].tool_calls")
     if turn.get("content") is None and not calls:
-        raise _RowError(f"messages[{i}].content", "missing")
+        raise FieldError(f"messages[{i}].content", "missing")
     content = "" if turn.get("content") is None else _content_text(turn["content"], f"messages[{i}].content")
     return Message(role, content, calls,
                    _optional_field(turn, "tool_call_id", f"messages[{i}].tool_call_id"),
@@ -283,7 +265,7 @@ def _openai_message(turn: dict, i: int) -> Message:
 
 
 def _parse_openai(row: dict) -> list[Message]:
-    """`messages: [{role, content}]`, roles system/user/assistant/tool, with OpenAI tool-call fields."""
+    """`messages: [{role, content}]`, roles from OPENAI_ROLES, with OpenAI tool-call fields."""
     return [_openai_message(_turn(item, f"messages[{i}]"), i) for i, item in enumerate(_require(row, "messages", list))]
 
 
@@ -293,7 +275,8 @@ def _row_tools(row: dict) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise _RowError("tools", "expected a list of tool definitions (objects)")
+        raise FieldError("tools", "expected a list of tool definitions (objects)")
+    check_strings(tools, "tools")
     return tools or None
 
 
@@ -303,7 +286,8 @@ def _optional_str(row: dict, key: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise _RowError(key, f"expected str, got {type(value).__name__}")
+        raise FieldError(key, f"expected str, got {type(value).__name__}")
+    check_text(value, key)
     return value
 
 
@@ -323,7 +307,7 @@ def _parse_text(row: dict) -> str:
     """A raw-text row: a non-empty `text` string."""
     text = _require(row, "text", str)
     if not text.strip():
-        raise _RowError("text", "empty text")
+        raise FieldError("text", "empty text")
     return text
 
 
@@ -334,9 +318,9 @@ def _check_chat(messages: list[Message], fmt: str) -> None:
     """A chat sample needs at least one message and at least one assistant turn to supervise."""
     key = "conversations" if fmt == "sharegpt" else "messages"
     if not messages:
-        raise _RowError(key, "empty conversation")
+        raise FieldError(key, "empty conversation")
     if not any(m.role == "assistant" for m in messages):
-        raise _RowError(key, "no assistant turn: nothing to train on")
+        raise FieldError(key, "no assistant turn: nothing to train on")
 
 
 def _row_id(row: dict, stem: str, index: int) -> str:
@@ -345,16 +329,16 @@ def _row_id(row: dict, stem: str, index: int) -> str:
     if value is None or value == "":
         return f"{stem}:{index}"
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise _RowError("id", f"expected a string or integer, got {type(value).__name__}")
+        raise FieldError("id", f"expected a string or integer, got {type(value).__name__}")
     return str(value)
 
 
 def _parse_row(row: _Row, fmt: str, stem: str) -> Conversation:
-    """Turn one raw row into a `Conversation` of format `fmt`, or raise `_RowError`."""
+    """Turn one raw row into a `Conversation` of format `fmt`, or raise `FieldError`."""
     if row.error is not None:
         raise row.error
     if not isinstance(row.value, dict):
-        raise _RowError("<row>", f"expected a JSON object, got {type(row.value).__name__}")
+        raise FieldError("<row>", f"expected a JSON object, got {type(row.value).__name__}")
     conv_id = _row_id(row.value, stem, row.index)
     if fmt == "text":
         return Conversation(conv_id, [], _parse_text(row.value))
@@ -419,7 +403,7 @@ def read_conversations(
         stats.read += 1
         try:
             convs.append(_parse_row(row, stats.format, path.stem))
-        except _RowError as e:
+        except FieldError as e:
             reason = f"{row.where(path)}: {e}"
             if not skip_malformed:
                 raise DataError(f"{reason} — {_SKIP_HINT}") from None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from specheads.atomic import write_json
 from specheads.data.conversations import read_conversations
+from specheads.data.messages import OPENAI_ROLES, FieldError, check_message, check_strings
 from specheads.data.regenerate import LocalBackend, RegenOptions, RegenerateError, Row, count_turns
 from specheads.data.resume import RowWriter, check_resumable
 from specheads.errors import read_user_text
@@ -41,12 +42,17 @@ def _raw_rows(path: Path) -> list | None:
 
 
 def _message_row(row: dict, n: int, path: Path) -> Row:
-    """An OpenAI row with tool messages and tool calls kept as they are."""
+    """An OpenAI row with tool messages and tool calls kept as they are (each message checked)."""
     msgs = row.get("messages")
-    if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in
-                                            ("system", "user", "assistant", "tool") for m in msgs):
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
         raise RegenerateError(f"{path}: row {n}: 'messages' must be a list of objects with role "
-                              "system / user / assistant / tool")
+                              f"{' / '.join(OPENAI_ROLES)}")
+    try:
+        for i, m in enumerate(msgs):
+            check_message(m, f"messages[{i}]")
+        check_strings(row.get("tools"), "tools")
+    except FieldError as err:
+        raise RegenerateError(f"{path}: row {n}: {err}") from None
     return Row(str(row.get("id", f"{path.stem}:{n}")), msgs, row.get("tools"))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
+from specheads.data.messages import FieldError, check_text
 from specheads.errors import read_user_text
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import prediction_metrics
@@ -76,6 +77,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
         if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
             raise PromptsError(f"{path}:{n}: expected a non-empty string 'prompt' or a non-empty "
                                "list of strings 'turns'")
+        _check_turns(turns, "prompt" in obj, f"{path}:{n}")
         rows.append(PromptRow(id=str(obj.get("id", obj.get("question_id", n))), turns=turns,
                               category=obj.get("category")))
         if limit is not None and len(rows) >= limit:
@@ -83,6 +85,16 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
     if not rows:
         raise PromptsError(f"prompts file '{path}' holds no prompts")
     return rows
+
+
+def _check_turns(turns: list[str], single: bool, where: str) -> None:
+    """Each turn is a user message's text: it must hold only characters a tokenizer can encode."""
+    for j, text in enumerate(turns):
+        try:
+            check_text(text, "prompt" if single else f"turns[{j}]")
+        except FieldError as err:
+            raise PromptsError(f"{where}: {err}") from None
+
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Render the conversation with the tokenizer's chat template, ready for the assistant turn."""

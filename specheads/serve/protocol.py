@@ -6,6 +6,7 @@ import math
 import time
 import uuid
 
+from specheads.data.messages import FieldError, check_message, check_strings, check_text
 from specheads.serve.engine import Completion, Params, RequestError
 
 # fields whose non-default values we cannot honour: refused rather than silently ignored
@@ -71,13 +72,23 @@ def _text_content(content, where: str) -> str:
                        f"{where}.content")
 
 
+def _checked(check, value, field: str) -> None:
+    """Run a message check (data/messages.py) on a request field: its FieldError becomes a 400
+    that names the field, in the style of this module's other refusals."""
+    try:
+        check(value, field)
+    except FieldError as err:
+        raise RequestError(f"'{err.field}': {err.problem}", err.field) from None
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_messages(body: dict) -> list[dict]:
-    """`messages` checked and normalised (text parts joined); other message keys kept."""
+    """`messages` checked (shape here, roles and text by `check_message`) and normalised (text
+    parts joined); other message keys kept."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
@@ -86,7 +97,9 @@ def parse_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"'messages[{i}]' must be an object with a string 'role'",
                                f"messages[{i}]")
-        out.append({**m, "content": _text_content(m.get("content"), f"messages[{i}]")})
+        content = _text_content(m.get("content"), f"messages[{i}]")
+        _checked(check_message, m, f"messages[{i}]")
+        out.append({**m, "content": content})
     return out
 
 
@@ -106,6 +119,7 @@ def parse_tools(body: dict) -> list[dict] | None:
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise RequestError(f"'tools[{i}].function.parameters' must be a JSON schema object",
                                f"tools[{i}].function.parameters")
+    _checked(check_strings, tools, "tools")
     return tools
 
 
@@ -113,6 +127,7 @@ def parse_template_kwargs(body: dict) -> dict:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    _checked(check_strings, kwargs, "chat_template_kwargs")
     return kwargs
 
 
@@ -122,6 +137,7 @@ def parse_prompt(body: dict):
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
+        _checked(check_text, prompt, "prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
@@ -186,4 +202,6 @@ _KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error shape; `param` names the offending field when there is one."""
     kind = _KINDS.get(status, "BadRequestError" if 400 <= status < 500 else "InternalServerError")
+    # a lone surrogate echoed from the request (a model name) is written \udXXX: UTF-8 cannot hold it
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
