@@ -123,3 +123,20 @@ def _run(cmd: list[str], log: Path, engine: str) -> None:
 
 def _stamp(folder: Path, version: str) -> None:
     write_text(folder / STAMP, version + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specheads.engines.venvs [ENGINE ...]`: create the engines' venvs now (CI starts this
+    beside the test suite, so `make engine-check` later finds them ready)."""
+    engines = (sys.argv[1:] if argv is None else argv) or list(ENGINES)
+    for engine in engines:
+        try:
+            print(ensure(engine), flush=True)
+        except (EngineSetupError, ValueError) as err:
+            print(f"specheads: {err}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
