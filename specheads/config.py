@@ -72,6 +72,8 @@ class TrainConfig:
     project: str = "specheads"  # tracker project name
     progress: bool = True  # progress bar with tokens/s and ETA on the main process
     shard_target: bool = False  # FSDP2-shard the frozen target's decoder layers over the processes
+    # seconds a process waits for the others in one collective: a lost or frozen machine stops the run
+    dist_timeout: int = bounded(600, ge=1, hint="seconds a collective waits for the other processes")
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

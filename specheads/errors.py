@@ -52,6 +52,26 @@ def is_network_error(err: BaseException) -> bool:
                          "ConnectionRefusedError", "gaierror", "LocalEntryNotFoundError"})
 
 
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+             "communicator was aborted")
+
+
+def peer_failure(err: BaseException) -> tuple[str, BaseException] | None:
+    """('lost' | 'timeout', the exception) when `err` says another process of a distributed run
+    went away or went silent: torch.distributed's DistError, gloo's socket and timeout errors."""
+    dist = getattr(sys.modules.get("torch.distributed"), "DistError", ())
+    for e in _chain(err):
+        text = str(e).lower()
+        lost = any(p in text for p in PEER_LOST)
+        if not (isinstance(e, dist) or (isinstance(e, RuntimeError) and (lost or "gloo" in text))):
+            continue
+        if lost:
+            return "lost", e
+        if "timed out" in text or "timeout" in text:
+            return "timeout", e
+    return None
+
+
 def first_line(err: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message, shortened (library messages can run long)."""
     text = str(err).strip()

@@ -7,7 +7,10 @@
 The strategy (DDP, FSDP2, DeepSpeed ZeRO-2/3) comes from the accelerate launch config; only the
 drafter is prepared (wrapped, sharded), the frozen target is loaded whole on every process.
 Resume is exact: data order is a function of the step, and the head, optimizer (per rank),
-scheduler and RNG states come back from the latest checkpoint.
+scheduler and RNG states come back from the latest checkpoint. Several machines run the same
+command (with --num_machines / --machine_rank / --main_process_ip) into one shared output_dir; a
+lost machine stops the others (at the latest after train.dist_timeout) with a message saying how
+to resume.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,6 +36,7 @@ from specheads.data.samples import prepare_samples, split_samples
 from specheads.data.tokenize import collate
 from specheads.data.vocab_stats import load_vocab_stats
 from specheads.engine_facts import REFUSED_OPTIONS
+from specheads.errors import first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
     Checkpoint, latest_checkpoint, load_strict, mark_run, resume_hint, run_dir_refusal, save_checkpoint,
@@ -88,21 +95,34 @@ def head_inputs(target, head, batch, features=None) -> dict:
 
 
 # --- the accelerator and the strategy it was launched with -----------------------------------
-def build_accelerator(t: TrainConfig, out_dir: Path):
-    """Accelerator from the launch config (DDP / FSDP / DeepSpeed) and the recipe's precision."""
-    from accelerate import Accelerator
+def collective_timeout(cuda: bool, seconds: int):
+    """InitProcessGroupKwargs with the recipe's timeout, also made torch's default for every group:
+    accelerate passes a timeout only when it differs from its own default (600 s), and DeepSpeed
+    creates groups without one; both then get torch's defaults (gloo: 30 min)."""
+    import torch.distributed.distributed_c10d as c10d
     from accelerate.utils import InitProcessGroupKwargs
 
+    timeout = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout  # read when a group is created
+    return InitProcessGroupKwargs(backend="nccl" if cuda else "gloo", timeout=timeout)
+
+
+def build_accelerator(t: TrainConfig, out_dir: Path):
+    """Accelerator from the launch config (DDP / FSDP / DeepSpeed) and the recipe's precision;
+    collectives time out after train.dist_timeout seconds."""
+    from accelerate import Accelerator
+
     cuda = torch.cuda.is_available()
-    # on CPU, gloo: DeepSpeed otherwise counts one process and fails its batch-size check
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not launched:  # a second train() in one process (tests, the demo) may change the precision
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not cuda else []
     # accelerate honours a DeepSpeed launch config only when not forced onto the CPU
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    # launched: the recipe's collective timeout; on CPU gloo (DeepSpeed otherwise counts one process
+    # and fails its batch-size check)
+    handlers = [collective_timeout(cuda, t.dist_timeout)] if launched else []
     acc = Accelerator(cpu=not cuda and not deepspeed, gradient_accumulation_steps=t.grad_accum,
                       mixed_precision=t.mixed_precision, log_with=t.report_to or None,
                       project_dir=str(out_dir), kwargs_handlers=handlers)
@@ -313,16 +333,70 @@ def validate(accelerator, model, evaluator, target, val_samples, batch_size: int
     return tau if accelerator.is_main_process else None
 
 
+# --- a process of the run lost: one clear paragraph --------------------------------------------
+class RunInterrupted(TrainError):
+    """Another process (or machine) of a distributed run stopped or went silent."""
+
+
+def machine_of_launch() -> tuple[int, int]:
+    """(this machine's rank, number of machines) from the launcher (torchrun, deepspeed); (0, 1) if unknown."""
+    for rank, size in (("GROUP_RANK", "GROUP_WORLD_SIZE"), ("CROSS_RANK", "CROSS_SIZE")):
+        if os.environ.get(rank, "").isdigit() and os.environ.get(size, "").isdigit():
+            return int(os.environ[rank]), int(os.environ[size])
+    return 0, 1
+
+
+def interrupted_message(kind: str, err: BaseException, accelerator, t: TrainConfig) -> str:
+    """What a surviving process says when another one was lost (`kind` 'lost') or silent ('timeout')."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    node, nodes = machine_of_launch()
+    other = "another process"
+    if world == 2:  # the only other one, on the other machine when there are two
+        other = f"process {1 - rank}" + (f" (machine {1 - node})" if nodes == 2 else "")
+    detail = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first_line(err, 400)).split(". ")[0]
+    what = (f"lost {other} of the run ({detail}): it stopped (killed, crashed, out of memory: its own log "
+            "says which) or its machine or the network went down" if kind == "lost" else
+            f"waited train.dist_timeout={t.dist_timeout} s for {other} of the run ({detail}): it hangs or "
+            "stopped, or its machine or the network went down (if a step, a checkpoint or loading the target "
+            "legitimately takes longer, raise train.dist_timeout)")
+    ckpt = latest_checkpoint(t.output_dir)
+    resume = (f"it resumes from {ckpt}" if ckpt is not None
+              else f"there is no checkpoint in {t.output_dir} yet, so it starts again from step 0")
+    if not t.resume:
+        resume = "with train.resume=true " + resume
+    machine = f" (machine {node} of {nodes})" if nodes > 1 else ""
+    return (f"process {rank} of {world}{machine} {what}. Stop the run wherever it still runs, then rerun "
+            f"the same command on every machine: {resume}.")
+
+
+@contextmanager
+def peer_guard(accelerator, t: TrainConfig):
+    """Turn a lost or silent peer (gloo socket error, collective timeout) into RunInterrupted."""
+    try:
+        yield
+    except Exception as err:
+        found = peer_failure(err) if accelerator.num_processes > 1 else None
+        if found is None:
+            raise
+        raise RunInterrupted(interrupted_message(*found, accelerator, t)) from err
+
+
 # --- the loop ----------------------------------------------------------------------------------
 def train(recipe: Recipe) -> Path:
     """Run (or resume) training; returns the path of the final checkpoint."""
-    from accelerate.utils import set_seed
-
     check_export_compat(recipe)
     check_recipe_inputs(recipe)  # before the slow part
+    accelerator = build_accelerator(recipe.train, Path(recipe.train.output_dir))
+    with peer_guard(accelerator, recipe.train):
+        return run_training(recipe, accelerator)
+
+
+def run_training(recipe: Recipe, accelerator) -> Path:
+    """The training loop on a built accelerator (see `train`)."""
+    from accelerate.utils import set_seed
+
     t = recipe.train
     out_dir = Path(t.output_dir)
-    accelerator = build_accelerator(t, out_dir)
     check_output_dir(accelerator, out_dir)  # a user's folder is refused before anything loads
     set_seed(t.seed)
     target = load_target(accelerator, recipe)
