@@ -93,8 +93,10 @@ def process_start(pid: int) -> float | None:
 def writer_alive(pid: int, temporary: Path) -> bool:
     """The process that made `temporary` still runs: `pid` is alive and started before the temporary's
     last change (a pid reused by a later process, e.g. in a new container, does not count)."""
-    if pid == os.getpid() or not _alive(pid):
-        return pid == os.getpid()
+    if pid == os.getpid():
+        return True
+    if not _alive(pid):
+        return False
     started = process_start(pid)
     try:
         changed = temporary.lstat().st_mtime

@@ -319,6 +319,12 @@ def is_tiny_target(folder: Path) -> bool:
     return (folder / BUILD_INFO).is_file()
 
 
+def _target_dir(dest: Path):
+    """atomic_dir for a tiny target folder: replaces only an earlier build of ours."""
+    return atomic_dir(dest, owned=is_tiny_target, what="a tiny target folder",
+                      hint="choose another --out, or move or remove it yourself")
+
+
 class _BuiltMeanwhile(Exception):
     """A concurrent builder finished `dest` first: keep its folder, drop ours."""
 
@@ -328,8 +334,7 @@ def _build_atomic(dest: Path, preset: str, progress: bool, overwrite: bool) -> P
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     try:
-        with atomic_dir(dest, owned=is_tiny_target, what="a tiny target folder",
-                        hint="choose another --out, or move or remove it yourself") as tmp:
+        with _target_dir(dest) as tmp:
             build_into(tmp, preset, progress)
             if not overwrite and is_tiny_target(dest):
                 raise _BuiltMeanwhile
@@ -361,7 +366,7 @@ def cached_tiny_target(preset: str = "default", progress: bool = True) -> Path:
     if (dest / BUILD_INFO).is_file() and (prebuilt is None or verified(dest, prebuilt)):
         return dest
     if prebuilt is not None:
-        return _install_prebuilt(prebuilt, dest)
+        return _install_prebuilt(prebuilt, dest, preset)
     return _build_atomic(dest, preset, progress, overwrite=False)
 
 
@@ -405,12 +410,10 @@ def check_prebuilt(prebuilt: Path, preset: str) -> None:
                               "reinstall specheads, or build it here with `specheads tiny-target --out DIR`")
 
 
-def _install_prebuilt(prebuilt: Path, dest: Path) -> Path:
+def _install_prebuilt(prebuilt: Path, dest: Path, preset: str) -> Path:
     """Copy the verified prebuilt build into the cache atomically (replacing a stale or damaged copy)."""
-    preset = json.loads((prebuilt / BUILD_INFO).read_text(encoding="utf-8"))["preset"]
     check_prebuilt(prebuilt, preset)
-    with atomic_dir(dest, owned=is_tiny_target, what="a tiny target folder",
-                    hint="choose another --out, or move or remove it yourself") as tmp:
+    with _target_dir(dest) as tmp:
         for name in manifest(prebuilt):
             shutil.copyfile(prebuilt / name, tmp / name)
         if not verified(tmp, prebuilt):

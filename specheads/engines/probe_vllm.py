@@ -298,6 +298,7 @@ class Probe:
 
         if hasattr(torch.ops._C, "convert_weight_packed"):
             return
+
         def skip_packing(impl, act_dtype):
             replaced = _ACTIVE["probe"].result["replaced_kernels"]
             if AMX_MLA_NOTE not in replaced:
