@@ -171,6 +171,11 @@ ENGINE_IGNORES = {("vllm", "eagle3"): (r"^t2d$",)}
 # (engine, kind) -> parameters the engine creates but reads only in a mode our exports never use
 ENGINE_UNUSED = {("vllm", "dflash"): (r"(^|\.)mask_embedding$",)}  # only with a shipped mask_embedding.pt
 
+# vLLM 0.33's `method: suffix` settings (SpeculativeConfig.suffix_decoding_*): the defaults our suffix
+# proposer starts from, so its drafts are the ones `vllm serve` would make
+VLLM_SUFFIX_DEFAULTS = {"max_tree_depth": 24, "max_cached_requests": 10000, "max_spec_factor": 1.0,
+                        "min_token_prob": 0.1}
+
 # vLLM's speculative-decoding counters (SpecDecodingProm; Prometheus adds `_total`), docs/engines.md §2.8
 VLLM_SPEC_METRICS = {
     "drafts": "vllm:spec_decode_num_drafts",
