@@ -59,10 +59,11 @@ from specheads.export import load
 from specheads.export.load import read_export_meta
 from specheads.heads.dflash import DFlashConfig, DFlashHead
 from specheads.target import Target
-from specheads.verify.decode import causal_mask, positions
+from specheads.verify.steps import causal_mask, positions
 from specheads.verify.dflash_proposers import DFlashProposer
 from specheads.verify.eagle1_proposers import bind_to_target
-from specheads.verify.settings import TreeSpec, make_proposer
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
 
 
 

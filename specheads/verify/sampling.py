@@ -14,9 +14,12 @@ Pure functions over probability tensors (docs/algorithms.md §8.2-8.4):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+Warper = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probs [..., V]
 
 
 def check_warp(temperature: float, top_p: float, top_k: int) -> None:

@@ -80,8 +80,12 @@ class StreamingProposer:
         self.inner, self.stream = inner, stream
         self.sent = 0
         self.seconds = 0.0
+        self.layers = inner.layers
+        for hook in ("propose", "propose_tree", "propose_sampled"):  # seen by protocol checks
+            if hasattr(inner, hook):
+                setattr(self, hook, getattr(inner, hook))
 
-    def __getattr__(self, name):  # layers, propose, propose_tree, max_nodes, ...
+    def __getattr__(self, name):  # max_nodes, ...
         return getattr(self.inner, name)
 
     def start(self, prompt_ids, first_token, out) -> None:
