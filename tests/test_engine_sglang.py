@@ -111,10 +111,10 @@ def run_probe(kind, target_dir, draft_dir, inputs, out, k=3) -> tuple[dict, dict
 def ours(kind, target, folder, inputs, k):
     """Our loaded export's aux states [T, *], logits over the target vocab [T, V] and chain [k]."""
     from specheads.export import load
-    from specheads.verify.decode import causal_mask, positions
+    from specheads.verify.draft_proposers import DraftModelProposer
     from specheads.verify.eagle1_proposers import Eagle1Proposer
-    from specheads.verify.mtp_proposers import DraftModelProposer
-    from specheads.verify.proposers import Eagle3Proposer
+    from specheads.verify.eagle3_proposers import Eagle3Proposer
+    from specheads.verify.steps import causal_mask, positions
 
     head = load(folder).eval()
     t = load_file(str(inputs))

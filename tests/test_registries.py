@@ -10,7 +10,8 @@ import pytest
 from specheads.export import LOADERS, WRITERS, ExportRefused, load_with_meta
 from specheads.export.registry import writer_for
 from specheads.heads import HEADS, head_class
-from specheads.verify.settings import PROPOSERS, SettingsError, TreeSpec, make_proposer
+from specheads.verify.registry import PROPOSERS, make_proposer
+from specheads.verify.settings import SettingsError, TreeSpec
 
 REGISTRIES = {"heads.HEADS": HEADS, "export.WRITERS": WRITERS, "export.LOADERS": LOADERS,
               "verify.settings.PROPOSERS": PROPOSERS}

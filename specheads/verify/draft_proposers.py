@@ -9,7 +9,13 @@ import torch
 from transformers import DynamicCache
 
 from specheads.hf_compat import cache_kwargs
-from specheads.verify.steps import causal_mask, check_tree_attention, check_vocab_fits, positions, trim_cache
+from specheads.verify.steps import (
+    causal_mask,
+    check_tree_attention,
+    check_vocab_fits,
+    positions,
+    trim_cache,
+)
 from specheads.verify.trees import SettingsError, Tree, tree_from_choices
 
 

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specheads.target import TargetOutput
-from specheads.verify.steps import causal_mask, check_vocab_fits, positions, tree_attention_mask, trim_cache
+from specheads.verify.steps import (
+    causal_mask,
+    check_vocab_fits,
+    positions,
+    tree_attention_mask,
+    trim_cache,
+)
 from specheads.verify.trees import SettingsError, Tree, tree_from_choices
 
 
