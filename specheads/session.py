@@ -22,12 +22,7 @@ from specheads.target import Target
 from specheads.verify.loop import decode
 from specheads.verify.ngram_proposers import NO_DRAFT
 from specheads.verify.registry import make_proposer
-from specheads.verify.settings import (
-    Sampling,
-    TreeSpec,
-    check_tree_fits,
-    with_default_k,
-)
+from specheads.verify.settings import Sampling, TreeSpec, check_tree_fits, with_default_k
 from specheads.verify.steps import DecodeResult
 from specheads.verify.text import StreamingProposer, TextStream
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+
 from refusals import env, refused
 
 

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from random_models import make_target
 
+from random_models import make_target
 from specheads.heads.dflash import (
-    DFlashHead,
-    DFlashOptions,
-    block_attention_mask,
-    default_target_layer_ids,
-    sample_anchors,
+    DFlashHead, DFlashOptions, block_attention_mask, default_target_layer_ids, sample_anchors,
 )
 from specheads.verify.dflash_proposers import DFlashProposer, SampledDFlashProposer
 from specheads.verify.loop import decode, greedy_decode
@@ -178,14 +174,7 @@ def test_a_trained_block_is_accepted(target):
 def test_sampled_block_decoding_keeps_the_target_distribution(warping):
     """The first 3 sampled tokens over many seeds (one block of k = 3 drafted and verified first)
     pass a chi-square test against the target's exact warped joint distribution."""
-    from test_sampling import (
-        P_MIN,
-        V_SMALL,
-        build_small,
-        chi2_pvalue,
-        exact_first_tokens,
-        flat_index,
-    )
+    from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
     from specheads.verify.loop import decode
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dflash import random_head, target  # noqa: F401 - the module's target fixture
 
 from specheads.heads.dflash import DFlashHead, DFlashOptions
 from specheads.verify.dflash_proposers import DFlashProposer, DFlashStaticTreeProposer
@@ -14,6 +13,7 @@ from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import TreeSpec
 from specheads.verify.trees import SettingsError, TreeError
+from test_dflash import random_head, target  # noqa: F401 - the module's target fixture
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
 
@@ -45,14 +45,7 @@ def test_greedy_tree_decoding_equals_plain(target):  # noqa: F811
 def test_sampled_tree_decoding_keeps_the_target_distribution():
     """The first 3 sampled tokens over many seeds (a static tree verified with the point-mass rule)
     pass a chi-square test against the target's exact warped joint distribution."""
-    from test_sampling import (
-        P_MIN,
-        V_SMALL,
-        build_small,
-        chi2_pvalue,
-        exact_first_tokens,
-        flat_index,
-    )
+    from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
     from specheads.verify.loop import decode
 

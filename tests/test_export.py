@@ -9,14 +9,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig
 
 from specheads.export import (
-    FORMATS,
-    CheckpointError,
-    ExportRefused,
-    export,
-    load,
-    load_with_meta,
-    read_export_meta,
-    validate,
+    FORMATS, CheckpointError, ExportRefused, export, load, load_with_meta, read_export_meta, validate,
 )
 from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options

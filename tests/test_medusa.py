@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from random_models import make_target
 from safetensors.torch import load_file, save_file
 
+from random_models import make_target
 from specheads.export import ContractError, ExportRefused, export, load_with_meta
 from specheads.export import medusa as medusa_export
 from specheads.export.checkpoint import save_checkpoint

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from random_models import make_target
 
+from random_models import make_target
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.heads.peagle import depth_anchors, parallel_mask, parallel_rows
 from specheads.verify.eagle3_proposers import Eagle3Proposer
@@ -112,14 +112,7 @@ def test_greedy_parallel_decoding_equals_plain(target):
 
 @pytest.mark.parametrize("warping", [{"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.9}])
 def test_sampled_parallel_decoding_keeps_the_target_distribution(warping):
-    from test_sampling import (
-        P_MIN,
-        V_SMALL,
-        build_small,
-        chi2_pvalue,
-        exact_first_tokens,
-        flat_index,
-    )
+    from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
     from specheads.verify.loop import decode
 

@@ -14,13 +14,7 @@ import pytest
 from servers import start_server
 
 from specheads.data.conversations import Conversation, Message
-from specheads.data.regenerate import (
-    LocalBackend,
-    RegenerateError,
-    RegenOptions,
-    regenerate_local,
-    shape_answer,
-)
+from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, regenerate_local, shape_answer
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.resume import RowWriter, read_index
 from specheads.target import Target
@@ -138,9 +132,7 @@ def test_regenerate_through_server_survives_sigkill_and_matches_local(tiny_targe
         assert victim.wait() == -signal.SIGKILL
         killed_at = len(read_index(out)[0])
         assert 3 <= killed_at < 20, "the kill must land in the middle of the run"
-        from specheads.regenerate import (
-            main,  # the resumed run: same command, in-process
-        )
+        from specheads.regenerate import main  # the resumed run: same command, in-process
 
         assert main(cmd[4:]) == 0
         report = json.loads(capsys.readouterr().out)

@@ -26,13 +26,7 @@ from dataclasses import asdict, dataclass, field
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import TreeSpec
-from specheads.verify.steps import (
-    Clock,
-    DecodeStats,
-    new_cache,
-    target_step,
-    trim_cache,
-)
+from specheads.verify.steps import Clock, DecodeStats, new_cache, target_step, trim_cache
 
 CHAIN_KS = tuple(range(1, 9))
 TREE_BUDGETS = (8, 16, 32, 48, 64)  # verified tokens per step, root included (SGLang draft tokens)

@@ -5,26 +5,10 @@ and the session (`specheads.session`). Proposers come from `registry.make_propos
 """
 
 from specheads.verify.loop import decode, greedy_decode
-from specheads.verify.ngram_proposers import (
-    NO_DRAFT,
-    NgramProposer,
-    lookup_continuation,
-)
+from specheads.verify.ngram_proposers import NO_DRAFT, NgramProposer, lookup_continuation
 from specheads.verify.rules import accepted_prefix
-from specheads.verify.steps import (
-    DecodeError,
-    DecodeResult,
-    DecodeStats,
-    SampleResult,
-    causal_mask,
-    trim_cache,
-)
-from specheads.verify.trees import (
-    Tree,
-    chain_tree,
-    tree_from_choices,
-    tree_from_parents,
-)
+from specheads.verify.steps import DecodeError, DecodeResult, DecodeStats, SampleResult, causal_mask, trim_cache
+from specheads.verify.trees import Tree, chain_tree, tree_from_choices, tree_from_parents
 
 __all__ = [
     "NO_DRAFT", "DecodeError", "DecodeResult", "DecodeStats", "NgramProposer", "SampleResult", "Tree",

@@ -9,14 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from specheads.hf_compat import cache_kwargs
-from specheads.verify.steps import (
-    causal_mask,
-    check_tree_attention,
-    check_vocab_fits,
-    positions,
-    trim_cache,
-)
-from specheads.verify.trees import SettingsError, Tree, tree_from_choices
+from specheads.verify.steps import causal_mask, check_tree_attention, check_vocab_fits, positions, trim_cache
+from specheads.verify.settings import chain_or_static
+from specheads.verify.trees import Tree, tree_from_choices
 
 
 class DraftModelProposer:
@@ -134,9 +129,4 @@ class DraftModelTreeProposer:
 def make_proposer(spec, head, target, sampled: bool = False):
     """A chain or a static tree. Drafts are deterministic (top-k), so sampled decoding verifies
     them as point masses, which stays lossless."""
-    if spec.kind == "chain":
-        return DraftModelProposer(head, target)
-    if spec.kind == "static":
-        return DraftModelTreeProposer(head, target, list(spec.choices))
-    raise SettingsError(f"a draft model cannot grow '{spec.kind}' trees here: use --tree chain or a "
-                        "static tree file (--tree FILE.json)")
+    return chain_or_static(spec, DraftModelProposer, DraftModelTreeProposer, head, target, "a draft model")

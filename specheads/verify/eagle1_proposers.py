@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from specheads.target import TargetError, TargetOutput
+from specheads.target import TargetOutput
 from specheads.verify.eagle3_proposers import (
     Eagle3DynamicTreeProposer,
     Eagle3Proposer,
     Eagle3StaticTreeProposer,
     SampledEagle3Proposer,
 )
-from specheads.verify.steps import causal_mask, positions
+from specheads.verify.steps import causal_mask, check_vocab_fits, positions
 
 
 def bind_to_target(head, target) -> None:
     """Refuse a head that does not fit the target; attach the target's lm_head for `logits`."""
-    cfg = head.config
-    if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
-        raise TargetError(f"the EAGLE-1 head (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does "
-                          f"not fit this target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+    check_vocab_fits("EAGLE-1", head.config.vocab_size, head.config.hidden_size, target)
     head.bind_lm_head(target.lm_head)
 
 

@@ -19,19 +19,8 @@ from transformers import DynamicCache
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.peagle_proposers import PEagleProposer, SampledPEagleProposer
 from specheads.verify.sampling import Warper, expand_draft_logits, sample
-from specheads.verify.steps import (
-    causal_mask,
-    check_tree_attention,
-    positions,
-    trim_cache,
-)
-from specheads.verify.trees import (
-    SettingsError,
-    Tree,
-    TreeError,
-    tree_from_choices,
-    tree_from_parents,
-)
+from specheads.verify.steps import causal_mask, check_tree_attention, positions, trim_cache
+from specheads.verify.trees import SettingsError, Tree, TreeError, tree_from_choices, tree_from_parents
 
 # --- the chain ---------------------------------------------------------------------------------
 

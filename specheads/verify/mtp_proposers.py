@@ -14,14 +14,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specheads.target import TargetOutput
-from specheads.verify.steps import (
-    causal_mask,
-    check_vocab_fits,
-    positions,
-    tree_attention_mask,
-    trim_cache,
-)
-from specheads.verify.trees import SettingsError, Tree, tree_from_choices
+from specheads.verify.steps import causal_mask, check_vocab_fits, positions, tree_attention_mask, trim_cache
+from specheads.verify.settings import chain_or_static
+from specheads.verify.trees import Tree, tree_from_choices
 
 
 class MtpProposer:
@@ -179,9 +174,4 @@ class MtpTreeProposer:
 def make_proposer(spec, head, target, sampled: bool = False):
     """A chain or a static tree. Drafts are deterministic (top-k), so sampled decoding verifies
     them as point masses, which stays lossless."""
-    if spec.kind == "chain":
-        return MtpProposer(head, target)
-    if spec.kind == "static":
-        return MtpTreeProposer(head, target, list(spec.choices))
-    raise SettingsError(f"an MTP head cannot grow '{spec.kind}' trees here: use --tree chain or a "
-                        "static tree file (--tree FILE.json)")
+    return chain_or_static(spec, MtpProposer, MtpTreeProposer, head, target, "an MTP head")

@@ -106,6 +106,17 @@ def with_default_k(spec: TreeSpec, meta, head) -> TreeSpec:
     return TreeSpec("chain", k=int(k))
 
 
+def chain_or_static(spec: TreeSpec, chain, static, head, target, what: str, why: str = " here"):
+    """`chain(head, target)` or `static(head, target, choices)` for a spec; EAGLE-2 trees refused
+    for `what` (a drafter that grows no dynamic trees, `why` says why)."""
+    if spec.kind == "chain":
+        return chain(head, target)
+    if spec.kind == "static":
+        return static(head, target, list(spec.choices))
+    raise SettingsError(f"{what} cannot grow '{spec.kind}' trees{why}: use --tree chain or a "
+                        "static tree file (--tree FILE.json)")
+
+
 def check_tree_fits(spec: TreeSpec, target) -> None:
     """Refuse a tree that cannot be verified in one forward within the target's context."""
     ctx = getattr(target.config, "max_position_embeddings", None)
