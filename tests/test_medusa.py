@@ -17,7 +17,7 @@ from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.medusa_proposers import MedusaProposer, MedusaStaticTreeProposer
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import TreeSpec
-from specheads.verify.trees import TreeError
+from specheads.verify.trees import SettingsError, TreeError
 
 FINGERPRINT = {"name": "random-llama", "vocab_size": 96, "hidden_size": 32}
 
@@ -200,6 +200,6 @@ def test_tree_deeper_than_heads_and_dynamic_trees_are_refused(target):
     head = random_heads(target, num_heads=2)
     with pytest.raises(TreeError, match="only 2 Medusa heads"):
         MedusaStaticTreeProposer(head, target, [[0], [0, 0], [0, 0, 0]])
-    with pytest.raises(TreeError, match="static tree"):
+    with pytest.raises(SettingsError, match="Medusa heads cannot grow 'eagle2' trees.*static tree"):
         make_proposer(TreeSpec("eagle2"), head, target)
     assert isinstance(make_proposer(TreeSpec("chain", k=2), head, target), MedusaProposer)
