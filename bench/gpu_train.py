@@ -30,7 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from specheads.atomic import write_json  # noqa: E402
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options  # noqa: E402
 from specheads.target import Target  # noqa: E402
-from specheads.verify.decode import generate, greedy_decode  # noqa: E402
+from specheads.verify.eagle3_proposers import Eagle3Proposer  # noqa: E402
+from specheads.verify.loop import decode, greedy_decode  # noqa: E402
 
 PRESETS = {  # target shape, training batch, timing loop sizes
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -134,14 +135,12 @@ def bench_verifier(target, head, preset, device) -> dict:
     sync(device)
     plain_s = time.perf_counter() - t0
     results["plain_tokens_per_s"] = len(plain.tokens) / plain_s
-    from specheads.verify.proposers import Eagle3Proposer
-
     for name, make in (("oracle", lambda: OracleProposer(plain.tokens)),
                        ("random_head", lambda: Eagle3Proposer(head.to(target.dtype), target))):
         for k in (1, 3, 5, 7):
             sync(device)
             t0 = time.perf_counter()
-            res = generate(target, make(), prompt, n, k)
+            res = decode(target, make(), prompt, n, k)
             sync(device)
             secs = time.perf_counter() - t0
             assert res.tokens == plain.tokens, f"{name} k={k}: speculative output differs from greedy"

@@ -36,8 +36,10 @@ import torch
 from specheads.atomic import write_json, write_text
 from specheads.eval.online import read_prompts
 from specheads.session import eos_ids, load_draft
-from specheads.verify.decode import DecodeStats, greedy_decode
-from specheads.verify.settings import TreeSpec, make_proposer, make_tree_spec, speculative_decode
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec, make_tree_spec
+from specheads.verify.steps import DecodeStats
 
 DEMO_RECIPES = {"eagle3": "recipes/demo/eagle3.yaml"}  # other kinds: recipes/<kind>/demo.yaml
 VARIANTS = ("peagle",)  # benched like kinds: recipes/<variant>/demo.yaml trains a registered kind
@@ -127,8 +129,8 @@ def decode_all(target, head, spec: TreeSpec | None, prompts, references, max_new
         if spec is None:
             result = greedy_decode(target, ids, max_new_tokens, eos)
         else:
-            result = speculative_decode(spec, target, make_proposer(spec, head, target), ids,
-                                        max_new_tokens, eos)
+            result = decode(target, make_proposer(spec, head, target), ids, max_new_tokens,
+                            spec.k or 0, eos)
         total = total.add(result.stats)
         if ref is not None and result.tokens != ref:
             mismatched.append(pid)

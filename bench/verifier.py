@@ -30,11 +30,11 @@ from specheads.atomic import write_json, write_text
 from specheads.cli_options import add_fingerprint_argument
 from specheads.eval.online import encode_chat, read_prompts
 from specheads.session import Session, eos_ids
-from specheads.verify.settings import (
-    TreeSpec, check_tree_fits, make_proposer, make_tree_spec, speculative_decode,
-)
-from specheads.verify.decode import DecodeStats, generate, greedy_decode
-from specheads.verify.proposers import NgramProposer
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.ngram_proposers import NgramProposer
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec, check_tree_fits, make_tree_spec
+from specheads.verify.steps import DecodeStats
 
 # a Medusa-style static tree of 20 drafts (depth 5): wide near the root, a long top-1 spine
 STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
@@ -68,15 +68,14 @@ class Tally:
 def spec_method(spec: TreeSpec, target, head) -> Method:
     """A draft shape (chain or tree) with the exported head; a fresh proposer per decode."""
     def run(ids, max_new_tokens, eos):
-        return speculative_decode(spec, target, make_proposer(spec, head, target), ids,
-                                  max_new_tokens, eos)
+        return decode(target, make_proposer(spec, head, target), ids, max_new_tokens, spec.k or 0, eos)
 
     return Method(spec.label(), spec.describe(), run)
 
 
 def ngram_method(target, k: int) -> Method:
     def run(ids, max_new_tokens, eos):
-        return generate(target, NgramProposer(3, 1), ids, max_new_tokens, k, eos)
+        return decode(target, NgramProposer(3, 1), ids, max_new_tokens, k, eos)
 
     return Method(f"ngram k={k}", {"kind": "ngram", "k": k, "max_ngram": 3, "min_ngram": 1,
                                    "nodes": k + 1}, run)

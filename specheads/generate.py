@@ -2,15 +2,15 @@
 
 The same prompt is then decoded by plain greedy decoding, so the command proves the speculative
 output identical and reports tau, per-position acceptance and tokens/s for both
-(docs/algorithms.md §9). Drafts are a chain (`--tree chain`, the loop in `verify.decode`),
-an EAGLE-2 dynamic tree (`--tree eagle2`) or a static tree read from a JSON file holding a
-Medusa-style list of rank paths (`--tree FILE.json`, e.g. `[[0], [1], [0, 0]]`); trees run
-through `verify.tree_decode`.
+(docs/algorithms.md §9). Drafts are a chain (`--tree chain`), an EAGLE-2 dynamic tree
+(`--tree eagle2`) or a static tree read from a JSON file holding a Medusa-style list of rank
+paths (`--tree FILE.json`, e.g. `[[0], [1], [0, 0]]`); all run through the one decoder,
+`verify.loop.decode`, by way of the session.
 
 The tree and sampling settings live in `verify/settings.py`, shared with `specheads eval` and
 `bench/verifier.py`.
 
-`--temperature T > 0` samples instead (`verify.sample_decode`: Leviathan speculative sampling
+`--temperature T > 0` samples instead (the "exact" rule of `verify.rules`: Leviathan speculative sampling
 for chains, the EAGLE-2/3 point-mass rule for trees; both lossless, seeded by `--seed`). A sampled
 output is distributed like the target's own samples but is not token-equal to a plain sample, so
 the equality check applies to greedy decoding only; `specheads eval` and the benchmark stay greedy.

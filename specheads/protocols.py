@@ -1,7 +1,7 @@
 """What every drafter kind provides, layer by layer, as typing Protocols.
 
 A kind is one head class (`heads.HEADS`), one export writer and loader module
-(`export.WRITERS`, `export.LOADERS`) and one proposer module (`verify.settings.PROPOSERS`);
+(`export.WRITERS`, `export.LOADERS`) and one proposer module (`verify.registry.PROPOSERS`);
 tests/test_registries.py checks every registry names the same kinds. Optional hooks are their own
 runtime-checkable Protocols, so callers test for them with `isinstance` instead of `hasattr`.
 """
@@ -108,19 +108,48 @@ class Writer(Protocol):
 
 
 class Proposer(Protocol):
-    """Drafts tokens for the verifier's loops from the target's state after each step."""
+    """Drafts a chain for the decode loop (`verify.loop.decode`) from the target's verified state.
+
+    `start(prompt_ids [P], first_token, out)`: the target prefilled the prompt (`out` carries the
+    hidden states at `layers`) and emitted `first_token`. `propose(k) -> ids [<= k]`: drafts in
+    the target vocabulary; fewer or none (an empty [0]) is allowed. `accept(inputs [n],
+    following [n], out, start)`: the target fed `inputs` at positions start.. and settled the
+    token after each (`following`); rows of `out` past n (rejected drafts) must be ignored.
+    Speculative state built by `propose` is dropped before `accept` extends the verified state.
+    """
 
     layers: list[int]  # target layers whose hidden states it needs after every forward
 
     def start(self, prompt_ids: Any, first_token: Any, out: Any) -> None: ...
 
-    def propose(self, k: int) -> Any: ...  # draft ids [k] (a chain); trees use propose_tree
+    def propose(self, k: int) -> Any: ...  # draft ids [<= k]
 
     def accept(self, inputs: Any, following: Any, out: Any, start: int) -> None: ...
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    """Drafts a tree instead of a chain; the loop verifies it with a tree mask. `accept` gets the
+    rows of the accepted path only (root first), so it works as a chain proposer's does."""
+
+    layers: list[int]
+
+    def start(self, prompt_ids: Any, first_token: Any, out: Any) -> None: ...
+
+    def propose_tree(self) -> tuple[Any, Any]: ...  # (verify.trees.Tree, node tokens [N-1])
+
+    def accept(self, inputs: Any, following: Any, out: Any, start: int) -> None: ...
+
+
+@runtime_checkable
+class SampledProposer(Protocol):
+    """Optional: chain proposers that sample their drafts from their own warped q (lossless
+    speculative sampling needs q); others are verified as point masses on their top-1 chain."""
+
+    def propose_sampled(self, k: int, warper: Any, gen: Any) -> tuple[Any, Any]: ...  # [n], q [n, V]
 
 
 class ProposerModule(Protocol):
     """A kind's proposer module: builds the proposer a draft shape (chain or tree) needs."""
 
-    def make_proposer(self, spec: Any, head: Any, target: Any, sampled: bool = False) -> Proposer: ...
-
+    def make_proposer(self, spec: Any, head: Any, target: Any, sampled: bool = False) -> Proposer | TreeProposer: ...

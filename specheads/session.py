@@ -19,10 +19,11 @@ import torch
 from specheads.export import load_with_meta
 from specheads.export.load import ExportMeta
 from specheads.target import Target
-from specheads.verify.decode import DecodeResult, greedy_decode
-from specheads.verify.settings import (
-    Sampling, TreeSpec, check_tree_fits, make_proposer, sampled_decode, speculative_decode, with_default_k,
-)
+from specheads.verify.loop import decode
+from specheads.verify.ngram_proposers import NO_DRAFT
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import Sampling, TreeSpec, check_tree_fits, with_default_k
+from specheads.verify.steps import DecodeResult
 from specheads.verify.text import StreamingProposer, TextStream
 
 GREEDY = Sampling()
@@ -66,32 +67,17 @@ def load_draft(folder: str | Path, target: Target, allow_missing_fingerprint: bo
     return Draft(head.to(device=target.device, dtype=target.dtype).eval(), meta, checked)
 
 
-class NullProposer:
-    """Proposes nothing: the speculative loops then run plain decoding (and still stream)."""
-
-    layers: list[int] = []
-
-    def start(self, prompt_ids, first_token, out) -> None:
-        pass
-
-    def propose(self, k: int) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.long)  # [0]
-
-    def accept(self, inputs, following, out, start) -> None:
-        pass
-
-
 def run(spec: TreeSpec | None, target, proposer, ids: list[int], max_new_tokens: int, eos,
         sampling: Sampling = GREEDY) -> DecodeResult:
-    """The one greedy-or-sampled choice: `spec` None decodes plainly, else speculatively with
-    `proposer` in the loop the spec needs."""
+    """One decode with `sampling`'s rule: `spec` None decodes plainly (no drafts; plain sampling
+    when sampled), else speculatively with `proposer`'s drafts (a chain of spec.k, or trees)."""
     if spec is None:
-        if sampling.greedy:
-            return greedy_decode(target, ids, max_new_tokens, eos)
-        return sampled_decode(None, target, None, ids, max_new_tokens, eos, sampling)
-    if sampling.greedy:
-        return speculative_decode(spec, target, proposer, ids, max_new_tokens, eos)
-    return sampled_decode(spec, target, proposer, ids, max_new_tokens, eos, sampling)
+        proposer, k, rule = NO_DRAFT, 0, "greedy" if sampling.greedy else "exact"
+    else:
+        k, rule = spec.k or 0, sampling.rule
+    return decode(target, proposer, ids, max_new_tokens, k, eos, rule=rule,
+                  temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                  epsilon=sampling.epsilon, delta=sampling.delta)
 
 
 @dataclass
@@ -105,7 +91,7 @@ class Decoded:
 class Session:
     """A target, an optional draft and the draft shape they decode with.
 
-    Without a draft the same loops run with `NullProposer` (plain decoding that still streams).
+    Without a draft the same loop runs with `NO_DRAFT` (plain decoding that still streams).
     `spec` is the shape asked for; `k` (default: the chain's k, else the draft's default length)
     is the chain length, which a tree session keeps for its chain warm-up and n-gram baseline.
     `eos` (default `eos_ids(target)`): the ids that end a decode.
@@ -136,9 +122,9 @@ class Session:
         return None if self.draft is None else self.draft.head
 
     def proposer(self, sampled: bool = False, spec: TreeSpec | None = None):
-        """A fresh proposer of the draft for `spec` (default: the session's), or NullProposer."""
+        """A fresh proposer of the draft for `spec` (default: the session's), or NO_DRAFT."""
         if self.draft is None:
-            return NullProposer()
+            return NO_DRAFT
         return make_proposer(spec or self.spec, self.draft.head, self.target, sampled)
 
     def decode(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,

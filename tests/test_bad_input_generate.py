@@ -47,8 +47,8 @@ def test_summary_says_when_speculation_does_not_pay():
     from types import SimpleNamespace
 
     from specheads.generate import report_lines
-    from specheads.verify.decode import DecodeStats
     from specheads.verify.settings import TreeSpec
+    from specheads.verify.steps import DecodeStats
 
     def result(wall_s):
         stats = DecodeStats(prefill_forwards=1, decode_forwards=20, decode_tokens=25, tokens=26, drafts=20,

@@ -12,7 +12,7 @@ import torch
 
 from specheads.eval.online import encode_chat
 from specheads.session import eos_ids
-from specheads.verify.decode import greedy_decode
+from specheads.verify.loop import greedy_decode
 from test_integrity import cli
 
 PROMPTS = ["def add(a, b):", "class Stack:"]

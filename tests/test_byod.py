@@ -20,8 +20,9 @@ from transformers import DynamicCache
 from specheads.export import load, load_with_meta
 from specheads.export.load import ForeignDraftError
 from specheads.heads.eagle3 import ttt_attention_mask
-from specheads.verify import greedy_decode
-from specheads.verify.settings import make_proposer, make_tree_spec, speculative_decode
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import make_tree_spec
 from random_models import VOCAB, make_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -102,7 +103,7 @@ def test_speculative_decoding_equals_plain_greedy(target, name):
         spec = make_tree_spec(tree, k=3, depth=3, top_k=3, total_tokens=8)
         for prompt in prompts(2, seed=4):
             ref = greedy_decode(target, prompt, 20)
-            res = speculative_decode(spec, target, make_proposer(spec, head, target), prompt, 20, ())
+            res = decode(target, make_proposer(spec, head, target), prompt, 20, spec.k or 0, ())
             assert res.tokens == ref.tokens, (name, tree, prompt.tolist())
             assert res.stats.drafts > 0
 

@@ -10,8 +10,8 @@ from random_models import make_target
 from specheads.heads.dflash import (
     DFlashHead, DFlashOptions, block_attention_mask, default_target_layer_ids, sample_anchors,
 )
-from specheads.verify.decode import generate, greedy_decode
 from specheads.verify.dflash_proposers import DFlashProposer, SampledDFlashProposer
+from specheads.verify.loop import decode, greedy_decode
 
 FINGERPRINT = {"name": "random-llama", "vocab_size": 96, "hidden_size": 32}
 
@@ -145,7 +145,7 @@ def test_greedy_block_decoding_equals_plain(target):
         prompt = torch.randint(0, 95, (6,))
         plain = greedy_decode(target, prompt, 24).tokens
         for k in (1, 3, 5):  # k > block_size - 1 proposes block_size - 1
-            res = generate(target, DFlashProposer(head, target), prompt, 24, k=k)
+            res = decode(target, DFlashProposer(head, target), prompt, 24, k=k)
             assert res.tokens == plain
 
 
@@ -165,7 +165,7 @@ def test_a_trained_block_is_accepted(target):
         opt.zero_grad()
         res.loss.backward()
         opt.step()
-    res = generate(target, DFlashProposer(head.eval(), target), prompt, 30, k=2)
+    res = decode(target, DFlashProposer(head.eval(), target), prompt, 30, k=2)
     assert res.tokens == greedy_decode(target, prompt, 30).tokens
     assert res.stats.decode_tokens > 2.0 * res.stats.decode_forwards  # tau > 2 of at most 3
 
@@ -176,7 +176,7 @@ def test_sampled_block_decoding_keeps_the_target_distribution(warping):
     pass a chi-square test against the target's exact warped joint distribution."""
     from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
-    from specheads.verify.sample_decode import sample_generate
+    from specheads.verify.loop import decode
 
     target = build_small()[0]
     torch.manual_seed(2)
@@ -188,7 +188,7 @@ def test_sampled_block_decoding_keeps_the_target_distribution(warping):
     accepted = rejected = 0
     seeds = 300
     for seed in range(seeds):
-        res = sample_generate(target, SampledDFlashProposer(head, target), prompt, 5, k=3, seed=seed, **warping)
+        res = decode(target, SampledDFlashProposer(head, target), prompt, 5, k=3, seed=seed, **warping, rule="exact")
         counts[flat_index(torch.tensor([res.tokens[:3]]), V_SMALL)] += 1
         first = res.step_tokens[0] - 1
         accepted += first
@@ -239,7 +239,7 @@ def test_export_round_trip_decodes_losslessly(tmp_path, target, fmt):
     torch.manual_seed(5)
     prompt = torch.randint(0, 95, (7,))
     plain = greedy_decode(target, prompt, 20).tokens
-    assert generate(target, DFlashProposer(loaded, target), prompt, 20, k=3).tokens == plain
+    assert decode(target, DFlashProposer(loaded, target), prompt, 20, k=3).tokens == plain
 
 
 def test_reduced_vocabulary_is_vllm_only(tmp_path, target):
@@ -256,7 +256,7 @@ def test_reduced_vocabulary_is_vllm_only(tmp_path, target):
         assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
         loaded = loaded.to(target.dtype)
         prompt = torch.tensor([3, 1, 4, 1, 5, 9])
-        assert generate(target, DFlashProposer(loaded, target), prompt, 16, k=3).tokens == \
+        assert decode(target, DFlashProposer(loaded, target), prompt, 16, k=3).tokens == \
             greedy_decode(target, prompt, 16).tokens
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specheads.heads.dflash import DFlashHead, DFlashOptions
-from specheads.verify.decode import greedy_decode
 from specheads.verify.dflash_proposers import DFlashProposer, DFlashStaticTreeProposer
-from specheads.verify.settings import TreeSpec, make_proposer
-from specheads.verify.tree_decode import tree_generate
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
 from specheads.verify.trees import SettingsError, TreeError
 from test_dflash import random_head, target  # noqa: F401 - the module's target fixture
 
@@ -37,7 +37,7 @@ def test_greedy_tree_decoding_equals_plain(target):  # noqa: F811
     head = random_head(target)
     for seed in range(3):
         prompt = torch.randint(0, 95, (6,), generator=torch.Generator().manual_seed(seed))
-        res = tree_generate(target, DFlashStaticTreeProposer(head, target, TREE), prompt, 24)
+        res = decode(target, DFlashStaticTreeProposer(head, target, TREE), prompt, 24)
         assert res.tokens == greedy_decode(target, prompt, 24).tokens
         assert res.step_proposed[0] == len(TREE)  # whole trees were verified
 
@@ -47,7 +47,7 @@ def test_sampled_tree_decoding_keeps_the_target_distribution():
     pass a chi-square test against the target's exact warped joint distribution."""
     from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
-    from specheads.verify.sample_decode import sample_tree_generate
+    from specheads.verify.loop import decode
 
     small = build_small()[0]
     torch.manual_seed(2)
@@ -61,7 +61,7 @@ def test_sampled_tree_decoding_keeps_the_target_distribution():
     seeds = 300
     for seed in range(seeds):
         proposer = DFlashStaticTreeProposer(head, small, [(0,), (1,), (0, 0), (1, 0), (0, 1)])
-        res = sample_tree_generate(small, proposer, prompt, 4, seed=seed, **warping)
+        res = decode(small, proposer, prompt, 4, seed=seed, **warping, rule="exact")
         assert res.lossy is False
         counts[flat_index(torch.tensor([res.tokens[:3]]), V_SMALL)] += 1
         first = res.step_tokens[0] - 1

@@ -14,8 +14,8 @@ from specheads.export.draft import validate
 from specheads.heads.draft import DraftHead, DraftOptions
 from specheads.provenance import provenance
 from specheads.target import Target
-from specheads.verify.decode import generate, greedy_decode
-from specheads.verify.mtp_proposers import DraftModelProposer
+from specheads.verify.draft_proposers import DraftModelProposer
+from specheads.verify.loop import decode, greedy_decode
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_greedy_speculative_equals_plain_and_init_copies_target(target):
     assert torch.equal(head.model.model.layers[1].mlp.up_proj.weight, target.model.model.layers[1].mlp.up_proj.weight)
     for prompt in ([5, 9, 2, 7], [11]):
         ref = greedy_decode(target, prompt, 20)
-        out = generate(target, DraftModelProposer(head, target), prompt, 20, k=3)
+        out = decode(target, DraftModelProposer(head, target), prompt, 20, k=3)
         assert out.tokens == ref.tokens and out.stats.drafts > 0
 
 
@@ -74,7 +74,7 @@ def test_export_loads_back(target, draft_export):
     assert AutoModelForCausalLM.from_pretrained(outs["sglang"]).config.vocab_size == target.vocab_size
     assert AutoTokenizer.from_pretrained(outs["vllm"]).get_vocab() == target.tokenizer.get_vocab()
     for prompt in ([5, 9, 2, 7], [3]):
-        assert generate(target, DraftModelProposer(head, target), prompt, 16, k=3).tokens == \
+        assert decode(target, DraftModelProposer(head, target), prompt, 16, k=3).tokens == \
             greedy_decode(target, prompt, 16).tokens
 
 

@@ -17,11 +17,11 @@ from specheads.heads.losses import shift
 from specheads.heads.mtp import MtpHead, MtpOptions, causal_padding_mask
 from specheads.provenance import provenance
 from specheads.target import Target
-from specheads.verify.decode import greedy_decode
-from specheads.verify.mtp_proposers import DraftModelTreeProposer, MtpProposer, MtpTreeProposer
-from specheads.verify.sample_decode import sample_tree_generate
-from specheads.verify.settings import SettingsError, TreeSpec, make_proposer
-from specheads.verify.tree_decode import tree_generate
+from specheads.verify.draft_proposers import DraftModelTreeProposer
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.mtp_proposers import MtpProposer, MtpTreeProposer
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import SettingsError, TreeSpec
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 
@@ -76,9 +76,9 @@ def test_greedy_tree_output_equals_plain_greedy(target, noise):
         prompt = torch.randint(0, target.vocab_size, (6,), generator=gen).tolist()
         plain = greedy_decode(target, prompt, 24).tokens
         proposer = make_proposer(TreeSpec("static", choices=tuple(map(tuple, TREE))), head, target)
-        res = tree_generate(target, proposer, prompt, 24)
+        res = decode(target, proposer, prompt, 24)
         assert res.tokens == plain
-        sampled = sample_tree_generate(target, proposer, prompt, 24, temperature=0.0)
+        sampled = decode(target, proposer, prompt, 24, temperature=0.0, rule="exact")
         assert sampled.tokens == plain and not sampled.lossy
         accepted += sum(res.stats.accepted_per_pos)
     assert accepted > 0  # the tree is really used, not just the root
@@ -148,9 +148,9 @@ def test_mtp_greedy_tree_output_equals_plain_greedy(prompt):
     head = mtp_head(target)
     spec = TreeSpec("static", choices=tuple(map(tuple, TREE)))
     plain = greedy_decode(target, prompt, 24).tokens
-    res = tree_generate(target, make_proposer(spec, head, target), prompt, 24)
+    res = decode(target, make_proposer(spec, head, target), prompt, 24)
     assert res.tokens == plain and res.stats.drafts > 0
-    sampled = sample_tree_generate(target, make_proposer(spec, head, target), prompt, 24, temperature=0.0)
+    sampled = decode(target, make_proposer(spec, head, target), prompt, 24, temperature=0.0, rule="exact")
     assert sampled.tokens == plain
 
 

@@ -17,10 +17,10 @@ from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.eagle import EagleHead, EagleOptions
 from specheads.heads.eagle3 import ttt_attention_mask
 from specheads.heads.losses import shift
-from specheads.verify.decode import generate, greedy_decode
 from specheads.verify.eagle1_proposers import Eagle1Proposer, Eagle1StaticTreeProposer
-from specheads.verify.settings import TreeSpec, make_proposer
-from specheads.verify.tree_decode import tree_generate
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
 
 FINGERPRINT = {"name": "random-llama", "vocab_size": 96, "hidden_size": 32}
 
@@ -208,11 +208,11 @@ def test_exported_head_decodes_losslessly(tmp_path, target, fmt):
     for seed in range(3):
         prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = greedy_decode(target, prompt, 20).tokens
-        assert generate(target, Eagle1Proposer(loaded, target), prompt, 20, k=3).tokens == plain
+        assert decode(target, Eagle1Proposer(loaded, target), prompt, 20, k=3).tokens == plain
         static = Eagle1StaticTreeProposer(loaded, target, [[0], [1], [0, 0], [0, 1], [0, 0, 0]])
-        assert tree_generate(target, static, prompt, 20).tokens == plain
+        assert decode(target, static, prompt, 20).tokens == plain
         dynamic = make_proposer(TreeSpec("eagle2", depth=2, top_k=3, total_tokens=8), loaded, target)
-        assert tree_generate(target, dynamic, prompt, 20).tokens == plain
+        assert decode(target, dynamic, prompt, 20).tokens == plain
 
 
 def test_chain_drafts_follow_the_draft_head(target):

@@ -305,8 +305,8 @@ def test_contract_refuses_a_vocab_map_with_a_full_draft_vocab(tmp_path):
 def test_full_vocab_export_decodes_greedy_equal(tiny_target_dir, tmp_path):
     from specheads.provenance import provenance
     from specheads.target import Target
-    from specheads.verify.decode import generate, greedy_decode
-    from specheads.verify.proposers import Eagle3Proposer
+    from specheads.verify.eagle3_proposers import Eagle3Proposer
+    from specheads.verify.loop import decode, greedy_decode
 
     target = Target.load(str(tiny_target_dir), device="cpu")
     torch.manual_seed(0)
@@ -317,5 +317,5 @@ def test_full_vocab_export_decodes_greedy_equal(tiny_target_dir, tmp_path):
     assert "d2t" not in full_vocab_names(out)
     prompt = target.tokenizer("def add(a, b):\n    return")["input_ids"]
     ref = greedy_decode(target, prompt, 24)
-    got = generate(target, Eagle3Proposer(load(out), target), prompt, 24, k=3)
+    got = decode(target, Eagle3Proposer(load(out), target), prompt, 24, k=3)
     assert got.tokens == ref.tokens and got.stats.drafts > 0

@@ -178,3 +178,28 @@ def test_imports_inside_functions_have_a_measured_reason():
     extra = sorted((m, d) for m, d in lazy_imports() - LAZY_ALLOWED if m != "specheads.cli")
     assert not extra, (f"imports inside functions without a measured start-up reason: {extra}; move them "
                        "to the module top, or measure the start-up cost and add them to LAZY_ALLOWED")
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest import chain (modules, importer first) of an acyclic graph."""
+    best: dict[str, list[str]] = {}
+
+    def chain(mod: str) -> list[str]:
+        if mod not in best:
+            tails = [chain(d) for d in sorted(graph[mod])]
+            best[mod] = [mod] + max(tails, key=len, default=[])
+        return best[mod]
+
+    return max((chain(m) for m in graph), key=len, default=[])
+
+
+def test_longest_chain_finder():
+    assert longest_chain({"a": {"b", "d"}, "b": {"c"}, "c": set(), "d": set()}) == ["a", "b", "c"]
+
+
+def test_verify_import_chains_are_at_most_six_deep():
+    """Inside verify/, a module reaches the bottom (trees, sampling) through <= 6 modules."""
+    graph = import_graph()
+    verify = {m for m in graph if m == "specheads.verify" or m.startswith("specheads.verify.")}
+    chain = longest_chain({m: graph[m] & verify for m in verify})
+    assert len(chain) <= 6, " -> ".join(chain)

@@ -13,11 +13,11 @@ from specheads.export import ContractError, ExportRefused, export, load_with_met
 from specheads.export import medusa as medusa_export
 from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.medusa import MedusaHead, MedusaOptions
-from specheads.verify.decode import generate, greedy_decode
+from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.medusa_proposers import MedusaProposer, MedusaStaticTreeProposer
-from specheads.verify.settings import TreeSpec, make_proposer
-from specheads.verify.tree_decode import tree_generate
-from specheads.verify.trees import TreeError
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
+from specheads.verify.trees import SettingsError, TreeError
 
 FINGERPRINT = {"name": "random-llama", "vocab_size": 96, "hidden_size": 32}
 
@@ -179,8 +179,8 @@ def test_exported_heads_decode_losslessly(tmp_path, target, fmt):
     for seed in range(4):
         prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = greedy_decode(target, prompt, 24).tokens
-        chain = generate(target, MedusaProposer(loaded, target), prompt, 24, k=3)
-        static = tree_generate(target, MedusaStaticTreeProposer(loaded, target, tree), prompt, 24)
+        chain = decode(target, MedusaProposer(loaded, target), prompt, 24, k=3)
+        static = decode(target, MedusaStaticTreeProposer(loaded, target, tree), prompt, 24)
         assert chain.tokens == plain and static.tokens == plain
         accepted += sum(chain.stats.accepted_per_pos)
     assert accepted > 0  # heads started from the target's own head: some drafts are accepted
@@ -200,6 +200,6 @@ def test_tree_deeper_than_heads_and_dynamic_trees_are_refused(target):
     head = random_heads(target, num_heads=2)
     with pytest.raises(TreeError, match="only 2 Medusa heads"):
         MedusaStaticTreeProposer(head, target, [[0], [0, 0], [0, 0, 0]])
-    with pytest.raises(TreeError, match="static tree"):
+    with pytest.raises(SettingsError, match="Medusa heads cannot grow 'eagle2' trees.*static tree"):
         make_proposer(TreeSpec("eagle2"), head, target)
     assert isinstance(make_proposer(TreeSpec("chain", k=2), head, target), MedusaProposer)

@@ -19,7 +19,7 @@ from specheads.heads.medusa2 import Medusa2Head, Medusa2Options  # noqa: E402
 from specheads.provenance import provenance  # noqa: E402
 from specheads.target import Target  # noqa: E402
 from specheads.train import train  # noqa: E402
-from specheads.verify.decode import generate, greedy_decode  # noqa: E402
+from specheads.verify.loop import decode, greedy_decode  # noqa: E402
 from specheads.verify.medusa_proposers import MedusaProposer  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "medusa2" / "demo.yaml"
@@ -135,7 +135,7 @@ def test_merge_export_is_the_adapted_target_and_decodes_losslessly(trained):
     for seed in range(3):
         prompt = torch.randint(0, target.vocab_size, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = greedy_decode(merged, prompt, 20).tokens
-        spec = generate(merged, MedusaProposer(heads, merged), prompt, 20, k=3)
+        spec = decode(merged, MedusaProposer(heads, merged), prompt, 20, k=3)
         assert spec.tokens == plain
         accepted += sum(spec.stats.accepted_per_pos)
     assert accepted > 0

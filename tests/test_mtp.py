@@ -20,7 +20,7 @@ from specheads.heads.losses import shift
 from specheads.heads.mtp import MtpHead, MtpOptions, causal_padding_mask
 from specheads.provenance import provenance
 from specheads.target import Target
-from specheads.verify.decode import generate, greedy_decode
+from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.mtp_proposers import MtpProposer
 
 
@@ -77,7 +77,7 @@ def test_greedy_speculative_equals_plain(tmp_path, family):
     head = _head(target, layers=1 if family == "qwen3_next" else 2, dtype=dtype)
     for prompt in ([3, 1, 4, 1, 5], [9], [7, 7, 7, 2, 8, 1, 0, 4]):
         ref = greedy_decode(target, prompt, 24)
-        out = generate(target, MtpProposer(head, target), prompt, 24, k=3)
+        out = decode(target, MtpProposer(head, target), prompt, 24, k=3)
         assert out.tokens == ref.tokens
         assert out.stats.drafts > 0
 
@@ -135,7 +135,7 @@ def test_export_loads_back_and_stays_lossless(tmp_path, family, layers):
     torch.testing.assert_close(again(ids).logits, target.model(ids).logits, rtol=0, atol=0)
     for prompt in ([3, 1, 4, 1, 5], [8, 2]) if family == "deepseek_v3" else ():
         ref = greedy_decode(target, prompt, 16)
-        assert generate(target, MtpProposer(loaded, target), prompt, 16, k=2).tokens == ref.tokens
+        assert decode(target, MtpProposer(loaded, target), prompt, 16, k=2).tokens == ref.tokens
     assert "--speculative-config" in meta.serve_commands[0] and '"method":"mtp"' in meta.serve_commands[0]
     title = (out / "README.md").read_text().splitlines()[0]
     assert "method mtp" in title and "speculators" not in title

@@ -11,7 +11,8 @@ import torch
 from random_models import make_target
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.heads.peagle import depth_anchors, parallel_mask, parallel_rows
-from specheads.verify.decode import generate, greedy_decode
+from specheads.verify.eagle3_proposers import Eagle3Proposer
+from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.peagle_proposers import PEagleProposer, SampledPEagleProposer
 
 FINGERPRINT = {"name": "random-llama", "vocab_size": 96, "hidden_size": 32}
@@ -69,7 +70,7 @@ def test_training_rows_equal_the_parallel_proposer(target):
     rows = parallel_rows(head, inputs["aux"], inputs["embeds"], inputs["mask_embed"], torch.ones(1, T, dtype=torch.bool), sets)
     out = target.forward(ids, layers=head.required_layers())
     for i in (0, 4, 8):
-        proposer = PEagleProposer(head, target)
+        proposer = PEagleProposer(Eagle3Proposer(head, target))
         proposer.start(ids[0, : i + 1], int(ids[0, i + 1]), out)
         logits = proposer._draft_logits(3)
         for d in range(3):
@@ -106,14 +107,14 @@ def test_greedy_parallel_decoding_equals_plain(target):
         prompt = torch.randint(0, 95, (6,))
         plain = greedy_decode(target, prompt, 24).tokens
         for k in (1, 3, 5):
-            assert generate(target, PEagleProposer(head, target), prompt, 24, k=k).tokens == plain
+            assert decode(target, PEagleProposer(Eagle3Proposer(head, target)), prompt, 24, k=k).tokens == plain
 
 
 @pytest.mark.parametrize("warping", [{"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.9}])
 def test_sampled_parallel_decoding_keeps_the_target_distribution(warping):
     from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
-    from specheads.verify.sample_decode import sample_generate
+    from specheads.verify.loop import decode
 
     target = build_small()[0]
     torch.manual_seed(2)
@@ -126,7 +127,7 @@ def test_sampled_parallel_decoding_keeps_the_target_distribution(warping):
     counts = torch.zeros(V_SMALL ** 3, dtype=torch.long)
     accepted = rejected = 0
     for seed in range(300):
-        res = sample_generate(target, SampledPEagleProposer(head, target), prompt, 5, k=3, seed=seed, **warping)
+        res = decode(target, SampledPEagleProposer(Eagle3Proposer(head, target)), prompt, 5, k=3, seed=seed, **warping, rule="exact")
         counts[flat_index(torch.tensor([res.tokens[:3]]), V_SMALL)] += 1
         first = res.step_tokens[0] - 1
         accepted += first
@@ -164,16 +165,18 @@ def test_export_round_trip_decodes_losslessly(tmp_path, target, fmt):
     assert torch.equal(loaded.mask_hidden, head.float().mask_hidden)
     loaded = loaded.to(target.dtype)
     prompt = torch.tensor([5, 1, 4, 1, 5, 9, 2])
-    from specheads.verify.settings import TreeSpec, make_proposer
+    from specheads.verify.registry import make_proposer
+    from specheads.verify.settings import TreeSpec
 
     proposer = make_proposer(TreeSpec("chain", k=3), loaded, target)
     assert isinstance(proposer, PEagleProposer)
-    assert generate(target, proposer, prompt, 20, k=3).tokens == greedy_decode(target, prompt, 20).tokens
+    assert decode(target, proposer, prompt, 20, k=3).tokens == greedy_decode(target, prompt, 20).tokens
 
 
 def test_sglang_is_refused_and_trees_too(tmp_path, target):
     from specheads.export import ExportRefused, export
-    from specheads.verify.settings import TreeSpec, make_proposer
+    from specheads.verify.registry import make_proposer
+    from specheads.verify.settings import TreeSpec
     from specheads.verify.trees import SettingsError
 
     with pytest.raises(ExportRefused, match="SGLang 0.5.23 has no P-EAGLE loader"):

@@ -18,7 +18,7 @@ from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOption
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.resume import RowWriter, read_index
 from specheads.target import Target
-from specheads.verify.decode import greedy_decode
+from specheads.verify.loop import greedy_decode
 
 
 def test_regenerate_matches_plain_greedy(tiny_target_dir):

@@ -12,10 +12,11 @@ from specheads.export.registry import writer_for
 from specheads.export.readme import Readme
 from specheads.heads import HEADS, head_class
 from specheads.kinds import KINDS, Kind, kind_of
-from specheads.verify.settings import PROPOSERS, SettingsError, TreeSpec, make_proposer
+from specheads.verify.registry import PROPOSERS, make_proposer
+from specheads.verify.settings import SettingsError, TreeSpec
 
 REGISTRIES = {"heads.HEADS": HEADS, "export.WRITERS": WRITERS, "export.LOADERS": LOADERS,
-              "verify.settings.PROPOSERS": PROPOSERS, "kinds.KINDS": KINDS}
+              "verify.registry.PROPOSERS": PROPOSERS, "kinds.KINDS": KINDS}
 
 
 def test_every_registry_has_the_same_kinds():

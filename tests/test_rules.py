@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specheads.verify.loop import ChainShape, TreeShape, decode
+from specheads.verify.loop import ChainShape, TreeShape, decode, run_loop
+from specheads.verify.ngram_proposers import NO_DRAFT
 from specheads.verify.rules import (
     GreedyRule,
     LeviathanRule,
@@ -21,6 +22,7 @@ from specheads.verify.rules import (
     TypicalRule,
     accepted_prefix,
     greedy_tree_accept,
+    make_rule,
     sampled_rule,
 )
 from specheads.verify.sampling import make_generator, sample
@@ -151,9 +153,13 @@ def test_typical_golden_path_on_hand_made_entropies():
 
 
 def test_rules_by_name_and_refusals():
-    assert isinstance(sampled_rule("pointmass", "cpu", allowed=("pointmass",)), PointMassRule)
-    with pytest.raises(DecodeError, match="unknown tree acceptance rule 'leviathan'"):
-        sampled_rule("leviathan", "cpu", allowed=("pointmass", "typical"), shape="tree")
+    assert isinstance(sampled_rule("pointmass", "cpu"), PointMassRule)
+    assert isinstance(make_rule("greedy", False, "cpu"), GreedyRule)
+    assert isinstance(make_rule("exact", True, "cpu"), PointMassRule)
+    assert isinstance(make_rule("exact", False, "cpu"), LeviathanRule)
+    assert isinstance(make_rule("typical", True, "cpu"), TypicalRule)
+    with pytest.raises(DecodeError, match="unknown acceptance rule 'leviathan'"):
+        make_rule("leviathan", True, "cpu")
     with pytest.raises(ValueError, match="temperature"):
         sampled_rule("leviathan", "cpu", temperature=-1.0)
     rule = LeviathanRule(identity, make_generator(0, "cpu"), 0)
@@ -169,9 +175,13 @@ def test_batch_of_two_is_refused_clearly():
     target = make_target()
     for shape in (ChainShape(2), TreeShape()):
         with pytest.raises(DecodeError, match="prompt_ids has batch size 2"):
-            decode(target, None, [[1, 2], [3, 4]], 4, GreedyRule(), shape)
-    with pytest.raises(DecodeError, match=r"\[batch, tokens\]"):
-        decode(target, None, [1, 2], 4, GreedyRule(), ChainShape(0))
+            run_loop(target, NO_DRAFT, torch.tensor([[1, 2], [3, 4]]), 4, GreedyRule(), shape)
+    with pytest.raises(DecodeError, match="prompt_ids has batch size 2"):
+        decode(target, NO_DRAFT, [[1, 2], [3, 4]], 4)
+    with pytest.raises(DecodeError, match=r"\[tokens\] or \[batch, tokens\]"):
+        decode(target, NO_DRAFT, [[[1, 2]]], 4)
+    with pytest.raises(DecodeError, match="needs a proposer"):
+        decode(target, None, [1, 2], 4)
 
 
 # --- one loop -------------------------------------------------------------------------------

@@ -23,13 +23,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.target import Target
-from specheads.verify.decode import accepted_prefix, causal_mask, greedy_decode
-from specheads.verify.proposers import Eagle3Proposer, NgramProposer
-from specheads.verify.sample_decode import (
-    SampledEagle3Proposer,
-    sample_generate,
-    sample_tree_generate,
-)
+from specheads.verify.eagle3_proposers import Eagle3Proposer, SampledEagle3Proposer
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.ngram_proposers import NO_DRAFT, NgramProposer
+from specheads.verify.rules import accepted_prefix
+from specheads.verify.steps import causal_mask
 from specheads.verify.sampling import (
     accept_chain,
     accept_chain_batch,
@@ -41,8 +39,8 @@ from specheads.verify.sampling import (
     typical_accept,
     warp,
 )
-from specheads.verify.tree_decode import greedy_tree_accept
-from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
+from specheads.verify.eagle3_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
+from specheads.verify.rules import greedy_tree_accept
 from specheads.verify.trees import tree_from_choices, tree_from_parents
 from random_models import VOCAB, make_head, make_target
 
@@ -371,8 +369,8 @@ def test_chain_temperature_zero_equals_greedy(big, kind):
     for i, prompt in enumerate(prompts(2, seed=7)):
         ref = greedy_decode(target, prompt, 16)
         proposer = NgramProposer() if cls is None else cls(head, target)
-        res = sample_generate(target, proposer, prompt, 16, k, temperature=0, top_p=0.5,
-                              top_k=3, seed=i)
+        res = decode(target, proposer, prompt, 16, k, temperature=0, top_p=0.5,
+                              top_k=3, seed=i, rule="exact")
         assert res.tokens == ref.tokens, (kind, prompt.tolist())
         assert res.lossy is False and res.stats.drafts > 0
         check_counts(res, 16)
@@ -385,30 +383,30 @@ def test_tree_temperature_zero_equals_greedy(big, kind):
         ref = greedy_decode(target, prompt, 16)
         proposer = (Eagle3DynamicTreeProposer(head, target, depth=3, top_k=3, total_tokens=10)
                     if kind == "eagle2" else Eagle3StaticTreeProposer(head, target, MEDUSA_LIKE))
-        rule = "typical" if kind == "typical" else "pointmass"
-        res = sample_tree_generate(target, proposer, prompt, 16, temperature=0, seed=i, rule=rule)
+        rule = "typical" if kind == "typical" else "exact"
+        res = decode(target, proposer, prompt, 16, temperature=0, seed=i, rule=rule)
         assert res.tokens == ref.tokens, (kind, prompt.tolist())
-        assert res.lossy is (rule == "typical") and res.rule == rule
+        assert res.lossy is (rule == "typical") and res.rule == ("typical" if rule == "typical" else "pointmass")
         check_counts(res, 16)
 
 
 def test_seeds_eos_and_budget(big):
     target, head = big
     prompt = prompts(1, seed=9)[0]
-    a = sample_generate(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=5)
-    b = sample_generate(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=5)
-    c = sample_generate(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=6)
+    a = decode(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=5, rule="exact")
+    b = decode(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=5, rule="exact")
+    c = decode(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=6, rule="exact")
     assert a.tokens == b.tokens != c.tokens and len(a.tokens) == 16
     check_counts(a, 16)
     eos = a.tokens[5]
-    cut = sample_generate(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=5,
-                          eos_token_ids=[eos])
+    cut = decode(target, SampledEagle3Proposer(head, target), prompt, 16, 3, seed=5,
+                          eos_token_ids=[eos], rule="exact")
     assert cut.tokens == a.tokens[: a.tokens.index(eos) + 1] and cut.stop_reason == "eos"
-    tree = sample_tree_generate(target, Eagle3StaticTreeProposer(head, target, MEDUSA_LIKE),
-                                prompt, 16, seed=5)
+    tree = decode(target, Eagle3StaticTreeProposer(head, target, MEDUSA_LIKE),
+                                prompt, 16, seed=5, rule="exact")
     assert len(tree.tokens) == 16 and tree.lossy is False
     check_counts(tree, 16)
-    assert sample_generate(target, None, prompt, 0, 3).tokens == []
+    assert decode(target, NO_DRAFT, prompt, 0, 3, rule="exact").tokens == []
 
 
 # --- decode loops: the output distribution is the target's ---------------------------------------
@@ -477,13 +475,13 @@ def test_sampled_output_matches_the_target(small, name):
     accepted = rejected = 0
     for seed in range(seeds):
         if loop == "chain":  # 5 tokens: the first verification step drafts k = 3
-            res = sample_generate(target, SampledEagle3Proposer(head, target), prompt, 5, k=3,
-                                  seed=seed, **warping)
+            res = decode(target, SampledEagle3Proposer(head, target), prompt, 5, k=3,
+                                  seed=seed, **warping, rule="exact")
         else:
             proposer = (Eagle3StaticTreeProposer(head, target, [(0,), (1,), (0, 0), (1, 0), (0, 1)])
                         if loop == "static" else
                         Eagle3DynamicTreeProposer(head, target, depth=2, top_k=2, total_tokens=6))
-            res = sample_tree_generate(target, proposer, prompt, 4, seed=seed, **warping)
+            res = decode(target, proposer, prompt, 4, seed=seed, **warping, rule="exact")
         counts[flat_index(torch.tensor([res.tokens[:n]]), V_SMALL)] += 1
         first = res.step_tokens[0] - 1  # drafts accepted by the first verification step
         accepted += first

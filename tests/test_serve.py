@@ -12,7 +12,7 @@ from specheads.eval.online import encode_chat
 from specheads.session import eos_ids
 from specheads.serve.metrics import parse_metrics
 from specheads.target import Target
-from specheads.verify.decode import greedy_decode
+from specheads.verify.loop import greedy_decode
 from servers import start_server
 
 PROMPTS = ["def add(a, b):\n    \"\"\"Sum.\"\"\"", "def read_config(path):", "class Stack:"]

@@ -21,7 +21,7 @@ from specheads.provenance import provenance
 from specheads.serve.server import load_engine
 from specheads.session import Session, eos_ids, load_draft
 from specheads.target import Target, TargetError
-from specheads.verify.decode import greedy_decode
+from specheads.verify.loop import greedy_decode
 from specheads.verify.settings import Sampling, TreeSpec, make_tree_spec
 from specheads.verify.text import TextStream
 

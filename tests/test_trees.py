@@ -11,20 +11,22 @@ import torch
 from transformers import DynamicCache
 
 from specheads.target import Target
-from specheads.verify.decode import DecodeError, causal_mask, greedy_decode, target_step
-from specheads.verify.proposers import Eagle3Proposer
-from specheads.verify.tree_decode import (
+from specheads.verify.eagle3_proposers import (
+    Eagle3DynamicTreeProposer,
+    Eagle3Proposer,
+    Eagle3StaticTreeProposer,
+    select_top_nodes,
+)
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.ngram_proposers import FixedTreeProposer
+from specheads.verify.rules import greedy_tree_accept
+from specheads.verify.steps import (
+    DecodeError,
+    causal_mask,
     compact_cache,
-    greedy_tree_accept,
+    target_step,
     tree_attention_mask,
     tree_forward,
-    tree_generate,
-)
-from specheads.verify.tree_proposers import (
-    Eagle3DynamicTreeProposer,
-    Eagle3StaticTreeProposer,
-    FixedTreeProposer,
-    select_top_nodes,
 )
 from specheads.verify.trees import (
     TreeError,
@@ -230,7 +232,7 @@ def test_tree_decoding_equals_greedy(target, kind):
         else:
             tree = tree_from_choices(MEDUSA_LIKE)
             proposer = FixedTreeProposer(tree, noisy_oracle(ref.tokens, prompt.numel(), tree, i))
-        res = tree_generate(target, proposer, prompt, 24)
+        res = decode(target, proposer, prompt, 24)
         assert res.tokens == ref.tokens, (kind, prompt.tolist())
         check_counts(res, 24)
         assert res.stats.drafts > 0
@@ -241,12 +243,13 @@ def test_tree_decoding_equals_greedy(target, kind):
 def test_eos_and_plain_tree_loop(target):
     prompt = random_prompts(1, seed=3)[0]
     ref = greedy_decode(target, prompt, 30)
-    assert tree_generate(target, None, prompt, 30).tokens == ref.tokens
+    root_only = FixedTreeProposer(chain_tree(0), lambda ctx: torch.zeros(0, dtype=torch.long))
+    assert decode(target, root_only, prompt, 30).tokens == ref.tokens  # plain, through the tree path
     eos = ref.tokens[9]
     plain = greedy_decode(target, prompt, 30, eos_token_ids=[eos])
     tree = tree_from_choices(MEDUSA_LIKE)
     proposer = FixedTreeProposer(tree, noisy_oracle(ref.tokens, prompt.numel(), tree, 0))
-    res = tree_generate(target, proposer, prompt, 30, eos_token_ids=[eos])
+    res = decode(target, proposer, prompt, 30, eos_token_ids=[eos])
     assert res.tokens == plain.tokens and res.stop_reason == "eos"
 
 
@@ -302,7 +305,7 @@ def test_eagle3_static_tree_equals_sequential_drafts(target):
     prompt = random_prompts(2, seed=9)[1]
     ref = greedy_decode(target, prompt, 20)
     CheckedStatic.checked = 0
-    res = tree_generate(target, CheckedStatic(head, target, MEDUSA_LIKE), prompt, 20)
+    res = decode(target, CheckedStatic(head, target, MEDUSA_LIKE), prompt, 20)
     assert res.tokens == ref.tokens and CheckedStatic.checked == res.stats.drafts > 5
     # a chain tree proposes exactly what the chain proposer does
     chain_prop = Eagle3StaticTreeProposer(head, target, chain_tree(4))
@@ -353,14 +356,14 @@ def test_stub_tau_exact(target, agree):
         return torch.tensor([(ref.tokens[at - 1 + d] + rk + (0 if agree else 1)) % VOCAB
                              for d, rk in zip(depths, ranks)])
 
-    res = tree_generate(target, FixedTreeProposer(tree, fill), prompt, max_new)
+    res = decode(target, FixedTreeProposer(tree, fill), prompt, max_new)
     assert res.tokens == ref.tokens[:max_new]
     summary = res.stats.summary()
     if agree:
         assert summary["tau"] == tree.max_depth + 1 and res.stats.decode_forwards == steps
         assert summary["acceptance_per_position"] == [1.0] * tree.max_depth
         # a budget that is not a multiple: the last tree is cut to depth 1, never past max_new
-        res2 = tree_generate(target, FixedTreeProposer(tree, fill), prompt, max_new + 2)
+        res2 = decode(target, FixedTreeProposer(tree, fill), prompt, max_new + 2)
         assert res2.tokens == ref.tokens[: max_new + 2]
         assert res2.step_tokens == [tree.max_depth + 1] * steps + [2]
         assert res2.step_proposed[-1] == 3  # the three depth-1 nodes
@@ -377,11 +380,11 @@ def test_errors():
     big = chain_tree(CTX)  # CTX + 1 nodes
     stub = FixedTreeProposer(big, lambda ctx: torch.zeros(CTX, dtype=torch.long))
     with pytest.raises(DecodeError, match="context"):
-        tree_generate(target, stub, [1, 2, 3], 10)
+        decode(target, stub, [1, 2, 3], 10)
     flash = make_target()
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(DecodeError, match="flash attention ignores custom 4-D masks"):
-        tree_generate(flash, None, [1, 2, 3], 4)
+        decode(flash, FixedTreeProposer(chain_tree(0), lambda ctx: torch.zeros(0, dtype=torch.long)), [1, 2, 3], 4)
     head = make_head(target)
     head.layers[0].self_attn.config._attn_implementation = "flash_attention_2"
     with pytest.raises(DecodeError, match="EAGLE-3 head"):
@@ -396,5 +399,5 @@ def test_output_is_clamped_near_the_context():
     tree = tree_from_choices(MEDUSA_LIKE)
     ref = greedy_decode(target, prompt, 50)
     proposer = FixedTreeProposer(tree, noisy_oracle(ref.tokens, len(prompt), tree, 1))
-    res = tree_generate(target, proposer, prompt, 50)
+    res = decode(target, proposer, prompt, 50)
     assert res.tokens == ref.tokens and len(res.tokens) == 6

@@ -14,8 +14,8 @@ from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.medusa import MedusaHead, MedusaOptions
 from specheads.provenance import provenance
 from specheads.target import Target
+from specheads.verify.loop import decode
 from specheads.verify.medusa_proposers import MedusaProposer
-from specheads.verify.sample_decode import sample_generate
 from specheads.verify.sampling import typical_accept
 from specheads.verify.trees import tree_from_choices
 
@@ -65,7 +65,7 @@ def test_chain_typical_is_flagged_lossy_and_strictness_costs_drafts(target):
     head.init_from_target(target)
     accepted = {}
     for eps in (1e-6, 1.0):
-        res = sample_generate(target, MedusaProposer(head, target), [5, 9, 2, 7], 24, 3,
+        res = decode(target, MedusaProposer(head, target), [5, 9, 2, 7], 24, 3,
                               temperature=0.8, seed=1, rule="typical", epsilon=eps, delta=1e9)
         assert res.lossy and res.rule == "typical" and len(res.tokens) == 24
         accepted[eps] = sum(res.stats.accepted_per_pos)

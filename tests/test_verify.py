@@ -12,17 +12,11 @@ from transformers import DynamicCache, LlamaConfig
 
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.target import Target, TargetError
-from specheads.verify import (
-    DecodeError,
-    Eagle3Proposer,
-    NgramProposer,
-    accepted_prefix,
-    causal_mask,
-    generate,
-    greedy_decode,
-    lookup_continuation,
-    trim_cache,
-)
+from specheads.verify.eagle3_proposers import Eagle3Proposer
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.ngram_proposers import NgramProposer, lookup_continuation
+from specheads.verify.rules import accepted_prefix
+from specheads.verify.steps import DecodeError, causal_mask, trim_cache
 from random_models import CTX, VOCAB, make_head, make_target
 
 
@@ -85,7 +79,7 @@ def test_speculative_equals_greedy(target, kind):
         ref = greedy_decode(target, prompt, 30)
         for k in (1, 2, 4):
             proposer = Eagle3Proposer(head, target) if kind == "eagle3" else NgramProposer()
-            res = generate(target, proposer, prompt, 30, k)
+            res = decode(target, proposer, prompt, 30, k)
             assert res.tokens == ref.tokens, (kind, k, prompt.tolist())
             check_counts(res, 30)
             assert res.stats.drafts > 0
@@ -103,7 +97,7 @@ def test_eos_stops_both_loops_at_the_same_token(target):
     assert plain.tokens == ref.tokens[:cut] and plain.stop_reason == "eos"
     for k in (1, 2, 4):
         for proposer in (NgramProposer(), Oracle(ref.tokens, prompt.numel())):
-            res = generate(target, proposer, prompt, 30, k, eos_token_ids=[eos])
+            res = decode(target, proposer, prompt, 30, k, eos_token_ids=[eos])
             assert res.tokens == plain.tokens and res.stop_reason == "eos"
             check_counts(res, 30)
 
@@ -137,14 +131,14 @@ def test_oracle_proposer_gives_tau_k_plus_one(target, k):
     steps = 6
     max_new = 1 + steps * (k + 1)  # the prefill's token + `steps` full chains
     ref = greedy_decode(target, prompt, max_new + 5)
-    res = generate(target, Oracle(ref.tokens, prompt.numel()), prompt, max_new, k)
+    res = decode(target, Oracle(ref.tokens, prompt.numel()), prompt, max_new, k)
     assert res.tokens == ref.tokens[:max_new]
     summary = res.stats.summary()
     assert summary["tau"] == k + 1 and res.stats.decode_forwards == steps
     assert summary["acceptance_per_position"] == [1.0] * k
     check_counts(res, max_new)
     # a budget that is not a multiple: only the last step is shorter, never past max_new
-    res = generate(target, Oracle(ref.tokens, prompt.numel()), prompt, max_new + 2, k)
+    res = decode(target, Oracle(ref.tokens, prompt.numel()), prompt, max_new + 2, k)
     assert res.tokens == ref.tokens[: max_new + 2]
     assert res.step_tokens == [k + 1] * steps + [2]  # remaining 2 -> propose 1
 
@@ -153,7 +147,7 @@ def test_oracle_proposer_gives_tau_k_plus_one(target, k):
 def test_always_wrong_proposer_gives_tau_one(target, k):
     prompt = random_prompts(1, seed=8)[0]
     ref = greedy_decode(target, prompt, 25)
-    res = generate(target, Oracle(ref.tokens, prompt.numel(), wrong=True), prompt, 25, k)
+    res = decode(target, Oracle(ref.tokens, prompt.numel(), wrong=True), prompt, 25, k)
     assert res.tokens == ref.tokens
     assert res.stats.summary()["tau"] == 1.0 and res.stats.accepted_per_pos == [0] * k
     assert res.stats.drafts == res.stats.decode_forwards - 1  # the last step has no room to draft
@@ -217,7 +211,7 @@ def test_eagle3_proposer_state_equals_recompute(target, k):
     prompt = random_prompts(2, seed=9)[1]
     ref = greedy_decode(target, prompt, 30)
     checked = CheckedEagle(Eagle3Proposer(head, target), ref.tokens, prompt)
-    res = generate(target, checked, prompt, 30, k)
+    res = decode(target, checked, prompt, 30, k)
     assert res.tokens == ref.tokens and checked.checked == res.stats.drafts > 5
     assert any(1 < t for t in res.step_tokens)  # multi-row accepts happened
 
@@ -239,17 +233,17 @@ def test_errors_for_bad_prompts():
     with pytest.raises(DecodeError, match="empty"):
         greedy_decode(target, [], 4)
     with pytest.raises(DecodeError, match="max_position_embeddings"):
-        generate(target, NgramProposer(), list(range(CTX)), 4, k=2)
+        decode(target, NgramProposer(), list(range(CTX)), 4, k=2)
     with pytest.raises(DecodeError, match="0..95"):
         greedy_decode(target, [VOCAB], 4)
     with pytest.raises(DecodeError, match="k"):
-        generate(target, NgramProposer(), [1, 2], 4, k=-1)
+        decode(target, NgramProposer(), [1, 2], 4, k=-1)
 
 
 def test_output_is_clamped_to_the_context():
     target = make_target()
     prompt = list(range(CTX - 5))
-    res = generate(target, NgramProposer(), prompt, 50, k=4)
+    res = decode(target, NgramProposer(), prompt, 50, k=4)
     assert len(res.tokens) == 5 and res.tokens == greedy_decode(target, prompt, 50).tokens
     assert greedy_decode(target, prompt, 0).tokens == []
 

@@ -59,7 +59,8 @@ from specheads.export import load
 from specheads.export.load import read_export_meta
 from specheads.kinds import kind_of
 from specheads.target import Target
-from specheads.verify.settings import TreeSpec, make_proposer
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
 
 
 

@@ -30,9 +30,9 @@ from specheads.metrics import broken_draft_warning, predicted_speedup
 from specheads.progress import Progress
 from specheads.provenance import provenance
 from specheads.session import Session, run
-from specheads.verify.decode import DecodeStats
-from specheads.verify.proposers import NgramProposer
+from specheads.verify.ngram_proposers import NgramProposer
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
+from specheads.verify.steps import DecodeStats
 
 log = logging.getLogger(__name__)
 

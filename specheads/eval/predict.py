@@ -24,8 +24,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from specheads.engine_facts import sglang_tree_flags
-from specheads.verify.decode import Clock, DecodeStats, generate, new_cache, target_step, trim_cache
-from specheads.verify.settings import TreeSpec, make_proposer
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
+from specheads.verify.steps import Clock, DecodeStats, new_cache, target_step, trim_cache
 
 CHAIN_KS = tuple(range(1, 9))
 TREE_BUDGETS = (8, 16, 32, 48, 64)  # verified tokens per step, root included (SGLang draft tokens)
@@ -355,9 +357,9 @@ def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal:
     _, per_level = time_proposals(target, head, prompts[0], range(1, k_max + 1), reps)
     plain, chain = DecodeStats(), DecodeStats()
     for ids in prompts:
-        plain = plain.add(generate(target, None, ids, max_new_tokens, 0).stats)
+        plain = plain.add(greedy_decode(target, ids, max_new_tokens).stats)
         proposer = make_proposer(TreeSpec("chain", k=k_cal), head, target)
-        chain = chain.add(generate(target, proposer, ids, max_new_tokens, k_cal).stats)
+        chain = chain.add(decode(target, proposer, ids, max_new_tokens, k_cal).stats)
     fixed = max(_per_step(chain, "proposer_s") - per_level * k_cal, 0.0)
     return StepCosts(target_s=target_s, draft_fixed_s=fixed, draft_per_level_s=per_level,
                      overhead_s=_loop_overhead(chain), plain_step_s=target_s[1] + _loop_overhead(plain))

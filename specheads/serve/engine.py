@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specheads.session import Session
-from specheads.verify.decode import DecodeStats
+from specheads.verify.steps import DecodeStats
 from specheads.verify.settings import Sampling
 from specheads.verify.text import TextStream, find_stop
 

@@ -16,7 +16,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from specheads.engine_facts import VLLM_SPEC_METRICS
-from specheads.verify.decode import DecodeStats
+from specheads.verify.steps import DecodeStats
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 

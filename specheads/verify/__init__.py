@@ -1,23 +1,17 @@
-"""Speculative verification: proposers, trees, acceptance rules and the decode loop."""
+"""Our speculative decoder: proposers, trees, acceptance rules and the decode loop.
 
-from specheads.verify.decode import (
-    DecodeError,
-    DecodeResult,
-    DecodeStats,
-    accepted_prefix,
-    causal_mask,
-    generate,
-    greedy_decode,
-    trim_cache,
-)
-from specheads.verify.proposers import Eagle3Proposer, NgramProposer, Proposer, lookup_continuation
-from specheads.verify.sample_decode import sample_generate, sample_tree_generate
-from specheads.verify.tree_decode import tree_generate
+Doors: `loop.decode` (any proposer, any rule) with `loop.greedy_decode` as the plain reference,
+and the session (`specheads.session`). Proposers come from `registry.make_proposer`.
+"""
+
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.ngram_proposers import NO_DRAFT, NgramProposer, lookup_continuation
+from specheads.verify.rules import accepted_prefix
+from specheads.verify.steps import DecodeError, DecodeResult, DecodeStats, SampleResult, causal_mask, trim_cache
 from specheads.verify.trees import Tree, chain_tree, tree_from_choices, tree_from_parents
 
 __all__ = [
-    "DecodeError", "DecodeResult", "DecodeStats", "Eagle3Proposer", "NgramProposer", "Proposer",
-    "Tree", "accepted_prefix", "causal_mask", "chain_tree", "generate", "greedy_decode",
-    "lookup_continuation", "sample_generate", "sample_tree_generate", "tree_from_choices",
-    "tree_from_parents", "tree_generate", "trim_cache",
+    "NO_DRAFT", "DecodeError", "DecodeResult", "DecodeStats", "NgramProposer", "SampleResult", "Tree",
+    "accepted_prefix", "causal_mask", "chain_tree", "decode", "greedy_decode", "lookup_continuation",
+    "tree_from_choices", "tree_from_parents", "trim_cache",
 ]

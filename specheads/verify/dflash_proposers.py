@@ -1,5 +1,5 @@
-"""Block proposers: one DFlash forward drafts the whole chain (protocol: verify/proposers.py),
-or a static tree (protocol: verify/tree_decode.py).
+"""DFlash block proposers: one draft forward drafts the whole chain (`protocols.Proposer`), or a
+static tree (`protocols.TreeProposer`).
 
 The draft keeps one KV cache per layer holding only context rows: the keys/values projected
 from the target states of every verified position. A proposal appends the block [last verified
@@ -18,9 +18,9 @@ import torch
 from transformers import DynamicCache
 
 from specheads.target import TargetError, TargetOutput
-from specheads.verify.decode import positions, trim_cache
-from specheads.verify.sampling import sample_draft_rows
 from specheads.verify.rank_trees import Ranker, RankTreeProposer
+from specheads.verify.sampling import Warper, sample_draft_rows
+from specheads.verify.steps import positions, trim_cache
 from specheads.verify.trees import SettingsError, Tree
 
 
@@ -98,7 +98,7 @@ class SampledDFlashProposer(DFlashProposer):
     stays lossless with these q."""
 
     @torch.no_grad()
-    def propose_sampled(self, k: int, warper, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_sampled(self, k: int, warper: Warper, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """k draft tokens [k] (target ids) and their distributions q [k, V]."""
         k = min(k, self.head.config.block_size - 1)
         V = self.target.vocab_size

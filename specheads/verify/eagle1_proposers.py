@@ -1,6 +1,6 @@
 """EAGLE-1 proposers: the EAGLE-3 chain and tree proposers, fed the target's final-normed state.
 
-The draft's verified state is built exactly as for EAGLE-3 (`verify.proposers.Eagle3Proposer`):
+The draft's verified state is built exactly as for EAGLE-3 (`eagle3_proposers.Eagle3Proposer`):
 row i of the draft cache (position i) reads f_i and the embedding of token i+1, and its output
 predicts token i+2. Only the feature differs: f_i is the target's lm_head input (TargetOutput.final)
 instead of fused aux layers. Drafting a chain or tree is then the same code, because an EAGLE-1
@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from specheads.target import TargetError, TargetOutput
-from specheads.verify.decode import causal_mask, positions
-from specheads.verify.proposers import Eagle3Proposer
-from specheads.verify.sample_decode import SampledEagle3Proposer
-from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
+from specheads.target import TargetOutput
+from specheads.verify.eagle3_proposers import (
+    Eagle3DynamicTreeProposer,
+    Eagle3Proposer,
+    Eagle3StaticTreeProposer,
+    SampledEagle3Proposer,
+)
+from specheads.verify.steps import causal_mask, check_vocab_fits, positions
 
 
 def bind_to_target(head, target) -> None:
     """Refuse a head that does not fit the target; attach the target's lm_head for `logits`."""
-    cfg = head.config
-    if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
-        raise TargetError(f"the EAGLE-1 head (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does "
-                          f"not fit this target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+    check_vocab_fits("EAGLE-1", head.config.vocab_size, head.config.hidden_size, target)
     head.bind_lm_head(target.lm_head)
 
 

@@ -1,13 +1,325 @@
-"""EAGLE-3 proposers for a draft shape: a chain (drafts sampled from q when sampling) or an EAGLE-2
-dynamic / static tree (trees are deterministic top-k either way)."""
+"""EAGLE-3 drafting (docs/algorithms.md §4-§5): the chain proposer (greedy, or sampled from q),
+the EAGLE-2 dynamic and static tree proposers over its state, and the kind's `make_proposer`.
+
+The verified draft state is `Eagle3Proposer`'s: its draft cache holds `rows` rows computed from
+real target features only, and `last_out` is the pre-norm output of the last of them (it predicts
+the next token). A tree proposer drafts on top of that state, one draft forward per tree level:
+a node's row reads the output of its parent's row (the root's is `last_out`) and the embedding
+of its own token, sits at position `rows - 1 + depth`, and attends to the real prefix plus its
+own ancestors' rows (a draft tree mask). Speculative rows are cropped before a draft is returned.
+P-EAGLE heads (`parallel_drafting`) draft a chain from the same state in one forward
+(`verify.peagle_proposers`).
+"""
 
 from __future__ import annotations
 
+import torch
+from transformers import DynamicCache
+
+from specheads.target import TargetError, TargetOutput
 from specheads.verify.peagle_proposers import PEagleProposer, SampledPEagleProposer
-from specheads.verify.proposers import Eagle3Proposer
-from specheads.verify.sample_decode import SampledEagle3Proposer
-from specheads.verify.tree_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
-from specheads.verify.trees import SettingsError
+from specheads.verify.sampling import Warper, expand_draft_logits, sample
+from specheads.verify.steps import causal_mask, check_tree_attention, positions, trim_cache
+from specheads.verify.trees import SettingsError, Tree, TreeError, tree_from_choices, tree_from_parents
+
+# --- the chain ---------------------------------------------------------------------------------
+
+
+def check_head_fits(head, target) -> None:
+    """Refuse a head whose vocabulary / width / taps do not match the target it is run with."""
+    cfg = head.config
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} vs the target's {target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} vs the target's {target.hidden_size}")
+    bad_taps = [a for a in head.required_layers() if not 0 < a < target.num_layers]
+    if bad_taps:
+        problems.append(f"aux layers {bad_taps} outside 1..{target.num_layers - 1}")
+    if problems:
+        raise TargetError("the EAGLE-3 head does not fit this target: " + "; ".join(problems))
+
+
+class Eagle3Proposer:
+    """Chain drafts from an EAGLE-3 head (docs/algorithms.md §5, inference alignment).
+
+    Row i of the draft (RoPE position i) reads fuse(target states at position i) and the
+    embedding of token i+1; its output predicts token i+2. Draft step j >= 1 reads the previous
+    step's pre-norm output and the embedding of d_j at position P-1+j. The draft's own KV cache
+    keeps only rows computed from real target features.
+    """
+
+    def __init__(self, head, target):
+        check_head_fits(head, target)
+        self.head = head.eval()
+        self.target = target
+        self.layers = head.required_layers()
+        self.cache = None
+        self.rows = 0  # draft cache rows computed from real target features
+        self.last_out = None  # pre-norm output of the last real row: [1, 1, H]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.fc.weight.dtype
+
+    def _extend(self, out: TargetOutput, n: int, next_ids: torch.Tensor, start: int) -> None:
+        """Run draft rows start..start+n-1 from target rows 0..n-1 and the tokens after them."""
+        if start != self.rows:
+            raise RuntimeError(f"draft rows out of step: have {self.rows}, asked to add at {start}")
+        hidden = self.head.fuse([out.hidden[i][:, :n] for i in self.layers])  # [1, n, H]
+        embeds = self.target.embed(next_ids.reshape(1, n).to(self.target.device))  # [1, n, H]
+        mask = causal_mask(start, n, self.dtype, hidden.device)
+        o = self.head.step(hidden, embeds, positions(start, n, hidden.device), mask, self.cache)
+        self.rows += n
+        self.last_out = o[:, -1:]
+
+    @torch.no_grad()
+    def start(self, prompt_ids: torch.Tensor, first_token: int, out: TargetOutput) -> None:
+        self.cache, self.rows = DynamicCache(), 0
+        ids = prompt_ids.reshape(-1)
+        next_ids = torch.cat([ids[1:], ids.new_tensor([first_token])])  # x_1 .. x_P
+        self._extend(out, ids.numel(), next_ids, 0)
+
+    @torch.no_grad()
+    def propose(self, k: int) -> torch.Tensor:
+        """k draft tokens [k] (target ids); the speculative cache rows are dropped afterwards."""
+        out = self.last_out
+        tokens = []
+        for j in range(k):
+            if j > 0:
+                emb = self.target.embed(tokens[-1].reshape(1, 1))
+                pos = positions(self.rows - 1 + j, 1, out.device)
+                out = self.head.step(out, emb, pos, None, self.cache)
+            draft_id = self.head.logits(out)[0, -1].argmax()
+            tokens.append(self.head.to_target_ids(draft_id))
+        trim_cache(self.cache, self.rows)
+        return torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)
+
+    @torch.no_grad()
+    def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput,
+               start: int) -> None:
+        self._extend(out, inputs.numel(), following, start)
+
+
+class SampledEagle3Proposer(Eagle3Proposer):
+    """EAGLE-3 chain proposer that samples d_j ~ q_j = warp(draft logits) and returns q.
+
+    Same verified state as `Eagle3Proposer` (start / accept unchanged); q is expressed over the
+    target vocabulary, 0 outside the draft vocabulary, warped exactly like the target.
+    """
+
+    @torch.no_grad()
+    def propose_sampled(self, k: int, warper: Warper,
+                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """k draft tokens [k] (target ids) and their distributions q [k, V]."""
+        head, out = self.head, self.last_out
+        V = self.target.vocab_size
+        ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=out.device))
+        tokens, qs = [], []
+        for j in range(k):
+            if j > 0:
+                emb = self.target.embed(tokens[-1].reshape(1, 1))
+                out = head.step(out, emb, positions(self.rows - 1 + j, 1, out.device), None,
+                                self.cache)
+            q = warper(expand_draft_logits(head.logits(out)[0, -1], ids, V))  # [V]
+            tokens.append(sample(q.to(gen.device), gen).to(out.device))
+            qs.append(q)
+        trim_cache(self.cache, self.rows)
+        if not tokens:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, V)
+        return torch.stack(tokens), torch.stack(qs)
+
+
+# --- trees ------------------------------------------------------------------------------------
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Draft logits [..., Vd] -> log-probabilities in at least float32."""
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+def draft_tree_mask(prefix: int, ancestors: list[list[int]], tree_rows: int,
+                    dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, F, prefix + tree_rows] for F new draft rows.
+
+    ancestors[f] lists the tree-row indices (0-based after the prefix, own row included) that
+    new row f may see; every prefix column is visible.
+    """
+    allow = torch.zeros(len(ancestors), prefix + tree_rows, dtype=torch.bool, device=device)
+    allow[:, :prefix] = True
+    for f, rows in enumerate(ancestors):
+        allow[f, [prefix + r for r in rows]] = True
+    mask = torch.zeros(allow.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allow, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def select_top_nodes(scores: torch.Tensor, parents: torch.Tensor, n: int) -> torch.Tensor:
+    """Best n pool nodes by score, ancestor-closed, ascending -> indices [<= n].
+
+    scores [M] cumulative log-probs, parents [M] pool index of the parent (-1: child of the
+    root), parents before children. A child never scores above its parent, and a stable sort
+    puts a parent before an equally scored child, so the top n are ancestor-closed.
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:n]
+    chosen = torch.sort(order).values
+    picked = torch.zeros(scores.numel(), dtype=torch.bool)
+    picked[chosen] = True
+    p = parents[chosen]
+    if bool((p >= 0).any()) and not bool(picked[p[p >= 0]].all()):
+        raise TreeError("the selected draft nodes are not ancestor-closed")
+    return chosen
+
+
+class _DraftTreeRows:
+    """Speculative EAGLE-3 rows appended to the chain proposer's draft cache for one tree."""
+
+    def __init__(self, chain: Eagle3Proposer):
+        self.chain = chain
+        self.ancestors: list[list[int]] = []  # per tree row: tree rows it sees (self included)
+
+    def run(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int,
+            parent_rows: list[int | None]) -> torch.Tensor:
+        """hidden [1, F, H], tokens [F] (target ids), parents' tree rows -> out [1, F, H].
+
+        Appends F draft cache rows (tree-row ids continue from the rows drafted so far) and
+        returns their pre-norm outputs, whose logits predict the nodes' children.
+        """
+        chain = self.chain
+        first = len(self.ancestors)
+        new = [(self.ancestors[p] if p is not None else []) + [first + f]
+               for f, p in enumerate(parent_rows)]
+        self.ancestors.extend(new)
+        mask = draft_tree_mask(chain.rows, new, len(self.ancestors), chain.dtype, hidden.device)
+        pos = torch.full((1, len(new)), chain.rows - 1 + depth, device=hidden.device)
+        emb = chain.target.embed(tokens.reshape(1, -1).to(chain.target.device))  # [1, F, H]
+        return chain.head.step(hidden, emb, pos, mask, chain.cache)
+
+    def drop(self) -> None:
+        """Crop the draft cache back to the rows from real target features."""
+        trim_cache(self.chain.cache, self.chain.rows)
+        self.ancestors = []
+
+
+class _Eagle3TreeBase:
+    """start / accept delegate to the chain proposer: the verified draft state is the same."""
+
+    def __init__(self, head, target):
+        check_tree_attention(head.layers[0].self_attn.config, "the EAGLE-3 head")
+        self.chain = Eagle3Proposer(head, target)
+        self.layers = self.chain.layers
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        self.chain.start(prompt_ids, first_token, out)
+
+    def accept(self, inputs, following, out, start) -> None:
+        self.chain.accept(inputs, following, out, start)
+
+
+class Eagle3StaticTreeProposer(_Eagle3TreeBase):
+    """A fixed tree shape (Medusa choice list or `Tree`).
+
+    A node holds the rank-th token of its parent's draft top-k (rank = last entry of its choice).
+    """
+
+    def __init__(self, head, target, tree: Tree | list):
+        super().__init__(head, target)
+        self.tree = tree if isinstance(tree, Tree) else tree_from_choices(tree)
+        vd = head.config.draft_vocab_size
+        if int(self.tree.ranks.max()) >= vd:
+            raise TreeError(f"the tree uses rank {int(self.tree.ranks.max())} but the draft "
+                            f"vocabulary has only {vd} tokens")
+        self.max_nodes = self.tree.size
+
+    @torch.no_grad()
+    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
+        tree, chain = self.tree, self.chain
+        head = chain.head
+        n = tree.size
+        draft_ids = torch.zeros(n, dtype=torch.long)
+        outs = {0: chain.last_out}  # node -> pre-norm output predicting its children: [1, 1, H]
+        row_of: dict[int, int | None] = {0: None}
+        rows = _DraftTreeRows(chain)
+        parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
+        has_kids = set(parents[1:])
+        for depth in range(1, tree.max_depth + 1):
+            level = (tree.depths == depth).nonzero().flatten().tolist()
+            for p in sorted({parents[v] for v in level}):
+                kids = [v for v in level if parents[v] == p]
+                k = max(ranks[v] for v in kids) + 1
+                top = head.logits(outs[p])[0, -1].topk(k).indices.cpu()  # [k] draft ids
+                for v in kids:
+                    draft_ids[v] = top[ranks[v]]
+            expand = [v for v in level if v in has_kids]
+            if not expand:
+                break
+            hidden = torch.cat([outs[parents[v]] for v in expand], dim=1)  # [1, F, H]
+            tokens = head.to_target_ids(draft_ids[expand].to(hidden.device))
+            out = rows.run(hidden, tokens, depth, [row_of[parents[v]] for v in expand])
+            for f, v in enumerate(expand):
+                outs[v], row_of[v] = out[:, f: f + 1], len(rows.ancestors) - len(expand) + f
+        rows.drop()
+        return tree, head.to_target_ids(draft_ids[1:].to(chain.last_out.device))
+
+
+class Eagle3DynamicTreeProposer(_Eagle3TreeBase):
+    """EAGLE-2 dynamic tree (docs/algorithms.md §4): expand the best `top_k` nodes per level
+    for `depth` levels, then keep the `total_tokens - 1` nodes with the highest cumulative
+    draft log-probability (the verified tree has total_tokens nodes with the root)."""
+
+    def __init__(self, head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 48):
+        super().__init__(head, target)
+        if depth < 0 or top_k < 1 or total_tokens < 1:
+            raise TreeError(f"EAGLE-2 tree needs depth >= 0, top_k >= 1, total_tokens >= 1; got "
+                            f"{depth}, {top_k}, {total_tokens}")
+        self.depth, self.top_k = depth, min(top_k, head.config.draft_vocab_size)
+        self.total_tokens = total_tokens
+        self.max_nodes = total_tokens
+        self.last_scores = torch.empty(0)  # node scores of the last proposed tree (for inspection)
+
+    @torch.no_grad()
+    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
+        chain, k = self.chain, self.top_k
+        head = chain.head
+        top = log_probs(head.logits(chain.last_out)[0, -1]).topk(k)  # depth-1 candidates
+        ids, scores = [top.indices], [top.values]
+        parents = [torch.full((k,), -1, dtype=torch.long, device=top.indices.device)]
+        frontier = torch.arange(k, device=top.indices.device)  # pool indices to expand next
+        hidden = chain.last_out.expand(1, k, -1)  # [1, k, H]: outputs of the frontier's parents
+        frontier_rows: list[int | None] = [None] * k  # tree rows of the frontier's parents
+        rows = _DraftTreeRows(chain)
+        for level in range(1, self.depth + 1):
+            pool_ids, pool_scores = torch.cat(ids), torch.cat(scores)
+            tokens = head.to_target_ids(pool_ids[frontier])
+            out = rows.run(hidden, tokens, level, frontier_rows)  # [1, F, H]
+            new_rows = list(range(len(rows.ancestors) - frontier.numel(), len(rows.ancestors)))
+            child = log_probs(head.logits(out)[0]).topk(k)  # [F, k]
+            cand = (pool_scores[frontier][:, None] + child.values).reshape(-1)  # [F*k]
+            base = pool_scores.numel()
+            ids.append(child.indices.reshape(-1))
+            scores.append(cand)
+            parents.append(frontier.repeat_interleave(k))
+            best = cand.topk(min(k, cand.numel())).indices  # next frontier, within this level
+            frontier = base + best
+            hidden = out[:, best // k]
+            frontier_rows = [new_rows[int(b) // k] for b in best]
+        rows.drop()
+        pool_ids, pool_scores, pool_parents = torch.cat(ids), torch.cat(scores), torch.cat(parents)
+        chosen = select_top_nodes(pool_scores.cpu(), pool_parents.cpu(), self.total_tokens - 1)
+        self.last_scores = pool_scores[chosen.to(pool_scores.device)]  # [N-1] cumulative log-probs
+        tokens = head.to_target_ids(pool_ids[chosen.to(pool_ids.device)])  # [N-1]
+        return self._as_tree(chosen, pool_parents.cpu()), tokens
+
+    @staticmethod
+    def _as_tree(chosen: torch.Tensor, pool_parents: torch.Tensor) -> Tree:
+        """Selected pool indices [M] (ascending) -> Tree of M + 1 nodes (node = position + 1)."""
+        node_of = torch.zeros(pool_parents.numel() + 1, dtype=torch.long)  # pool idx + 1 -> node
+        node_of[chosen + 1] = torch.arange(1, chosen.numel() + 1)
+        parent_nodes = node_of[pool_parents[chosen] + 1]  # root (-1 + 1 = 0) -> node 0
+        return tree_from_parents(torch.cat([torch.tensor([-1]), parent_nodes]))
+
+
+# --- the kind's factory ----------------------------------------------------------------------
 
 
 def make_proposer(spec, head, target, sampled: bool = False):
@@ -16,7 +328,8 @@ def make_proposer(spec, head, target, sampled: bool = False):
         if spec.kind != "chain":
             raise SettingsError("a P-EAGLE head drafts all depths in one forward and was not trained for "
                                 f"tree steps; '{spec.kind}' trees are not supported: use --tree chain")
-        return SampledPEagleProposer(head, target) if sampled else PEagleProposer(head, target)
+        chain = Eagle3Proposer(head, target)
+        return SampledPEagleProposer(chain) if sampled else PEagleProposer(chain)
     if spec.kind == "chain" and sampled:
         return SampledEagle3Proposer(head, target)
     if spec.kind == "chain":

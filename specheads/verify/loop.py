@@ -1,13 +1,16 @@
-"""The decode loop: propose a draft tree, verify it in one target forward, keep what a rule accepts.
+"""The decoder: propose a draft, verify it in one target forward, keep what a rule accepts.
 
-Every way the verifier decodes runs this loop (docs/algorithms.md §8), set by two objects:
+`decode` is the one loop (docs/algorithms.md §8); `greedy_decode` is plain greedy decoding (the
+reference) through it. Two choices set a decode:
 
-* the draft shape: `ChainShape(k)` (a chain of <= k drafts, the tree that is a path, verified
-  with a causal mask, rejected slots cropped; any attention kernel) or `TreeShape()` (any tree,
-  verified with a 4-D tree mask, the cache compacted to the accepted path; sdpa / eager);
-* the acceptance rule (`verify.rules`): greedy, Leviathan / Chen, EAGLE point mass, typical.
+* the draft shape, decided by the proposer: a `protocols.TreeProposer` drafts any tree, verified
+  with a 4-D tree mask and the cache compacted to the accepted path (`TreeShape`; sdpa / eager);
+  any other proposer drafts a chain of <= k, verified with a causal mask and the rejected slots
+  cropped (`ChainShape`; any attention kernel). `NO_DRAFT` (or k == 0) decodes plainly;
+* the acceptance rule (`verify.rules`): "greedy", "exact" speculative sampling (Leviathan / Chen
+  on chains, EAGLE point mass on trees) or "typical" (LOSSY).
 
-Greedy and the lossless rules leave the output distributed as plain decoding (greedy: token for
+Greedy and the exact rules leave the output distributed as plain decoding (greedy: token for
 token). Never more than max_new_tokens tokens; generation stops after an eos id.
 
 Batch: prompts, drafts and verification tensors are [B, ...] at the loop's boundaries, and a
@@ -23,8 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specheads.protocols import TreeProposer
 from specheads.target import TargetOutput
-from specheads.verify.rules import AcceptRule, one_row
+from specheads.verify.ngram_proposers import NO_DRAFT
+from specheads.verify.rules import AcceptRule, make_rule, one_row
 from specheads.verify.steps import (
     Clock,
     DecodeError,
@@ -46,8 +51,8 @@ from specheads.verify.trees import Tree, chain_tree
 
 
 class BatchProposer:
-    """A per-sequence proposer (`verify.proposers.Proposer`, `[n]` tensors; trees add
-    `propose_tree`) behind the loop's batched boundary: [B, ...] in and out, B == 1."""
+    """A per-sequence proposer (`protocols.Proposer` or `TreeProposer`, `[n]` tensors) behind the
+    loop's batched boundary: [B, ...] in and out, B == 1."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -96,7 +101,7 @@ class ChainShape:
         return DecodeStats(accepted_per_pos=[0] * self.k)
 
     def drafts_with(self, proposer) -> bool:
-        return proposer is not None and self.k > 0
+        return self.k > 0
 
     def depth(self, tree: Tree) -> int:
         return tree.size - 1  # a path
@@ -137,7 +142,7 @@ class TreeShape:
         return DecodeStats()
 
     def drafts_with(self, proposer) -> bool:
-        return proposer is not None
+        return True
 
     def depth(self, tree: Tree) -> int:
         return tree.max_depth
@@ -189,21 +194,53 @@ class _Run:
     done: bool = False
 
 
-def batch_prompt(prompt_ids) -> torch.Tensor:
-    """prompt_ids [B, P] -> row 0 [P] (a clear error unless B == 1)."""
+def as_batch(prompt_ids) -> torch.Tensor:
+    """A prompt: ids [P] or [B, P] (any nesting) -> [B, P]."""
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-    if ids.dim() != 2:
-        raise DecodeError(f"prompt_ids must be [batch, tokens], got shape {tuple(ids.shape)}")
-    return one_row(ids, "prompt_ids")
+    if ids.dim() > 2:
+        raise DecodeError(f"prompt_ids must be [tokens] or [batch, tokens], got shape {tuple(ids.shape)}")
+    return ids.reshape(1, -1) if ids.dim() < 2 else ids
+
+
+def draft_shape(proposer, k: int) -> ChainShape | TreeShape:
+    """The proposer decides: a tree proposer drafts trees, any other a chain of <= k."""
+    return TreeShape() if isinstance(proposer, TreeProposer) else ChainShape(k)
 
 
 @torch.no_grad()
-def decode(target, proposer, prompt_ids, max_new_tokens: int, rule: AcceptRule,
-           shape: ChainShape | TreeShape, eos_token_ids: Iterable[int] = ()) -> list[DecodeResult]:
-    """prompt_ids [B, P] -> one result per sequence (B == 1). `proposer` None (or a chain of
-    k == 0) decodes plainly through the same path: one target forward per token."""
+def decode(target, proposer, prompt_ids, max_new_tokens: int, k: int = 0,
+           eos_token_ids: Iterable[int] = (), *, rule: str | AcceptRule = "greedy",
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+           epsilon: float = 0.09, delta: float = 0.3) -> DecodeResult:
+    """Speculative decoding of prompt_ids [P] (or [1, P]) with `proposer`'s drafts (a chain of
+    <= k, or its trees), kept by `rule` ("greedy" | "exact" | "typical", or an AcceptRule).
+
+    The sampling settings (warp, seed; typical's thresholds min(epsilon, delta * exp(-H))) apply
+    to the sampling rules only. The same seed reproduces the same tokens; temperature 0 and the
+    greedy rule equal plain greedy decoding token for token. A sampling result is a SampleResult
+    (rule name, seed, `lossy`).
+    """
+    if proposer is None:
+        raise DecodeError("decode needs a proposer: pass ngram_proposers.NO_DRAFT to decode plainly")
+    shape = draft_shape(proposer, k)
+    if isinstance(rule, str):
+        rule = make_rule(rule, isinstance(shape, TreeShape), target.device, temperature, top_p,
+                         top_k, seed, epsilon, delta)
+    return run_loop(target, proposer, as_batch(prompt_ids), max_new_tokens, rule, shape,
+                    eos_token_ids)[0]
+
+
+def greedy_decode(target, prompt_ids, max_new_tokens: int,
+                  eos_token_ids: Iterable[int] = ()) -> DecodeResult:
+    """Plain greedy decoding with a KV cache: one target forward per new token (the reference)."""
+    return decode(target, NO_DRAFT, prompt_ids, max_new_tokens, 0, eos_token_ids)
+
+
+def run_loop(target, proposer, prompt_ids: torch.Tensor, max_new_tokens: int, rule: AcceptRule,
+             shape: ChainShape | TreeShape, eos_token_ids: Iterable[int] = ()) -> list[DecodeResult]:
+    """prompt_ids [B, P] -> one result per sequence (B == 1): prefill, then verification steps."""
     shape.check(target)
-    ids, budget = prepare_prompt(target, batch_prompt(prompt_ids), max_new_tokens)  # [1, P]
+    ids, budget = prepare_prompt(target, one_row(prompt_ids, "prompt_ids"), max_new_tokens)  # [1, P]
     drafts = BatchProposer(proposer) if shape.drafts_with(proposer) else None
     run = _Run(target, rule, shape, drafts, frozenset(int(e) for e in eos_token_ids), budget,
                rule.new_result(shape.new_stats()), drafts.layers if drafts else [],

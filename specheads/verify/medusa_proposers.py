@@ -12,7 +12,8 @@ import torch
 
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.rank_trees import Ranker, RankTreeProposer
-from specheads.verify.trees import Tree, TreeError
+from specheads.verify.settings import chain_or_static
+from specheads.verify.trees import Tree
 
 
 def check_medusa_fits(head, target) -> None:
@@ -74,9 +75,5 @@ class MedusaStaticTreeProposer(RankTreeProposer):
 def make_proposer(spec, head, target, sampled: bool = False):
     """Medusa proposer for a `TreeSpec`: a chain or a static tree (drafts are always top-k; sampled
     chains verify them as point masses, which stays lossless)."""
-    if spec.kind == "chain":
-        return MedusaProposer(head, target)
-    if spec.kind == "static":
-        return MedusaStaticTreeProposer(head, target, list(spec.choices))
-    raise TreeError(f"Medusa heads cannot grow '{spec.kind}' trees (each head ignores the drafted "
-                    "prefix); use a chain or a static tree file (--tree FILE.json)")
+    return chain_or_static(spec, MedusaProposer, MedusaStaticTreeProposer, head, target, "Medusa heads",
+                           " (each head ignores the drafted prefix)")

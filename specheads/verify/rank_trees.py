@@ -3,7 +3,7 @@
 Medusa heads and DFlash blocks rank every depth's tokens from the verified context alone, so the
 node at choice path (r_1, .., r_d) holds the r_d-th most likely token at depth d, and one set of
 rankings fills the whole tree (`trees.tokens_by_rank`). The chain proposer underneath keeps the
-state; this class only shapes its rankings into a tree (protocol: verify/tree_decode.py).
+state; this class only shapes its rankings into a tree (`protocols.TreeProposer`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ token. It also says how the first token is chosen and how a chain proposer must 
 
 * `GreedyRule`: argmax (docs/algorithms.md §8.1), chains and trees; lossless.
 * `LeviathanRule`: Leviathan / Chen speculative sampling (§8.2), chains only; drafts are sampled
-  from the proposer's own q when it can (`propose_sampled`), else treated as point masses.
+  from the proposer's own q when it can (`protocols.SampledProposer`), else treated as point
+  masses.
 * `PointMassRule`: EAGLE-2/3 recursive rejection for deterministic trees (§8.3); lossless.
 * `TypicalRule`: Medusa typical acceptance (§8.4) of deterministic drafts; LOSSY.
 
@@ -16,14 +17,15 @@ batch dimension, the rules do not batch yet.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 import torch
 
+from specheads.protocols import SampledProposer
 from specheads.verify.sampling import (
+    Warper,
     accept_chain,
     accept_tree_pointmass,
     check_warp,
@@ -35,9 +37,6 @@ from specheads.verify.sampling import (
 )
 from specheads.verify.steps import DecodeError, DecodeResult, DecodeStats, SampleResult
 from specheads.verify.trees import Tree
-
-Warper = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probs [..., V]
-
 
 Decision = tuple[list[list[int]], list[int]]  # per sequence: accepted path (root first), next token
 
@@ -62,7 +61,7 @@ class AcceptRule(Protocol):
 def one_row(x: torch.Tensor, what: str) -> torch.Tensor:
     """Row 0 of a [B, ...] tensor; a clear error for B != 1 (the rules decide one sequence)."""
     if x.shape[0] != 1:
-        raise DecodeError(f"{what} has batch size {x.shape[0]}: the verifier decodes one sequence "
+        raise DecodeError(f"{what} has batch size {x.shape[0]}: the decoder runs one sequence "
                           "at a time (batch size 1); decode the prompts one by one")
     return x[0]
 
@@ -126,8 +125,8 @@ class GreedyRule:
 def draft_chain(proposer, k: int, warper: Warper, gen: torch.Generator,
                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts [n <= k] and their q [n, V] for Leviathan's rule: sampled from the proposer's own
-    q if it can (`propose_sampled`), else its top-1 chain as a point mass."""
-    if hasattr(proposer, "propose_sampled"):
+    q if it can (a `SampledProposer`), else its top-1 chain as a point mass."""
+    if isinstance(proposer, SampledProposer):
         tokens, q = proposer.propose_sampled(k, warper, gen)
     else:
         tokens = deterministic_drafts(proposer, k)
@@ -218,19 +217,29 @@ class TypicalRule(SampledRule):
 
 
 RULES = {"leviathan": LeviathanRule, "pointmass": PointMassRule, "typical": TypicalRule}
+NAMES = ("greedy", "exact", "typical")  # what `make_rule` takes; "exact" is lossless sampling
 
 
 def sampled_rule(rule: str, device, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int = 0, epsilon: float = 0.09, delta: float = 0.3,
-                 allowed: tuple[str, ...] = tuple(RULES), shape: str = "") -> SampledRule:
-    """A sampling rule by name (one of `allowed` for this draft `shape`), its warp checked and
-    its generator seeded on `device`."""
-    if rule not in allowed:
-        what = f"{shape} acceptance rule" if shape else "acceptance rule"
-        raise DecodeError(f"unknown {what} '{rule}': use one of {allowed}")
+                 seed: int = 0, epsilon: float = 0.09, delta: float = 0.3) -> SampledRule:
+    """A sampling rule of `RULES` by name, its warp checked and its generator seeded on `device`."""
     check_warp(temperature, top_p, top_k)
     warper = partial(warp, temperature=temperature, top_p=top_p, top_k=top_k)
     gen = make_generator(seed, device)
     if rule == "typical":
         return TypicalRule(warper, gen, seed, epsilon, delta)
     return RULES[rule](warper, gen, seed)
+
+
+def make_rule(name: str, tree: bool, device, temperature: float = 1.0, top_p: float = 1.0,
+              top_k: int = 0, seed: int = 0, epsilon: float = 0.09, delta: float = 0.3) -> AcceptRule:
+    """The rule called `name` (one of NAMES) for a chain or a `tree` draft: "greedy"; "exact"
+    speculative sampling (Leviathan / Chen on chains, EAGLE point mass on trees; lossless);
+    "typical" (Medusa typical acceptance; LOSSY)."""
+    if name not in NAMES:
+        raise DecodeError(f"unknown acceptance rule '{name}': use one of {NAMES}")
+    if name == "greedy":
+        return GreedyRule()
+    if name == "exact":
+        name = "pointmass" if tree else "leviathan"
+    return sampled_rule(name, device, temperature, top_p, top_k, seed, epsilon, delta)

@@ -14,9 +14,12 @@ Pure functions over probability tensors (docs/algorithms.md §8.2-8.4):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+Warper = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probs [..., V]
 
 
 def check_warp(temperature: float, top_p: float, top_k: int) -> None:
@@ -35,7 +38,7 @@ def warp(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
 
     Order: temperature, then top-k, then top-p (nucleus: keep the smallest set of most likely
     tokens whose mass reaches top_p; ties broken by a stable sort). Temperature 0 is greedy:
-    a one-hot row at `logits.argmax(-1)`, the same tie-break as the greedy loops. -inf logits
+    a one-hot row at `logits.argmax(-1)`, the same tie-break as the greedy rule. -inf logits
     (tokens outside a reduced draft vocabulary) get probability 0.
 
     The row maximum is subtracted before dividing by the temperature, so the scaled logits are

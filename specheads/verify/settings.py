@@ -1,6 +1,7 @@
 """Speculation settings shared by `specheads generate`, `eval`, `serve` and bench/verifier.py:
-the draft shape (a chain of k, an EAGLE-2 dynamic tree, a static Medusa-style choice list), the
-proposer each needs, and which decode loop (greedy or sampling, chain or tree) runs it.
+the draft shape (`TreeSpec`: a chain of k, an EAGLE-2 dynamic tree, a static Medusa-style choice
+list) and the sampling (`Sampling`: temperature, top-p, seed, exact or typical acceptance).
+The proposer a shape needs comes from `verify.registry.make_proposer`.
 """
 
 from __future__ import annotations
@@ -9,10 +10,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.verify import dflash_proposers, eagle1_proposers, eagle3_proposers, medusa_proposers, mtp_proposers
-from specheads.verify.decode import as_batch
-from specheads.verify.loop import ChainShape, TreeShape, decode
-from specheads.verify.rules import GreedyRule, sampled_rule
 from specheads.verify.trees import SettingsError, normalize_choices
 
 # --- tree settings -------------------------------------------------------------------------------
@@ -109,50 +106,23 @@ def with_default_k(spec: TreeSpec, meta, head) -> TreeSpec:
     return TreeSpec("chain", k=int(k))
 
 
+def chain_or_static(spec: TreeSpec, chain, static, head, target, what: str, why: str = " here"):
+    """`chain(head, target)` or `static(head, target, choices)` for a spec; EAGLE-2 trees refused
+    for `what` (a drafter that grows no dynamic trees, `why` says why)."""
+    if spec.kind == "chain":
+        return chain(head, target)
+    if spec.kind == "static":
+        return static(head, target, list(spec.choices))
+    raise SettingsError(f"{what} cannot grow '{spec.kind}' trees{why}: use --tree chain or a "
+                        "static tree file (--tree FILE.json)")
+
+
 def check_tree_fits(spec: TreeSpec, target) -> None:
     """Refuse a tree that cannot be verified in one forward within the target's context."""
     ctx = getattr(target.config, "max_position_embeddings", None)
     if ctx is not None and spec.nodes() >= ctx:
         raise SettingsError(f"the draft tree ({spec.label()}) verifies {spec.nodes()} tokens per "
                             f"step but the target's context is {ctx}: use a smaller tree")
-
-
-# head kind -> proposer module (`protocols.ProposerModule`); kinds must match heads.HEADS
-PROPOSERS = {
-    "eagle3": eagle3_proposers,
-    "medusa": medusa_proposers,
-    "medusa2": medusa_proposers,
-    "eagle": eagle1_proposers,
-    "mtp": mtp_proposers,
-    "draft": mtp_proposers,
-    "dflash": dflash_proposers,
-}
-
-
-def proposer_module(kind: str):
-    """The proposer module of a head kind, or an error listing the kinds that have one."""
-    if kind not in PROPOSERS:
-        raise SettingsError(f"head kind '{kind}' has no proposer; kinds with one: {', '.join(PROPOSERS)}")
-    return PROPOSERS[kind]
-
-
-def make_proposer(spec: TreeSpec, head, target, sampled: bool = False):
-    """The proposer for a spec and a head, from its kind's module (drafts sampled from q when
-    `sampled` and the kind supports it)."""
-    return proposer_module(head.kind).make_proposer(spec, head, target, sampled)
-
-
-def loop_shape(spec: TreeSpec | None) -> ChainShape | TreeShape:
-    """The decode loop's draft shape for a spec (None: no drafts, a chain of 0)."""
-    if spec is None:
-        return ChainShape(0)
-    return ChainShape(spec.k) if spec.kind == "chain" else TreeShape()
-
-
-def speculative_decode(spec: TreeSpec, target, proposer, ids, max_new_tokens: int, eos):
-    """Greedy speculative decoding with the spec's draft shape (chain or tree) -> DecodeResult."""
-    return decode(target, proposer, as_batch(ids), max_new_tokens, GreedyRule(), loop_shape(spec),
-                  eos)[0]
 
 
 @dataclass(frozen=True)
@@ -177,6 +147,11 @@ class Sampling:
     @property
     def lossless(self) -> bool:
         return self.acceptance == "exact"
+
+    @property
+    def rule(self) -> str:
+        """The decoder's acceptance rule (`verify.rules.NAMES`) for these settings."""
+        return "greedy" if self.greedy else self.acceptance
 
     def describe(self) -> dict:
         """Plain JSON for metrics.json; the typical thresholds only when they apply."""
@@ -204,18 +179,3 @@ def check_acceptance(sampling: Sampling) -> None:
     if not 0 < sampling.epsilon <= 1 or sampling.delta <= 0:
         raise SettingsError(f"typical acceptance needs 0 < --typical-epsilon <= 1 and "
                             f"--typical-delta > 0; got {sampling.epsilon}, {sampling.delta}")
-
-
-def sampled_decode(spec: TreeSpec | None, target, proposer, ids, max_new_tokens: int, eos,
-                   sampling: Sampling):
-    """Speculative sampling with the spec's draft shape and the sampling's acceptance rule
-    (exact: Leviathan for chains, point mass for trees, lossless; typical: LOSSY); `spec` None
-    samples plainly."""
-    shape = loop_shape(spec)
-    exact = "leviathan" if isinstance(shape, ChainShape) else "pointmass"
-    name = exact if sampling.lossless or spec is None else "typical"  # no drafts: plain sampling
-    rule = sampled_rule(name, target.device,
-                        sampling.temperature, sampling.top_p, 0, sampling.seed, sampling.epsilon,
-                        sampling.delta)
-    return decode(target, proposer if spec is not None else None, as_batch(ids), max_new_tokens,
-                  rule, shape, eos)[0]

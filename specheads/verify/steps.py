@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from specheads.metrics import chain_summary
-from specheads.target import TargetOutput
+from specheads.target import TargetError, TargetOutput
 from specheads.verify.trees import Tree, prune, subtree
 
 
@@ -302,3 +302,14 @@ def fit_tree(tree: Tree, tokens: torch.Tensor, remaining: int, past: int,
         )
     kept = prune(tree, max_depth=remaining - 1, max_nodes=None if ctx is None else ctx - past)
     return subtree(tree, kept), tokens[kept.to(tokens.device)]
+
+
+def check_vocab_fits(kind: str, vocab_size: int, hidden_size: int | None, target) -> None:
+    """Refuse a drafter whose vocabulary (or width, for MTP) differs from the target's."""
+    problems = []
+    if vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {vocab_size} vs the target's {target.vocab_size}")
+    if hidden_size is not None and hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {hidden_size} vs the target's {target.hidden_size}")
+    if problems:
+        raise TargetError(f"the {kind} head does not fit this target: " + "; ".join(problems))

@@ -70,8 +70,8 @@ def writer(out) -> Callable[[str], None]:
 class StreamingProposer:
     """Wraps a proposer so every verified token reaches a TextStream as soon as it is known.
 
-    The loops hand each step's emitted tokens to `accept` (and the prefill's token to `start`),
-    so streaming needs no change to them; the last step's tokens, which no `accept` sees, are
+    The decoder hands each step's emitted tokens to `accept` (and the prefill's token to `start`),
+    so streaming needs no change to it; the last step's tokens, which no `accept` sees, are
     written by `finish` from the result. `seconds` (time spent decoding and writing text) is
     taken off the speculative wall time so that tokens/s compare fairly with plain decoding.
     """
@@ -80,8 +80,12 @@ class StreamingProposer:
         self.inner, self.stream = inner, stream
         self.sent = 0
         self.seconds = 0.0
+        self.layers = inner.layers
+        for hook in ("propose", "propose_tree", "propose_sampled"):  # seen by protocol checks
+            if hasattr(inner, hook):
+                setattr(self, hook, getattr(inner, hook))
 
-    def __getattr__(self, name):  # layers, propose, propose_tree, max_nodes, ...
+    def __getattr__(self, name):  # max_nodes, ...
         return getattr(self.inner, name)
 
     def start(self, prompt_ids, first_token, out) -> None:
