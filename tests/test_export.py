@@ -8,9 +8,8 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from specheads.export import (
-    FORMATS, CheckpointError, ExportRefused, export, load, load_with_meta, read_export_meta, validate,
-)
+from specheads.export import CheckpointError, ExportRefused, export, load, load_with_meta, read_export_meta, validate
+from specheads.export.eagle3 import FORMATS_WRITTEN as FORMATS
 from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.heads.vocab import build_vocab_map
@@ -243,7 +242,7 @@ def test_readme_title_names_each_kind_s_own_format():
     from specheads.export.readme import readme_title
 
     for kind, writer in WRITERS.items():
-        for fmt in writer.FORMATS:
+        for fmt in writer.FORMATS_WRITTEN:
             title = readme_title(fmt, kind)
             assert ("speculators" in title) == ((kind, fmt) in {("eagle3", "vllm"), ("dflash", "vllm")}), (kind, fmt, title)
     assert readme_title("sglang", "mtp") == "SGLang 0.5.23, NEXTN"

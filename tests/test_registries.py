@@ -27,7 +27,7 @@ def test_registry_members_provide_their_protocol():
         for member in ("for_target", "required_layers", "collect", "expand", "train_forward"):
             assert callable(getattr(cls, member, None)), (kind, member)
     for kind, module in WRITERS.items():
-        assert module.FORMATS and callable(LOADERS[kind].load_export), kind
+        assert module.FORMATS_WRITTEN and callable(LOADERS[kind].load_export), kind
     for kind, module in PROPOSERS.items():
         assert callable(module.make_proposer), kind
 

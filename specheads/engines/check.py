@@ -55,8 +55,7 @@ import torch
 from specheads.atomic import write_json
 from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG, VLLM
 from specheads.engines import venvs
-from specheads.export import load
-from specheads.export.load import read_export_meta
+from specheads.export import load, read_export_meta
 from specheads.heads.dflash import DFlashConfig, DFlashHead
 from specheads.target import Target
 from specheads.verify.decode import causal_mask, positions

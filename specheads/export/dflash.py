@@ -19,21 +19,25 @@ import torch
 from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, check_key_rules, config_rope, expected_shape,
+    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, check_key_rules, expected_shape,
     get_key,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
     Violation,
 )
-from specheads.export.eagle3 import ExportRefused, decoder_keys
-from specheads.export.load import _read_json, read_weights
-from specheads.export.plan import cast, head_plan
+from specheads.export.keys import (
+    REQUIRED, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, t2d_from_d2t, trained_fields,
+)
+from specheads.export.load import read_json, read_weights
+from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.dflash import DFlashConfig, DFlashHead
 from specheads.protocols import ExportPlan, ExportRequest
 
-FORMATS = ("vllm", "vllm-native", "sglang")
+FORMATS_WRITTEN = ("vllm", "vllm-native", "sglang")
 ARCHITECTURE = "DFlashDraftModel"
+# the Qwen3 stack's decoder keys; the engines read them without defaults but for rms_norm_eps (Qwen3's)
+FIELDS = decoder_fields(num_key_value_heads=REQUIRED, head_dim=REQUIRED, rms_norm_eps=1e-6)
 
 
 def check_exportable(config: DFlashConfig, fmt: str, weights: dict) -> None:
@@ -55,7 +59,7 @@ def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None
 def layer_keys(config: DFlashConfig, dtype: str) -> dict:
     """The Qwen3 decoder-stack keys every format carries."""
     return {
-        **decoder_keys(config, "qwen3", config.num_hidden_layers),
+        **decoder_keys(config, "qwen3", config.num_hidden_layers, FIELDS),
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * config.num_hidden_layers,
         "tie_word_embeddings": False,
@@ -97,13 +101,7 @@ def speculators_config(config: DFlashConfig, k: int, verifier: str, verifier_arc
         "sample_from_anchor": False,
         "sliding_window_non_causal": not config.causal,  # vLLM: causal = not this (default true)
         "transformer_layer_config": layer_keys(config, dtype),
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_archs)},
-        },
+        "speculators_config": speculators_block("dflash", k, verifier, verifier_archs),
     }
 
 
@@ -292,9 +290,7 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
         if value is not MISSING and value is not None and value != head[key]:
             out.append(Violation(f"{CONFIG_FILE}: {key}", f"{json.dumps(head[key])} (the trained head's)",
                                  _found(value), "export again from the checkpoint this head came from"))
-    if config_rope(s) not in (None, head["rope_parameters"]):
-        out.append(Violation(f"{CONFIG_FILE}: rope_parameters", json.dumps(head["rope_parameters"]),
-                             json.dumps(config_rope(s)), "copy the head's (= the target's) RoPE settings"))
+    out += check_rope(s, head)
     mpe = s.get("max_position_embeddings")
     if _int(mpe) and mpe < head["max_position_embeddings"]:
         out.append(Violation(f"{CONFIG_FILE}: max_position_embeddings", f">= {head['max_position_embeddings']}",
@@ -311,23 +307,23 @@ def validate(folder: str | Path, fmt: str, expected=None) -> None:
 
 
 # --- load back ---------------------------------------------------------------------------------
+TRAINED = ("num_anchors", "loss", "loss_decay_gamma", "dpace_alpha")  # training-only: from specheads.json
+
+
 def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> DFlashConfig:
     """Rebuild the head config from config.json; `trained` supplies only training-only fields."""
     trained, s = trained or {}, stack_of(cfg, fmt)
     native = fmt != "vllm"
     causal = get_key(cfg, "dflash_config.causal") if native else not cfg.get("sliding_window_non_causal", True)
     ids = layer_ids(cfg, fmt)
+    decoder = read_decoder(s, FIELDS)
     return DFlashConfig(
-        hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-        num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
-        num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"], vocab_size=s["vocab_size"],
-        draft_vocab_size=cfg.get("draft_vocab_size") or s["vocab_size"], target_layer_ids=ids,
+        **decoder, num_hidden_layers=s["num_hidden_layers"],
+        draft_vocab_size=cfg.get("draft_vocab_size") or decoder["vocab_size"], target_layer_ids=ids,
         num_target_layers=cfg.get("num_target_layers") or trained.get("num_target_layers") or max(ids) + 2,
         block_size=cfg.get("block_size") or trained["block_size"],
         mask_token_id=get_key(cfg, "dflash_config.mask_token_id") if native else cfg["mask_token_id"],
-        max_position_embeddings=s["max_position_embeddings"], rms_norm_eps=s.get("rms_norm_eps", 1e-6),
-        rope_parameters=config_rope(s) or {"rope_type": "default", "rope_theta": 10000.0}, causal=bool(causal),
-        **{k: trained[k] for k in ("num_anchors", "loss", "loss_decay_gamma", "dpace_alpha") if k in trained},
+        causal=bool(causal), **trained_fields(trained, TRAINED),
     )
 
 
@@ -335,12 +331,10 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     """A DFlash export folder -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format)
-    config = config_from_export(_read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
+    config = config_from_export(read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
     tensors = read_weights(meta.folder / WEIGHTS_FILE)
     if config.own_lm_head and "t2d" not in tensors:
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)  # [V]
-        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"]] = True
-        tensors["t2d"] = t2d
+        tensors["t2d"] = t2d_from_d2t(tensors["d2t"], config.vocab_size)
     head = DFlashHead(config, attn_implementation=attn_implementation)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
     return head.eval(), meta

@@ -23,12 +23,13 @@ from specheads.export.contract import (
 from specheads.export.contract_rules import (
     CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
 )
-from specheads.export.load import _read_json, read_weights
+from specheads.export.keys import trained_fields
+from specheads.export.load import read_json, read_weights
 from specheads.export.plan import cast, head_plan
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 from specheads.protocols import ExportPlan, ExportRequest
 
-FORMATS = ("medusa", "vllm-0.32")
+FORMATS_WRITTEN = ("medusa", "vllm-0.32")
 ORIGINAL_FILE = "medusa_lm_head.safetensors"
 WEIGHTS_FILES = {"medusa": ORIGINAL_FILE, "vllm-0.32": WEIGHTS_FILE}
 ORIGINAL_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
@@ -182,21 +183,23 @@ def _check_files(folder: Path, fmt: str) -> list[Violation]:
 
 
 # --- load back ---------------------------------------------------------------------------------
+TRAINED = ("step_decay",)  # training-only: from specheads.json
+
+
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[MedusaHead, object]:
     """A Medusa export folder -> (heads in eval mode, meta); rebuilt from config.json alone."""
     fmt = meta.format
     if check:
         validate(meta.folder, fmt)
-    cfg = _read_json(meta.folder / CONFIG_FILE, fmt)
+    cfg = read_json(meta.folder / CONFIG_FILE, fmt)
     K, L, bias = shape_of(cfg, fmt)
     tensors = read_weights(meta.folder / WEIGHTS_FILES[fmt])
     if fmt == "medusa":
         bias = bool((meta.head_config or {}).get("bias", True)) or any(
             bool(t.any()) for n, t in tensors.items() if n.endswith(".bias"))
         tensors = from_original(tensors, L, bias)
-    trained = meta.head_config or {}
     config = MedusaConfig(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], num_heads=K,
-                          num_layers=L, bias=bias, step_decay=trained.get("step_decay", 0.8))
+                          num_layers=L, bias=bias, **trained_fields(meta.head_config, TRAINED))
     head = MedusaHead(config)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILES[fmt]))
     return head.eval(), meta

@@ -83,7 +83,7 @@ def serve_command(serving: Serving, folder: str, served: str, k: int, parallel: 
     return cmd
 
 
-def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str = "eagle3",
+def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str,
                    parallel: bool = False, served: str | None = None) -> list[str]:
     """The exact commands that serve the export, best first (engine_facts.SERVING says how);
     `served` overrides the model served (Medusa-2: the merged target)."""
@@ -170,7 +170,7 @@ def readme_title(fmt: str, kind: str) -> str:
 
 def readme_text(fmt: str, folder: str | Path, commands: list[str], target: TargetRef, meta: dict) -> str:
     """README.md: what this folder is, how to serve it, where it came from."""
-    head, kind = meta["head_config"], meta.get("kind", "eagle3")
+    head, kind = meta["head_config"], meta["kind"]
     cmd_block = "\n\n".join(commands)
     title = readme_title(fmt, kind)
     lines = [
