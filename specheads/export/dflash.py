@@ -27,7 +27,7 @@ from specheads.export.contract_rules import (
     Violation,
 )
 from specheads.export.keys import (
-    REQUIRED, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, t2d_from_d2t, trained_fields,
+    REQUIRED, check_decoder, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, t2d_from_d2t, trained_fields,
 )
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
@@ -272,16 +272,13 @@ def check_tensors(specs: dict, cfg: dict, fmt: str) -> list[Violation]:
     return out
 
 
-HEAD_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps")
-
-
 def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
     """Sizes, taps, mask token, block, causality and RoPE agree with the trained head."""
-    s, out = stack_of(cfg, fmt), []
+    s = stack_of(cfg, fmt)
+    out = check_decoder(s, head, table=FIELDS)
     native = fmt != "vllm"
-    found = {k: s.get(k, MISSING) for k in HEAD_KEYS}
-    found.update(draft_vocab_size=cfg.get("draft_vocab_size", MISSING), target_layer_ids=layer_ids(cfg, fmt),
+    found = dict(num_hidden_layers=s.get("num_hidden_layers", MISSING),
+                 draft_vocab_size=cfg.get("draft_vocab_size", MISSING), target_layer_ids=layer_ids(cfg, fmt),
                  mask_token_id=get_key(cfg, "dflash_config.mask_token_id" if native else "mask_token_id"),
                  block_size=cfg.get("block_size", MISSING),
                  causal=get_key(cfg, "dflash_config.causal") if native else

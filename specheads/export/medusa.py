@@ -33,6 +33,8 @@ FORMATS_WRITTEN = ("medusa", "vllm-0.32")
 ORIGINAL_FILE = "medusa_lm_head.safetensors"
 WEIGHTS_FILES = {"medusa": ORIGINAL_FILE, "vllm-0.32": WEIGHTS_FILE}
 ORIGINAL_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+# format -> the config.json keys of the head's (num_heads, num_layers): written, checked and read back
+SHAPE_KEYS = {"medusa": ("medusa_num_heads", "medusa_num_layers"), "vllm-0.32": ("num_heads", "num_hidden_layers")}
 
 
 def check_exportable(config: MedusaConfig, fmt: str, weights: dict) -> None:
@@ -81,12 +83,11 @@ def from_original(tensors: dict[str, torch.Tensor], num_layers: int, bias: bool)
 def config_json(config: MedusaConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
                 dtype: str) -> dict:
     """config.json for `fmt` (K heads; k drafts per step is recorded in specheads.json)."""
+    shape = dict(zip(SHAPE_KEYS[fmt], (config.num_heads, config.num_layers)))
     if fmt == "medusa":
-        return {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
-                "base_model_name_or_path": verifier, "hidden_size": config.hidden_size,
+        return {**shape, "base_model_name_or_path": verifier, "hidden_size": config.hidden_size,
                 "vocab_size": config.vocab_size, "dtype": dtype}
-    return {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": config.num_heads,
-            "num_hidden_layers": config.num_layers, "hidden_size": config.hidden_size,
+    return {"architectures": ["MedusaModel"], "model_type": "medusa", **shape, "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
             "medusa_fc_bias": bool(config.bias), "original_lm_head": False, "logit_scale": 1.0,
             "dtype": dtype}
@@ -100,8 +101,7 @@ def plan(request: ExportRequest) -> ExportPlan:
 # --- contract check ----------------------------------------------------------------------------
 def shape_of(cfg: dict, fmt: str) -> tuple[int, int, bool] | None:
     """(num_heads, num_layers, bias) as config.json declares them; None when keys are missing."""
-    keys = ("medusa_num_heads", "medusa_num_layers") if fmt == "medusa" else ("num_heads", "num_hidden_layers")
-    K, L = cfg.get(keys[0]), cfg.get(keys[1])
+    K, L = (cfg.get(key) for key in SHAPE_KEYS[fmt])
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (K, L)):
         return None
     return K, L, True if fmt == "medusa" else cfg.get("medusa_fc_bias") is True

@@ -42,12 +42,12 @@ def writer_for(kind: str, fmt: str):
     return writer
 
 
-def loader_for(meta: ExportMeta):
-    """The module that loads an export of `meta.kind`."""
-    if meta.kind not in LOADERS:
-        raise ValueError(f"{meta.folder}: head kind '{meta.kind}' cannot be loaded by this specheads version; "
+def loader_for(kind: str, folder: str | Path):
+    """The module that loads (and checks) an export of `kind` at `folder`."""
+    if kind not in LOADERS:
+        raise ValueError(f"{folder}: head kind '{kind}' cannot be loaded by this specheads version; "
                          f"kinds it loads: {', '.join(LOADERS)}")
-    return LOADERS[meta.kind]
+    return LOADERS[kind]
 
 
 def read_export_meta(folder: str | Path) -> ExportMeta:
@@ -66,7 +66,7 @@ def validate(folder: str | Path, fmt: str, kind: str | None = None, expected=Non
             raise ValueError(f"{Path(folder) / META_FILE}: no such file, so the folder names no head kind; "
                              f"pass kind (one of {', '.join(LOADERS)})")
         kind = meta.kind
-    loader_for(ExportMeta(Path(folder), fmt, kind, None, None, None)).validate(folder, fmt, expected=expected)
+    loader_for(kind, folder).validate(folder, fmt, expected=expected)
 
 
 def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True,
@@ -78,7 +78,7 @@ def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check:
     if is_foreign(meta):
         return load_foreign(meta, attn_implementation, num_target_layers)
     verify_export(meta.folder, meta.record)  # recorded weight checksums (older exports: a notice)
-    return loader_for(meta).load_export(meta, attn_implementation, check)
+    return loader_for(meta.kind, meta.folder).load_export(meta, attn_implementation, check)
 
 
 def load(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True):
