@@ -82,7 +82,8 @@ def check_files(folder: Path) -> list[Violation]:
 
 
 # --- config keys ------------------------------------------------------------------------------
-def _int(v) -> bool:
+def is_int(v) -> bool:
+    """An int that is not a bool (JSON integers)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -97,8 +98,8 @@ KEY_CHECKS = {  # check -> (passes(value, rule), what was expected)
     "equals": (lambda v, r: v is not MISSING and v == r.value and type(v) is type(r.value),
                lambda r: json.dumps(r.value)),
     "bool": (lambda v, r: isinstance(v, bool), lambda r: "true or false"),
-    "positive_int": (lambda v, r: _int(v) and v > 0, lambda r: "a positive integer"),
-    "number": (lambda v, r: _int(v) or isinstance(v, float), lambda r: "a number"),
+    "positive_int": (lambda v, r: is_int(v) and v > 0, lambda r: "a positive integer"),
+    "number": (lambda v, r: is_int(v) or isinstance(v, float), lambda r: "a number"),
     "str": (lambda v, r: isinstance(v, str) and bool(v), lambda r: "a non-empty string"),
     "dict": (lambda v, r: isinstance(v, dict), lambda r: "a JSON object"),
     "not_true": (lambda v, r: v is not True, lambda r: "false or absent"),
@@ -107,7 +108,8 @@ KEY_CHECKS = {  # check -> (passes(value, rule), what was expected)
 }
 
 
-def _found(value) -> str:
+def found_text(value) -> str:
+    """A config value as a violation reports it found ("no key" when absent)."""
     return "no key" if value is MISSING else json.dumps(value)[:120]
 
 
@@ -120,7 +122,7 @@ def check_key_rules(cfg: dict, rules, at: str = "", checks: dict = KEY_CHECKS) -
         passes, expected = checks[rule.check]
         value = get_key(cfg, key)
         if not passes(value, rule):
-            found = "no RoPE keys" if rule.check == "rope" else _found(value)
+            found = "no RoPE keys" if rule.check == "rope" else found_text(value)
             out.append(Violation(f"{CONFIG_FILE}: {key or 'RoPE keys'}", expected(rule), found,
                                  rule.fix or "re-run the export"))
     return out
@@ -138,7 +140,7 @@ def config_dims(cfg: dict, contract: FormatContract) -> dict[str, int]:
             "hd": "head_dim", "I": "intermediate_size", "V": "vocab_size"}
     dims = {sym: layer.get(key) for sym, key in keys.items()}
     dims.update(Vd=cfg.get("draft_vocab_size"), H=cfg.get("target_hidden_size", dims["Hd"]))
-    dims = {k: v for k, v in dims.items() if _int(v)}
+    dims = {k: v for k, v in dims.items() if is_int(v)}
     if "hd" not in dims and {"Hd", "nh"} <= dims.keys():
         dims["hd"] = dims["Hd"] // dims["nh"]
     ids = aux_ids(cfg, contract)

@@ -19,15 +19,15 @@ import torch
 from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, check_key_rules, expected_shape,
-    get_key,
+    KEY_CHECKS, MISSING, check_files, check_folder, check_key_rules, expected_shape, found_text, get_key, is_int,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
     Violation,
 )
 from specheads.export.keys import (
-    REQUIRED, check_decoder, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, t2d_from_d2t, trained_fields,
+    REQUIRED, check_decoder, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, t2d_from_d2t,
+    trained_fields,
 )
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
@@ -122,12 +122,12 @@ def plan(request: ExportRequest) -> ExportPlan:
 
 # --- contract --------------------------------------------------------------------------------
 def _ids_ok(v, lo: int) -> bool:
-    return isinstance(v, list) and bool(v) and all(_int(i) for i in v) and v == sorted(set(v)) and v[0] >= lo
+    return isinstance(v, list) and bool(v) and all(is_int(i) for i in v) and v == sorted(set(v)) and v[0] >= lo
 
 
 CHECKS = {**KEY_CHECKS,
           "id_list": (lambda v, r: _ids_ok(v, r.value), lambda r: f"distinct ascending integer ids >= {r.value}"),
-          "nonneg_int": (lambda v, r: _int(v) and v >= 0, lambda r: "an integer >= 0")}
+          "nonneg_int": (lambda v, r: is_int(v) and v >= 0, lambda r: "an integer >= 0")}
 STACK_KEYS = (
     KeyRule("model_type", "equals", "qwen3", "the draft layers are Qwen3-style (q/k norms)"),
     KeyRule("hidden_size", "positive_int"),
@@ -198,10 +198,10 @@ def tensor_rules(cfg: dict, fmt: str) -> tuple[list[TensorRule], dict]:
             ("kvh", "num_key_value_heads"), ("hd", "head_dim"), ("I", "intermediate_size"), ("V", "vocab_size"))}
     dims["Vd"] = cfg.get("draft_vocab_size", dims["V"])
     dims["K"] = len(layer_ids(cfg, fmt) or [])
-    dims = {k: v for k, v in dims.items() if _int(v)}
+    dims = {k: v for k, v in dims.items() if is_int(v)}
     rules = [TensorRule("fc.weight", ("H", "K*H")), TensorRule("hidden_norm.weight", ("H",)),
              TensorRule("norm.weight", ("H",))]
-    n_layers = s.get("num_hidden_layers") if _int(s.get("num_hidden_layers")) else 0
+    n_layers = s.get("num_hidden_layers") if is_int(s.get("num_hidden_layers")) else 0
     for i in range(n_layers):
         p = f"layers.{i}."
         rules += [TensorRule(p + "self_attn.q_proj.weight", ("nh*hd", "H")),
@@ -228,15 +228,16 @@ def _check_consistency(cfg: dict, fmt: str) -> list[Violation]:
     s, out = stack_of(cfg, fmt), []
     mask = cfg.get("mask_token_id") if fmt == "vllm" else get_key(cfg, "dflash_config.mask_token_id")
     V = s.get("vocab_size")
-    if _int(mask) and _int(V) and mask >= V:
+    if is_int(mask) and is_int(V) and mask >= V:
         out.append(Violation(f"{CONFIG_FILE}: mask_token_id", f"< vocab_size {V}", str(mask),
                              "the engines embed the mask token with the target's table; pick an id inside it"))
     if fmt != "vllm" and get_key(cfg, "is_causal") is not MISSING and \
             get_key(cfg, "is_causal") != get_key(cfg, "dflash_config.causal"):
         out.append(Violation(f"{CONFIG_FILE}: is_causal", "the same value as dflash_config.causal",
-                             _found(get_key(cfg, "is_causal")), "vLLM reads is_causal first; make them agree"))
+                             found_text(get_key(cfg, "is_causal")), "vLLM reads is_causal first; make them agree"))
     if fmt == "sglang" and cfg.get("draft_vocab_size") != V:
-        out.append(Violation(f"{CONFIG_FILE}: draft_vocab_size", f"{V} (vocab_size)", _found(cfg.get("draft_vocab_size")),
+        out.append(Violation(f"{CONFIG_FILE}: draft_vocab_size", f"{V} (vocab_size)",
+                             found_text(cfg.get("draft_vocab_size")),
                              f"{SGLANG} drafts with the target's lm_head: no reduced vocabulary"))
     return out
 
@@ -286,10 +287,10 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
     for key, value in found.items():
         if value is not MISSING and value is not None and value != head[key]:
             out.append(Violation(f"{CONFIG_FILE}: {key}", f"{json.dumps(head[key])} (the trained head's)",
-                                 _found(value), "export again from the checkpoint this head came from"))
+                                 found_text(value), "export again from the checkpoint this head came from"))
     out += check_rope(s, head)
     mpe = s.get("max_position_embeddings")
-    if _int(mpe) and mpe < head["max_position_embeddings"]:
+    if is_int(mpe) and mpe < head["max_position_embeddings"]:
         out.append(Violation(f"{CONFIG_FILE}: max_position_embeddings", f">= {head['max_position_embeddings']}",
                              str(mpe), "write the target's value"))
     return out

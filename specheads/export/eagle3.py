@@ -16,8 +16,8 @@ import torch
 from specheads.engine_facts import AUX_LAYER_OFFSET, REFUSED_OPTIONS, SGLANG
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    MISSING, _found, _int, aux_ids, check_files, check_folder, check_key_rules, check_tensors, config_dims, get_key,
-    is_parallel, layer_config,
+    MISSING, aux_ids, check_files, check_folder, check_key_rules, check_tensors, config_dims, found_text, get_key,
+    is_int, is_parallel, layer_config,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, ENGINE_NAMES, LAYER_KEYS, WEIGHTS_FILE, FormatContract, Violation, contract_for,
@@ -173,9 +173,9 @@ def check_aux_ids(cfg: dict, contract: FormatContract) -> list[Violation]:
     if ids is MISSING:
         return [Violation(where, f"the aux-layer ids in {numbering}", "no key",
                           "without it the engine taps its default layers, not the trained ones")]
-    if not (isinstance(ids, list) and ids and all(_int(i) for i in ids)
+    if not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)
             and ids == sorted(set(ids)) and ids[0] >= contract.min_aux_id):
-        return [Violation(where, f"distinct ascending integer ids in {numbering}", _found(ids),
+        return [Violation(where, f"distinct ascending integer ids in {numbering}", found_text(ids),
                           "write the head's aux_layers converted to this engine's numbering")]
     num_key = ".".join(p for p in (contract.layer_keys_at, "num_aux_hidden_states") if p)
     num = get_key(cfg, num_key)
@@ -183,7 +183,7 @@ def check_aux_ids(cfg: dict, contract: FormatContract) -> list[Violation]:
         return [Violation(f"{CONFIG_FILE}: {num_key}", str(len(ids)), "no key",
                           "vLLM's Llama EAGLE-3 sizes fc for 3 aux states unless told otherwise")]
     if num is not MISSING and num != len(ids):
-        return [Violation(f"{CONFIG_FILE}: {num_key}", f"{len(ids)} (the number of aux ids)", _found(num),
+        return [Violation(f"{CONFIG_FILE}: {num_key}", f"{len(ids)} (the number of aux ids)", found_text(num),
                           "make the count match the id list")]
     return []
 
@@ -194,10 +194,10 @@ def check_parallel(cfg: dict, contract: FormatContract) -> list[Violation]:
         return []
     mask = cfg.get("mask_token_id", MISSING if contract.layer_keys_at else cfg.get("pard_token", MISSING))
     V = layer_config(cfg, contract).get("vocab_size")
-    if not _int(mask):
-        return [Violation(f"{CONFIG_FILE}: mask_token_id", "the mask token id (an integer)", _found(mask),
+    if not is_int(mask):
+        return [Violation(f"{CONFIG_FILE}: mask_token_id", "the mask token id (an integer)", found_text(mask),
                           "vLLM fills the parallel-drafting slots with it and refuses to start without it")]
-    if _int(V) and not 0 <= mask < V:
+    if is_int(V) and not 0 <= mask < V:
         return [Violation(f"{CONFIG_FILE}: mask_token_id", f"< vocab_size {V}", str(mask),
                           "the mask token is embedded with the target's table; pick an id inside it")]
     return []
@@ -215,7 +215,7 @@ def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[
                        ("target_hidden_size", cfg.get("target_hidden_size", head["hidden_size"]))):
         if found is not MISSING and found != head[key]:
             out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)",
-                                 _found(found), "export again from the checkpoint this head came from"))
+                                 found_text(found), "export again from the checkpoint this head came from"))
     out += check_rope(layer, head, at)
     out += _check_residual(cfg, contract, head)
     if is_parallel(cfg) != bool(head.get("parallel_drafting", False)):
@@ -223,7 +223,7 @@ def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[
                              json.dumps(is_parallel(cfg)), "P-EAGLE heads draft in parallel, EAGLE-3 heads do "
                              "not: export again from the checkpoint"))
     mpe = layer.get("max_position_embeddings")
-    if _int(mpe) and mpe < head["max_position_embeddings"]:
+    if is_int(mpe) and mpe < head["max_position_embeddings"]:
         out.append(Violation(f"{CONFIG_FILE}: {at}max_position_embeddings",
                              f">= {head['max_position_embeddings']} (the target's)", str(mpe),
                              "a shorter draft context makes SGLang refuse to start and caps vLLM's; "
@@ -255,7 +255,7 @@ def _check_aux_against_head(cfg: dict, contract: FormatContract, head: dict) -> 
     hint = f"these are the ids in {other} numbering; " if swapped else ""
     return [Violation(f"{CONFIG_FILE}: {contract.aux_ids_key}",
                       f"{want} (trained aux_layers {head['aux_layers']} in {engine} numbering)",
-                      _found(ids), f"{hint}write the trained layers converted to {engine} numbering")]
+                      found_text(ids), f"{hint}write the trained layers converted to {engine} numbering")]
 
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
@@ -316,7 +316,8 @@ def head_weights(weights: dict[str, torch.Tensor], config: Eagle3Config) -> dict
     return head
 
 
-def load_export(meta: ExportMeta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[Eagle3Head, ExportMeta]:
+def load_export(meta: ExportMeta, attn_implementation: str = "sdpa",
+                check: bool = True) -> tuple[Eagle3Head, ExportMeta]:
     """A specheads EAGLE-3 export (any of its formats) -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format)

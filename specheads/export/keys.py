@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.contract import MISSING, _found, config_rope
+from specheads.export.contract import MISSING, config_rope, found_text
 from specheads.export.contract_rules import CONFIG_FILE, Violation
 
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}  # a config with no RoPE keys (transformers' default)
@@ -91,7 +91,7 @@ def check_decoder(node: dict, head: dict, at: str = "", table: tuple[Field, ...]
         found = node.get(f.name, MISSING)
         if f.compare and found is not MISSING and found != head[f.name]:
             out.append(Violation(f"{CONFIG_FILE}: {at}{f.name}", f"{head[f.name]} (the trained head's)",
-                                 _found(found), "export again from the checkpoint this head came from"))
+                                 found_text(found), "export again from the checkpoint this head came from"))
     return out
 
 

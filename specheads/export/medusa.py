@@ -17,9 +17,7 @@ from pathlib import Path
 import torch
 
 from specheads.export.checkpoint import load_strict
-from specheads.export.contract import (
-    _found, check_float_dtypes, check_folder, check_key_rules,
-)
+from specheads.export.contract import check_float_dtypes, check_folder, check_key_rules, found_text
 from specheads.export.contract_rules import (
     CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
 )
@@ -157,10 +155,10 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
                              "(the trained head's)", f"{declared[0]} / {declared[1]}", "export again"))
     if fmt == "vllm-0.32" and cfg.get("medusa_fc_bias") is not None and cfg.get("medusa_fc_bias") != head["bias"]:
         out.append(Violation(f"{CONFIG_FILE}: medusa_fc_bias", json.dumps(head["bias"]),
-                             _found(cfg.get("medusa_fc_bias")), "it must match training; export again"))
+                             found_text(cfg.get("medusa_fc_bias")), "it must match training; export again"))
     for key in ("hidden_size", "vocab_size"):
         if key in cfg and cfg[key] != head[key]:
-            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)", _found(cfg[key]),
+            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)", found_text(cfg[key]),
                                  "export again from the checkpoint these heads came from"))
     return out
 
