@@ -318,3 +318,11 @@ def test_full_vocab_export_decodes_greedy_equal(tiny_target_dir, tmp_path):
     ref = greedy_decode(target, prompt, 24)
     got = generate(target, Eagle3Proposer(load(out), target), prompt, 24, k=3)
     assert got.tokens == ref.tokens and got.stats.drafts > 0
+
+
+def test_t2d_is_rebuilt_from_d2t_as_the_vocab_map_builds_it():
+    from specheads.export.keys import t2d_from_d2t
+
+    counts = torch.tensor([5, 0, 3, 9, 1, 0, 7, 2])
+    d2t, t2d = build_vocab_map(counts, 4)
+    assert torch.equal(t2d_from_d2t(d2t, 8), t2d)
