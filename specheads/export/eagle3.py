@@ -23,7 +23,7 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, ENGINE_NAMES, LAYER_KEYS, WEIGHTS_FILE, FormatContract, Violation, contract_for,
 )
 from specheads.export.keys import (
-    check_decoder, check_rope, llama_layer_keys, read_decoder, speculators_block, t2d_from_d2t,
+    REQUIRED, Field, check_decoder, check_rope, llama_layer_keys, read_decoder, speculators_block, t2d_from_d2t,
     trained_fields,
 )
 from specheads.export.load import ExportMeta, read_json, read_weights
@@ -34,6 +34,9 @@ from specheads.protocols import ExportPlan, ExportRequest
 KIND = "eagle3"
 FORMATS_WRITTEN = ("vllm", "vllm-native", "sglang")
 LAYER_PREFIX = {"vllm": "layers.0.", "vllm-native": "layers.0.", "sglang": "midlayer."}
+# the head's own top-level config.json keys (every format), beside the decoder keys of keys.DECODER_FIELDS
+# (in the layer config); the default is what the engines assume when the key is absent
+HEAD_FIELDS = (Field("draft_vocab_size"), Field("target_hidden_size", lambda node: node["hidden_size"]))
 
 
 def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
@@ -91,11 +94,15 @@ def layer_keys(config: Eagle3Config, dtype: str) -> dict:
     return llama_layer_keys(config, dtype, num_aux_hidden_states=len(config.aux_layers))
 
 
+def head_fields(config: Eagle3Config) -> dict:
+    """HEAD_FIELDS' values, as config.json carries them at its top level."""
+    return {f.name: getattr(config, f.name) for f in HEAD_FIELDS}
+
+
 def head_keys(config: Eagle3Config) -> dict:
     """EAGLE-3 keys vLLM reads at the top level (both vLLM formats); numbering = our aux_layers."""
     return {
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
+        **head_fields(config),
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
         "norm_before_residual": bool(config.norm_before_residual),
         "norm_before_fc": False,
@@ -133,8 +140,7 @@ def sglang_config(config: Eagle3Config, dtype: str) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_keys(config, dtype),
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
+        **head_fields(config),
         "tie_word_embeddings": False,
         "norm_before_residual": False,  # documentary: SGLang has no such option (refused when true)
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
@@ -211,10 +217,10 @@ def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[
     """Sizes, RoPE, residual rule, context length and aux ids agree with the trained head's config."""
     layer, at = layer_config(cfg, contract), _layer_path(contract)
     out = check_decoder(layer, head, at)
-    for key, found in (("draft_vocab_size", cfg.get("draft_vocab_size", MISSING)),
-                       ("target_hidden_size", cfg.get("target_hidden_size", head["hidden_size"]))):
-        if found is not MISSING and found != head[key]:
-            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)",
+    for f in HEAD_FIELDS:  # an absent key is the engine's default, computed for the trained head
+        found = cfg.get(f.name, MISSING if f.default is REQUIRED else f.default(head))
+        if found is not MISSING and found != head[f.name]:
+            out.append(Violation(f"{CONFIG_FILE}: {f.name}", f"{head[f.name]} (the trained head's)",
                                  found_text(found), "export again from the checkpoint this head came from"))
     out += check_rope(layer, head, at)
     out += _check_residual(cfg, contract, head)
@@ -281,9 +287,7 @@ def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> Eagl
     contract = contract_for(fmt, KIND)
     layer = read_decoder(layer_config(cfg, contract))
     return Eagle3Config(
-        **layer,
-        target_hidden_size=cfg.get("target_hidden_size", layer["hidden_size"]),
-        draft_vocab_size=cfg["draft_vocab_size"],
+        **layer, **{f.name: f.read({**layer, **cfg}) for f in HEAD_FIELDS},
         aux_layers=[i - contract.aux_offset for i in aux_ids(cfg, contract)],
         norm_before_residual=bool(cfg.get("norm_before_residual", RESIDUAL_DEFAULT[fmt])),
         **trained_fields(trained, TRAINED),
