@@ -99,7 +99,7 @@ def exported_head(ckpt: Path, out: Path, kind: str, target):
     head_kind = Checkpoint(ckpt).kind  # a variant (peagle) trains a registered kind (eagle3)
     if head_kind not in WRITERS:
         raise ValueError(f"head kind '{head_kind}' has no exporter")
-    fmt = WRITERS[head_kind].FORMATS[0]
+    fmt = WRITERS[head_kind].FORMATS_WRITTEN[0]
     try:
         folder = export(ckpt, fmt, out / kind / "export" / fmt)
     except ExportRefused:

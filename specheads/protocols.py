@@ -96,7 +96,7 @@ class Writer(Protocol):
     refuses and how each format is served are in `engine_facts`.
     """
 
-    FORMATS: tuple[str, ...]
+    FORMATS_WRITTEN: tuple[str, ...]  # the export formats it writes (of engine_facts.FORMATS)
 
     def check_exportable(self, config: Any, fmt: str, weights: dict) -> None: ...  # ExportRefused
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from specheads.export import load, load_with_meta
-from specheads.export.load import ForeignDraftError
+from specheads.export.foreign import ForeignDraftError
 from specheads.heads.eagle3 import ttt_attention_mask
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.registry import make_proposer

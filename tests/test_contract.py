@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specheads.export import ContractError, export, load, validate
-from specheads.export.contract import detect_format, expected_shape
+from specheads.export.contract import expected_shape
+from specheads.export.foreign import detect_eagle3_format
 from specheads.export.contract_rules import CONTRACTS
 from specheads.export.folder import SHA_KEY
 from specheads.integrity import IntegrityError
@@ -56,7 +57,7 @@ def test_clean_exports_pass(exports):
     head, folders = exports
     for fmt, path in folders.items():
         validate(path, fmt, expected=head.config)
-        assert detect_format(json.loads((path / "config.json").read_text())) == fmt
+        assert detect_eagle3_format(json.loads((path / "config.json").read_text())) == fmt
 
 
 def test_renamed_tensor(folder):

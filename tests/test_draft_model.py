@@ -86,7 +86,7 @@ def test_export_readme_names_the_method_it_serves_with(draft_export):
 
 
 def test_export_refuses_other_formats(draft_export, tmp_path):
-    from specheads.export.eagle3 import ExportRefused
+    from specheads.export.plan import ExportRefused
 
     with pytest.raises(ExportRefused, match="plain HF causal LM"):
         export(draft_export[0], "vllm-native", tmp_path / "x")

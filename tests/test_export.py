@@ -8,9 +8,8 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from specheads.export import (
-    FORMATS, CheckpointError, ExportRefused, export, load, load_with_meta, read_export_meta, validate,
-)
+from specheads.export import CheckpointError, ExportRefused, export, load, load_with_meta, read_export_meta, validate
+from specheads.export.eagle3 import FORMATS_WRITTEN as FORMATS
 from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.heads.vocab import build_vocab_map
@@ -243,7 +242,7 @@ def test_readme_title_names_each_kind_s_own_format():
     from specheads.export.readme import readme_title
 
     for kind, writer in WRITERS.items():
-        for fmt in writer.FORMATS:
+        for fmt in writer.FORMATS_WRITTEN:
             title = readme_title(fmt, kind)
             assert ("speculators" in title) == ((kind, fmt) in {("eagle3", "vllm"), ("dflash", "vllm")}), (kind, fmt, title)
     assert readme_title("sglang", "mtp") == "SGLang 0.5.23, NEXTN"
@@ -319,3 +318,11 @@ def test_full_vocab_export_decodes_greedy_equal(tiny_target_dir, tmp_path):
     ref = greedy_decode(target, prompt, 24)
     got = decode(target, Eagle3Proposer(load(out), target), prompt, 24, k=3)
     assert got.tokens == ref.tokens and got.stats.drafts > 0
+
+
+def test_t2d_is_rebuilt_from_d2t_as_the_vocab_map_builds_it():
+    from specheads.export.keys import t2d_from_d2t
+
+    counts = torch.tensor([5, 0, 3, 9, 1, 0, 7, 2])
+    d2t, t2d = build_vocab_map(counts, 4)
+    assert torch.equal(t2d_from_d2t(d2t, 8), t2d)

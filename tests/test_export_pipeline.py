@@ -33,7 +33,7 @@ def checkpoints(tiny_target_dir, tmp_path_factory):
 @pytest.mark.parametrize("kind", sorted(HEADS))
 @pytest.mark.parametrize("k", [0, -2, True, 1.5])
 def test_every_kind_refuses_a_draft_length_below_one(checkpoints, tmp_path, kind, k):
-    fmt = WRITERS[kind].FORMATS[0]
+    fmt = WRITERS[kind].FORMATS_WRITTEN[0]
     with pytest.raises(ValueError, match=f"num_speculative_tokens {k!r}: expected a positive integer"):
         export(checkpoints[kind], fmt, tmp_path / "out", num_speculative_tokens=k)
     assert not (tmp_path / "out").exists()
@@ -41,7 +41,7 @@ def test_every_kind_refuses_a_draft_length_below_one(checkpoints, tmp_path, kind
 
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_every_kind_names_a_bad_dtype(checkpoints, tmp_path, kind):
-    fmt = WRITERS[kind].FORMATS[0]
+    fmt = WRITERS[kind].FORMATS_WRITTEN[0]
     with pytest.raises(ValueError, match="dtype 'fp8': expected one of float32, bfloat16, float16"):
         export(checkpoints[kind], fmt, tmp_path / "out", dtype="fp8")
     assert not (tmp_path / "out").exists()
@@ -49,7 +49,7 @@ def test_every_kind_names_a_bad_dtype(checkpoints, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_every_kind_checks_the_adapter_option(checkpoints, tmp_path, kind):
-    fmt = WRITERS[kind].FORMATS[0]
+    fmt = WRITERS[kind].FORMATS_WRITTEN[0]
     modes = getattr(WRITERS[kind], "ADAPTER_MODES", None)  # heads trained with target adapters (Medusa-2)
     want = f"adapter 'keep': expected one of {', '.join(modes)}" if modes else "--adapter applies to heads"
     with pytest.raises(ValueError, match=want):
@@ -66,7 +66,7 @@ def test_every_writer_provides_the_writer_protocol():
 
 
 def test_the_facts_table_names_exactly_the_pairs_the_writers_write():
-    written = {(kind, fmt) for kind, writer in WRITERS.items() for fmt in writer.FORMATS}
+    written = {(kind, fmt) for kind, writer in WRITERS.items() for fmt in writer.FORMATS_WRITTEN}
     assert written == set(engine_facts.SERVING)
     assert not written & set(engine_facts.REFUSED), "a pair both written and refused"
     assert {fmt for _, fmt in written} == set(engine_facts.FORMATS) == set(ALL_FORMATS)

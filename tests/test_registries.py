@@ -30,12 +30,12 @@ def test_registry_members_provide_their_protocol():
         for member in ("for_target", "required_layers", "collect", "expand", "train_forward"):
             assert callable(getattr(cls, member, None)), (kind, member)
     for kind, module in WRITERS.items():
-        assert module.FORMATS and callable(LOADERS[kind].load_export), kind
+        assert module.FORMATS_WRITTEN and callable(LOADERS[kind].load_export), kind
     for kind, module in PROPOSERS.items():
         assert callable(module.make_proposer), kind
     for kind, spec in KINDS.items():  # a descriptor with examples the engine matrix and export tests build
         assert isinstance(spec, Kind) and spec.name == kind and spec.examples, kind
-        assert all(set(e.formats) <= set(WRITERS[kind].FORMATS) for e in spec.examples), kind
+        assert all(set(e.formats) <= set(WRITERS[kind].FORMATS_WRITTEN) for e in spec.examples), kind
         assert isinstance(WRITERS[kind].README, Readme), kind  # what the export's README says of the kind
 
 
@@ -52,3 +52,25 @@ def test_unknown_kind_fails_at_first_lookup_naming_the_kinds(tmp_path):
     (tmp_path / "specheads.json").write_text(json.dumps({"kind": "nope", "format": "vllm"}))
     with pytest.raises(ValueError, match=f"head kind 'nope' cannot be loaded.*{known}"):
         load_with_meta(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["kind", "format"])
+def test_a_record_without_kind_or_format_is_refused_naming_the_file_and_field(tmp_path, field):
+    """No kind is assumed: a specheads.json that names no kind (or format) is an error, not EAGLE-3."""
+    from specheads.export import read_export_meta
+
+    record = {"kind": "eagle3", "format": "vllm"}
+    record.pop(field)
+    (tmp_path / "specheads.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'specheads.json'}: no \"{field}\" field"):
+        read_export_meta(tmp_path)
+
+
+def test_validate_without_kind_reads_it_from_the_record(tmp_path):
+    from specheads.export import validate
+
+    with pytest.raises(ValueError, match=r"specheads.json: no such file, so the folder names no head kind; pass kind"):
+        validate(tmp_path, "vllm")
+    (tmp_path / "specheads.json").write_text(json.dumps({"kind": "nope", "format": "vllm"}))
+    with pytest.raises(ValueError, match="head kind 'nope' cannot be loaded"):
+        validate(tmp_path, "vllm")

@@ -55,8 +55,7 @@ import torch
 from specheads.atomic import write_json
 from specheads.engine_facts import DRAFT_CLASSES, ENGINE_IGNORES, ENGINE_REFUSES, ENGINE_UNUSED, SERVING
 from specheads.engines import venvs
-from specheads.export import load
-from specheads.export.load import read_export_meta
+from specheads.export import load, read_export_meta
 from specheads.kinds import kind_of
 from specheads.target import Target
 from specheads.verify.registry import make_proposer

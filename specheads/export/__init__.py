@@ -12,28 +12,24 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from specheads.engine_facts import FORMATS as ENGINE_FORMATS
-from specheads.export import eagle3
+from specheads import engine_facts
 from specheads.export.checkpoint import Checkpoint, CheckpointError
-from specheads.export.contract import ContractError, validate
-from specheads.export.contract_rules import CONFIG_FILE, META_FILE
-from specheads.export.eagle3 import ExportRefused
+from specheads.export.contract_rules import CONFIG_FILE, META_FILE, ContractError
 from specheads.export.folder import export_dir, identity, link_or_copy, plan_replacement
-from specheads.export.load import ExportMeta, read_export_meta
-from specheads.export.plan import check_dtype, float_dtype
+from specheads.export.load import ExportMeta
+from specheads.export.plan import ExportRefused, check_dtype, float_dtype
 from specheads.export.readme import readme_text, serve_commands, target_ref
 from specheads.export.record import export_record, write_json
-from specheads.export.registry import LOADERS, WRITERS, load, load_with_meta, writer_for
+from specheads.export.registry import LOADERS, WRITERS, load, load_with_meta, read_export_meta, validate, writer_for
 from specheads.protocols import ExportPlan, ExportRequest
 
 __all__ = [
-    "FORMATS", "LOADERS", "WRITERS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta", "ExportRefused",
-    "export", "load", "load_with_meta", "read_export_meta", "validate",
+    "ALL_FORMATS", "LOADERS", "WRITERS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta",
+    "ExportRefused", "export", "load", "load_with_meta", "read_export_meta", "validate",
 ]
 
 log = logging.getLogger(__name__)
-FORMATS = eagle3.FORMATS  # the EAGLE-3 formats (what existing callers iterate over)
-ALL_FORMATS = tuple(ENGINE_FORMATS)  # any kind: the --format choices
+ALL_FORMATS = tuple(engine_facts.FORMATS)  # any kind: the --format choices
 
 
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,

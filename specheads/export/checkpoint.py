@@ -246,7 +246,11 @@ class Checkpoint:
 
     @property
     def kind(self) -> str:
-        return self.head_config.get("kind", "eagle3")
+        kind = self.head_config.get("kind")
+        if not isinstance(kind, str):
+            raise CheckpointError(f"{self.path / 'head_config.json'}: no \"kind\" field (the head kind, e.g. "
+                                  f"eagle3); {CORRUPT_HINT}")
+        return kind
 
     def build_head(self, attn_implementation: str = "sdpa"):
         """Rebuild the head and load its weights strictly (a missing or extra tensor is an error)."""

@@ -1,9 +1,10 @@
-"""Checks an export folder against the loader contracts in `contract_rules` (the engines of `engine_facts`).
+"""The contract checker every kind's `validate` is built from: reading config.json and the weights'
+header, key rules (`contract_rules.KeyRule`), tensor rules over a `FormatContract`, and the skeleton
+`check_folder` that runs a kind's checks and reports every violation at once.
 
 The tables encode docs/engines.md (§2.2-2.4 for vLLM, §3.1-3.2 for SGLang). The engines are
 fail-silent on many of these rules (a missing EAGLE-3 tensor stays uninitialised, a misnamed one
-is dropped), so every export is checked here before it is renamed into place. `validate` reports
-every violation at once.
+is dropped), so every export is checked before it is renamed into place.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from specheads.engine_facts import SGLANG
-from specheads.export.contract_rules import (  # noqa: F401  (FORMATS, detect_format: re-exported)
-    CONFIG_FILE, DTYPE_NAMES, ENGINE_NAMES, FLOAT_DTYPES, FORBIDDEN_TENSORS, FORMATS, LAYER_KEYS,
-    META_FILE, VOCAB_MAP_FIX, WEIGHTS_FILE, ContractError, FormatContract, Violation, contract_for, detect_format,
+from specheads.export.contract_rules import (
+    CONFIG_FILE, DTYPE_NAMES, ENGINE_NAMES, FLOAT_DTYPES, FORBIDDEN_TENSORS, META_FILE, VOCAB_MAP_FIX, WEIGHTS_FILE,
+    ContractError, FormatContract, Violation,
 )
 
 # --- reading ---------------------------------------------------------------------------------
@@ -82,7 +82,8 @@ def check_files(folder: Path) -> list[Violation]:
 
 
 # --- config keys ------------------------------------------------------------------------------
-def _int(v) -> bool:
+def is_int(v) -> bool:
+    """An int that is not a bool (JSON integers)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -97,8 +98,8 @@ KEY_CHECKS = {  # check -> (passes(value, rule), what was expected)
     "equals": (lambda v, r: v is not MISSING and v == r.value and type(v) is type(r.value),
                lambda r: json.dumps(r.value)),
     "bool": (lambda v, r: isinstance(v, bool), lambda r: "true or false"),
-    "positive_int": (lambda v, r: _int(v) and v > 0, lambda r: "a positive integer"),
-    "number": (lambda v, r: _int(v) or isinstance(v, float), lambda r: "a number"),
+    "positive_int": (lambda v, r: is_int(v) and v > 0, lambda r: "a positive integer"),
+    "number": (lambda v, r: is_int(v) or isinstance(v, float), lambda r: "a number"),
     "str": (lambda v, r: isinstance(v, str) and bool(v), lambda r: "a non-empty string"),
     "dict": (lambda v, r: isinstance(v, dict), lambda r: "a JSON object"),
     "not_true": (lambda v, r: v is not True, lambda r: "false or absent"),
@@ -107,7 +108,8 @@ KEY_CHECKS = {  # check -> (passes(value, rule), what was expected)
 }
 
 
-def _found(value) -> str:
+def found_text(value) -> str:
+    """A config value as a violation reports it found ("no key" when absent)."""
     return "no key" if value is MISSING else json.dumps(value)[:120]
 
 
@@ -120,41 +122,14 @@ def check_key_rules(cfg: dict, rules, at: str = "", checks: dict = KEY_CHECKS) -
         passes, expected = checks[rule.check]
         value = get_key(cfg, key)
         if not passes(value, rule):
-            found = "no RoPE keys" if rule.check == "rope" else _found(value)
+            found = "no RoPE keys" if rule.check == "rope" else found_text(value)
             out.append(Violation(f"{CONFIG_FILE}: {key or 'RoPE keys'}", expected(rule), found,
                                  rule.fix or "re-run the export"))
     return out
 
 
-def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
-    """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
-    return check_key_rules(cfg, contract.keys) + check_key_rules(cfg, LAYER_KEYS, at=contract.layer_keys_at)
-
-
 def aux_ids(cfg: dict, contract: FormatContract):
     return get_key(cfg, contract.aux_ids_key)
-
-
-def check_aux(cfg: dict, contract: FormatContract) -> list[Violation]:
-    """The aux-layer id list: present in the engine's place, well formed, consistent with its count."""
-    ids, where = aux_ids(cfg, contract), f"{CONFIG_FILE}: {contract.aux_ids_key}"
-    numbering = f"{ENGINE_NAMES[contract.engine]} numbering (first valid id {contract.min_aux_id})"
-    if ids is MISSING:
-        return [Violation(where, f"the aux-layer ids in {numbering}", "no key",
-                          "without it the engine taps its default layers, not the trained ones")]
-    if not (isinstance(ids, list) and ids and all(_int(i) for i in ids)
-            and ids == sorted(set(ids)) and ids[0] >= contract.min_aux_id):
-        return [Violation(where, f"distinct ascending integer ids in {numbering}", _found(ids),
-                          "write the head's aux_layers converted to this engine's numbering")]
-    num_key = ".".join(p for p in (contract.layer_keys_at, "num_aux_hidden_states") if p)
-    num = get_key(cfg, num_key)
-    if num is MISSING and len(ids) != 3 and contract.engine == "vllm":
-        return [Violation(f"{CONFIG_FILE}: {num_key}", str(len(ids)), "no key",
-                          "vLLM's Llama EAGLE-3 sizes fc for 3 aux states unless told otherwise")]
-    if num is not MISSING and num != len(ids):
-        return [Violation(f"{CONFIG_FILE}: {num_key}", f"{len(ids)} (the number of aux ids)", _found(num),
-                          "make the count match the id list")]
-    return []
 
 
 # --- tensors ----------------------------------------------------------------------------------
@@ -165,7 +140,7 @@ def config_dims(cfg: dict, contract: FormatContract) -> dict[str, int]:
             "hd": "head_dim", "I": "intermediate_size", "V": "vocab_size"}
     dims = {sym: layer.get(key) for sym, key in keys.items()}
     dims.update(Vd=cfg.get("draft_vocab_size"), H=cfg.get("target_hidden_size", dims["Hd"]))
-    dims = {k: v for k, v in dims.items() if _int(v)}
+    dims = {k: v for k, v in dims.items() if is_int(v)}
     if "hd" not in dims and {"Hd", "nh"} <= dims.keys():
         dims["hd"] = dims["Hd"] // dims["nh"]
     ids = aux_ids(cfg, contract)
@@ -179,21 +154,6 @@ def is_parallel(cfg: dict) -> bool:
     if "speculators_model_type" in cfg:
         return cfg["speculators_model_type"] == "peagle"
     return cfg.get("parallel_drafting") is True
-
-
-def check_parallel(cfg: dict, contract: FormatContract) -> list[Violation]:
-    """A P-EAGLE config names its mask token (vLLM: mask_token_id, or pard_token natively) inside V."""
-    if contract.engine != "vllm" or not is_parallel(cfg):
-        return []
-    mask = cfg.get("mask_token_id", MISSING if contract.layer_keys_at else cfg.get("pard_token", MISSING))
-    V = layer_config(cfg, contract).get("vocab_size")
-    if not _int(mask):
-        return [Violation(f"{CONFIG_FILE}: mask_token_id", "the mask token id (an integer)", _found(mask),
-                          "vLLM fills the parallel-drafting slots with it and refuses to start without it")]
-    if _int(V) and not 0 <= mask < V:
-        return [Violation(f"{CONFIG_FILE}: mask_token_id", f"< vocab_size {V}", str(mask),
-                          "the mask token is embedded with the target's table; pick an id inside it")]
-    return []
 
 
 def expected_shape(exprs: tuple[str, ...], dims: dict[str, int]) -> tuple[int, ...] | None:
@@ -287,64 +247,6 @@ def config_rope(node: dict) -> dict | None:
             "rope_theta": node["rope_theta"]}
 
 
-def _layer_path(contract: FormatContract) -> str:
-    return f"{contract.layer_keys_at}." if contract.layer_keys_at else ""
-
-
-def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
-    """Sizes, RoPE, residual rule, context length and aux ids agree with the trained head's config."""
-    layer, at, out = layer_config(cfg, contract), _layer_path(contract), []
-    sizes = [(k, layer, at) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                      "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps")]
-    for key, node, prefix in sizes + [("draft_vocab_size", cfg, ""), ("target_hidden_size", cfg, "")]:
-        found = node.get(key, head["hidden_size"] if key == "target_hidden_size" else MISSING)
-        if found is not MISSING and found != head[key]:
-            out.append(Violation(f"{CONFIG_FILE}: {prefix}{key}", f"{head[key]} (the trained head's)",
-                                 _found(found), "export again from the checkpoint this head came from"))
-    if config_rope(layer) not in (None, head["rope_parameters"]):
-        out.append(Violation(f"{CONFIG_FILE}: {at}rope_parameters", json.dumps(head["rope_parameters"]),
-                             json.dumps(config_rope(layer)), "copy the head's (= the target's) RoPE settings"))
-    out += _check_residual(cfg, contract, head)
-    if is_parallel(cfg) != bool(head.get("parallel_drafting", False)):
-        out.append(Violation(f"{CONFIG_FILE}: parallel_drafting", json.dumps(bool(head.get("parallel_drafting"))),
-                             json.dumps(is_parallel(cfg)), "P-EAGLE heads draft in parallel, EAGLE-3 heads do "
-                             "not: export again from the checkpoint"))
-    mpe = layer.get("max_position_embeddings")
-    if _int(mpe) and mpe < head["max_position_embeddings"]:
-        out.append(Violation(f"{CONFIG_FILE}: {at}max_position_embeddings",
-                             f">= {head['max_position_embeddings']} (the target's)", str(mpe),
-                             "a shorter draft context makes SGLang refuse to start and caps vLLM's; "
-                             "write the target's value"))
-    return out + _check_aux_against_head(cfg, contract, head)
-
-
-def _check_residual(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
-    nbr = cfg.get("norm_before_residual", MISSING)
-    if contract.engine == "sglang" and head["norm_before_residual"]:
-        return [Violation(f"{CONFIG_FILE}: norm_before_residual", "a head trained with false", "a head trained "
-                          "with true", f"{SGLANG} always uses the raw fc output as the residual; "
-                          "serve this head with vLLM")]
-    if contract.engine == "vllm" and isinstance(nbr, bool) and nbr != head["norm_before_residual"]:
-        return [Violation(f"{CONFIG_FILE}: norm_before_residual", json.dumps(head["norm_before_residual"]),
-                          json.dumps(nbr), "it must match training or the draft computes a different layer")]
-    return []
-
-
-def _check_aux_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
-    ids = aux_ids(cfg, contract)
-    want = [a + contract.aux_offset for a in head["aux_layers"]]
-    if ids is MISSING or ids == want:
-        return []
-    other_fmt, other = ("sglang", "SGLang") if contract.engine != "sglang" else ("vllm", "vLLM")
-    other_offset = contract_for(other_fmt, contract.kind).aux_offset
-    engine = ENGINE_NAMES[contract.engine]
-    swapped = ids == [a + other_offset for a in head["aux_layers"]]
-    hint = f"these are the ids in {other} numbering; " if swapped else ""
-    return [Violation(f"{CONFIG_FILE}: {contract.aux_ids_key}",
-                      f"{want} (trained aux_layers {head['aux_layers']} in {engine} numbering)",
-                      _found(ids), f"{hint}write the trained layers converted to {engine} numbering")]
-
-
 # --- the checker --------------------------------------------------------------------------------
 def _head_dict(expected, folder: Path) -> dict | None:
     """The trained head's config: the argument, else the folder's own specheads.json record."""
@@ -375,15 +277,3 @@ def check_folder(folder: Path, fmt: str, weights_file: str, expected, *, files, 
         problems += tensors(specs, cfg)
     if problems:
         raise ContractError(folder, fmt, problems)
-
-
-def validate(folder: str | Path, engine: str, kind: str = "eagle3", expected=None) -> None:
-    """Check an export folder against the (format, kind) contract; raise ContractError listing
-    every violation. `expected` (the head config; default: the folder's specheads.json) adds the
-    checks against the trained head."""
-    folder, contract = Path(folder), contract_for(engine, kind)
-    check_folder(
-        folder, engine, WEIGHTS_FILE, expected, files=check_files,
-        keys=lambda cfg: check_keys(cfg, contract) + check_aux(cfg, contract) + check_parallel(cfg, contract),
-        against_head=lambda cfg, head: check_against_head(cfg, contract, head),
-        tensors=lambda specs, cfg: check_tensors(specs, config_dims(cfg, contract), contract))

@@ -271,24 +271,11 @@ DRAFT_KEYS = (  # an ordinary HF Llama causal LM (vLLM draft_model, SGLang STAND
 for _fmt in ("vllm", "vllm-native", "sglang"):  # DFlash: export/dflash.py checks the folder itself
     CONTRACTS[(_fmt, "dflash")] = FormatContract(_fmt, _fmt.split("-")[0], "dflash", "", "", "", 0, 0, (), ())
 TOKENIZER_FILES = ("tokenizer_config.json",)  # plus tokenizer.json or a vocab file, checked by loading
-FORMATS = tuple(sorted({fmt for fmt, _ in CONTRACTS}))
 
 
-def contract_for(fmt: str, kind: str = "eagle3") -> FormatContract:
+def contract_for(fmt: str, kind: str) -> FormatContract:
     """The contract for (format, head kind), or an error naming the formats that exist for that kind."""
     if (fmt, kind) not in CONTRACTS:
         known = [f for f, k in CONTRACTS if k == kind]
         raise ValueError(f"no '{fmt}' export for head kind '{kind}'; formats for it: {known or 'none'}")
     return CONTRACTS[(fmt, kind)]
-
-
-def detect_format(cfg: dict) -> str:
-    """Which export format a config.json is: speculators ("vllm"), native vLLM, or SGLang."""
-    if "speculators_model_type" in cfg or "speculators_config" in cfg:
-        return "vllm"
-    archs = cfg.get("architectures") or []
-    if "LlamaForCausalLMEagle3" in archs:
-        return "sglang"
-    if "eagle_aux_hidden_state_layer_ids" in cfg or "draft_vocab_size" in cfg:
-        return "vllm-native"
-    raise ValueError(f"architectures {archs} without EAGLE-3 keys: not an export format specheads knows")

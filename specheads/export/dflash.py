@@ -19,22 +19,26 @@ import torch
 from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, MISSING, _found, _int, check_files, check_folder, check_key_rules, config_rope, expected_shape,
-    get_key,
+    KEY_CHECKS, MISSING, check_files, check_folder, check_key_rules, expected_shape, found_text, get_key, is_int,
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
     Violation,
 )
-from specheads.export.eagle3 import ExportRefused, decoder_keys
-from specheads.export.load import _read_json, read_weights
-from specheads.export.plan import cast, head_plan
+from specheads.export.keys import (
+    REQUIRED, check_decoder, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, t2d_from_d2t,
+    trained_fields,
+)
+from specheads.export.load import read_json, read_weights
+from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.dflash import DFlashConfig, DFlashHead
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
 
-FORMATS = ("vllm", "vllm-native", "sglang")
+FORMATS_WRITTEN = ("vllm", "vllm-native", "sglang")
 ARCHITECTURE = "DFlashDraftModel"
+# the Qwen3 stack's decoder keys; the engines read them without defaults but for rms_norm_eps (Qwen3's)
+FIELDS = decoder_fields(num_key_value_heads=REQUIRED, head_dim=REQUIRED, rms_norm_eps=1e-6)
 
 
 def check_exportable(config: DFlashConfig, fmt: str, weights: dict) -> None:
@@ -56,7 +60,7 @@ def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None
 def layer_keys(config: DFlashConfig, dtype: str) -> dict:
     """The Qwen3 decoder-stack keys every format carries."""
     return {
-        **decoder_keys(config, "qwen3", config.num_hidden_layers),
+        **decoder_keys(config, "qwen3", config.num_hidden_layers, FIELDS),
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * config.num_hidden_layers,
         "tie_word_embeddings": False,
@@ -98,13 +102,7 @@ def speculators_config(config: DFlashConfig, k: int, verifier: str, verifier_arc
         "sample_from_anchor": False,
         "sliding_window_non_causal": not config.causal,  # vLLM: causal = not this (default true)
         "transformer_layer_config": layer_keys(config, dtype),
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_archs)},
-        },
+        "speculators_config": speculators_block("dflash", k, verifier, verifier_archs),
     }
 
 
@@ -125,12 +123,12 @@ def plan(request: ExportRequest) -> ExportPlan:
 
 # --- contract --------------------------------------------------------------------------------
 def _ids_ok(v, lo: int) -> bool:
-    return isinstance(v, list) and bool(v) and all(_int(i) for i in v) and v == sorted(set(v)) and v[0] >= lo
+    return isinstance(v, list) and bool(v) and all(is_int(i) for i in v) and v == sorted(set(v)) and v[0] >= lo
 
 
 CHECKS = {**KEY_CHECKS,
           "id_list": (lambda v, r: _ids_ok(v, r.value), lambda r: f"distinct ascending integer ids >= {r.value}"),
-          "nonneg_int": (lambda v, r: _int(v) and v >= 0, lambda r: "an integer >= 0")}
+          "nonneg_int": (lambda v, r: is_int(v) and v >= 0, lambda r: "an integer >= 0")}
 STACK_KEYS = (
     KeyRule("model_type", "equals", "qwen3", "the draft layers are Qwen3-style (q/k norms)"),
     KeyRule("hidden_size", "positive_int"),
@@ -201,10 +199,10 @@ def tensor_rules(cfg: dict, fmt: str) -> tuple[list[TensorRule], dict]:
             ("kvh", "num_key_value_heads"), ("hd", "head_dim"), ("I", "intermediate_size"), ("V", "vocab_size"))}
     dims["Vd"] = cfg.get("draft_vocab_size", dims["V"])
     dims["K"] = len(layer_ids(cfg, fmt) or [])
-    dims = {k: v for k, v in dims.items() if _int(v)}
+    dims = {k: v for k, v in dims.items() if is_int(v)}
     rules = [TensorRule("fc.weight", ("H", "K*H")), TensorRule("hidden_norm.weight", ("H",)),
              TensorRule("norm.weight", ("H",))]
-    n_layers = s.get("num_hidden_layers") if _int(s.get("num_hidden_layers")) else 0
+    n_layers = s.get("num_hidden_layers") if is_int(s.get("num_hidden_layers")) else 0
     for i in range(n_layers):
         p = f"layers.{i}."
         rules += [TensorRule(p + "self_attn.q_proj.weight", ("nh*hd", "H")),
@@ -231,15 +229,16 @@ def _check_consistency(cfg: dict, fmt: str) -> list[Violation]:
     s, out = stack_of(cfg, fmt), []
     mask = cfg.get("mask_token_id") if fmt == "vllm" else get_key(cfg, "dflash_config.mask_token_id")
     V = s.get("vocab_size")
-    if _int(mask) and _int(V) and mask >= V:
+    if is_int(mask) and is_int(V) and mask >= V:
         out.append(Violation(f"{CONFIG_FILE}: mask_token_id", f"< vocab_size {V}", str(mask),
                              "the engines embed the mask token with the target's table; pick an id inside it"))
     if fmt != "vllm" and get_key(cfg, "is_causal") is not MISSING and \
             get_key(cfg, "is_causal") != get_key(cfg, "dflash_config.causal"):
         out.append(Violation(f"{CONFIG_FILE}: is_causal", "the same value as dflash_config.causal",
-                             _found(get_key(cfg, "is_causal")), "vLLM reads is_causal first; make them agree"))
+                             found_text(get_key(cfg, "is_causal")), "vLLM reads is_causal first; make them agree"))
     if fmt == "sglang" and cfg.get("draft_vocab_size") != V:
-        out.append(Violation(f"{CONFIG_FILE}: draft_vocab_size", f"{V} (vocab_size)", _found(cfg.get("draft_vocab_size")),
+        out.append(Violation(f"{CONFIG_FILE}: draft_vocab_size", f"{V} (vocab_size)",
+                             found_text(cfg.get("draft_vocab_size")),
                              f"{SGLANG} drafts with the target's lm_head: no reduced vocabulary"))
     return out
 
@@ -275,16 +274,13 @@ def check_tensors(specs: dict, cfg: dict, fmt: str) -> list[Violation]:
     return out
 
 
-HEAD_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps")
-
-
 def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
     """Sizes, taps, mask token, block, causality and RoPE agree with the trained head."""
-    s, out = stack_of(cfg, fmt), []
+    s = stack_of(cfg, fmt)
+    out = check_decoder(s, head, table=FIELDS)
     native = fmt != "vllm"
-    found = {k: s.get(k, MISSING) for k in HEAD_KEYS}
-    found.update(draft_vocab_size=cfg.get("draft_vocab_size", MISSING), target_layer_ids=layer_ids(cfg, fmt),
+    found = dict(num_hidden_layers=s.get("num_hidden_layers", MISSING),
+                 draft_vocab_size=cfg.get("draft_vocab_size", MISSING), target_layer_ids=layer_ids(cfg, fmt),
                  mask_token_id=get_key(cfg, "dflash_config.mask_token_id" if native else "mask_token_id"),
                  block_size=cfg.get("block_size", MISSING),
                  causal=get_key(cfg, "dflash_config.causal") if native else
@@ -292,12 +288,10 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
     for key, value in found.items():
         if value is not MISSING and value is not None and value != head[key]:
             out.append(Violation(f"{CONFIG_FILE}: {key}", f"{json.dumps(head[key])} (the trained head's)",
-                                 _found(value), "export again from the checkpoint this head came from"))
-    if config_rope(s) not in (None, head["rope_parameters"]):
-        out.append(Violation(f"{CONFIG_FILE}: rope_parameters", json.dumps(head["rope_parameters"]),
-                             json.dumps(config_rope(s)), "copy the head's (= the target's) RoPE settings"))
+                                 found_text(value), "export again from the checkpoint this head came from"))
+    out += check_rope(s, head)
     mpe = s.get("max_position_embeddings")
-    if _int(mpe) and mpe < head["max_position_embeddings"]:
+    if is_int(mpe) and mpe < head["max_position_embeddings"]:
         out.append(Violation(f"{CONFIG_FILE}: max_position_embeddings", f">= {head['max_position_embeddings']}",
                              str(mpe), "write the target's value"))
     return out
@@ -312,23 +306,23 @@ def validate(folder: str | Path, fmt: str, expected=None) -> None:
 
 
 # --- load back ---------------------------------------------------------------------------------
+TRAINED = ("num_anchors", "loss", "loss_decay_gamma", "dpace_alpha")  # training-only: from specheads.json
+
+
 def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> DFlashConfig:
     """Rebuild the head config from config.json; `trained` supplies only training-only fields."""
     trained, s = trained or {}, stack_of(cfg, fmt)
     native = fmt != "vllm"
     causal = get_key(cfg, "dflash_config.causal") if native else not cfg.get("sliding_window_non_causal", True)
     ids = layer_ids(cfg, fmt)
+    decoder = read_decoder(s, FIELDS)
     return DFlashConfig(
-        hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-        num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
-        num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"], vocab_size=s["vocab_size"],
-        draft_vocab_size=cfg.get("draft_vocab_size") or s["vocab_size"], target_layer_ids=ids,
+        **decoder, num_hidden_layers=s["num_hidden_layers"],
+        draft_vocab_size=cfg.get("draft_vocab_size") or decoder["vocab_size"], target_layer_ids=ids,
         num_target_layers=cfg.get("num_target_layers") or trained.get("num_target_layers") or max(ids) + 2,
         block_size=cfg.get("block_size") or trained["block_size"],
         mask_token_id=get_key(cfg, "dflash_config.mask_token_id") if native else cfg["mask_token_id"],
-        max_position_embeddings=s["max_position_embeddings"], rms_norm_eps=s.get("rms_norm_eps", 1e-6),
-        rope_parameters=config_rope(s) or {"rope_type": "default", "rope_theta": 10000.0}, causal=bool(causal),
-        **{k: trained[k] for k in ("num_anchors", "loss", "loss_decay_gamma", "dpace_alpha") if k in trained},
+        causal=bool(causal), **trained_fields(trained, TRAINED),
     )
 
 
@@ -336,12 +330,10 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     """A DFlash export folder -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format)
-    config = config_from_export(_read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
+    config = config_from_export(read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
     tensors = read_weights(meta.folder / WEIGHTS_FILE)
     if config.own_lm_head and "t2d" not in tensors:
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)  # [V]
-        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"]] = True
-        tensors["t2d"] = t2d
+        tensors["t2d"] = t2d_from_d2t(tensors["d2t"], config.vocab_size)
     head = DFlashHead(config, attn_implementation=attn_implementation)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
     return head.eval(), meta

@@ -16,13 +16,14 @@ from specheads.export.contract import check_key_rules, read_config, read_tensor_
 from specheads.export.contract_rules import (
     CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
 )
+from specheads.export.keys import trained_fields
 from specheads.export.plan import cast, float_dtype, target_folder
 from specheads.heads.draft import DraftConfig, DraftHead
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.target import tokenizer_hash
 from specheads.export.readme import Readme
 
-FORMATS = ("vllm", "sglang")
+FORMATS_WRITTEN = ("vllm", "sglang")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
@@ -116,6 +117,9 @@ def _check_tensors(cfg: dict, specs: dict) -> list[Violation]:
 
 
 # --- loading back -------------------------------------------------------------------------------
+TRAINED = ("ttt_steps", "init_from_target")  # training-only: from specheads.json
+
+
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
     """A draft-model folder -> (DraftHead in eval mode, meta), through AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM
@@ -125,10 +129,8 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
     model = AutoModelForCausalLM.from_pretrained(meta.folder, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
     cfg = json.loads((meta.folder / CONFIG_FILE).read_text())
-    trained = meta.head_config or {}
     config = DraftConfig(model_config={k: v for k, v in cfg.items() if k not in ("architectures", "dtype")},
-                         vocab_size=cfg["vocab_size"], ttt_steps=trained.get("ttt_steps", 4),
-                         init_from_target=trained.get("init_from_target", True))
+                         vocab_size=cfg["vocab_size"], **trained_fields(meta.head_config, TRAINED))
     return DraftHead(config, model=model).eval(), meta
 
 

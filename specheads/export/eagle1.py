@@ -9,27 +9,25 @@ gets an exact zero bias).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
+from specheads.engine_facts import REFUSED_OPTIONS
 from specheads.export.checkpoint import load_strict
-from specheads.export.contract import (
-    _found, check_files, check_folder, check_key_rules, check_tensors, config_dims, config_rope,
-)
+from specheads.export.contract import check_files, check_folder, check_key_rules, check_tensors, config_dims
 from specheads.export.contract_rules import (
     CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, WEIGHTS_FILE, Violation, contract_for,
 )
-from specheads.export.eagle3 import ExportRefused, layer_keys
-from specheads.export.load import _read_json, read_weights
-from specheads.export.plan import cast, head_plan
+from specheads.export.keys import check_decoder, check_rope, llama_layer_keys, read_decoder, trained_fields
+from specheads.export.load import read_json, read_weights
+from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.eagle import EagleConfig, EagleHead
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
 
-FORMATS = ("vllm", "sglang")
+FORMATS_WRITTEN = ("vllm", "sglang")
 ARCHITECTURES = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}
 
 
@@ -37,8 +35,8 @@ def check_exportable(config: EagleConfig, fmt: str, weights: dict) -> None:
     """Refuse formats that would drop trained weights."""
     if fmt == "vllm" and "fc.bias" in weights:
         raise ExportRefused(
-            "this EAGLE-1 head was trained with fc_bias: true, but vLLM builds fc without a bias and "
-            "would silently drop the trained one. Export it with --format sglang, or retrain with "
+            f"this EAGLE-1 head was trained with fc_bias: true, but {REFUSED_OPTIONS[('vllm', 'fc_bias')]}. "
+            "Export it with --format sglang, or retrain with "
             "head.fc_bias: false for vLLM.")
 
 
@@ -53,19 +51,7 @@ def export_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: str | None
 def config_json(config: EagleConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
                 dtype: str) -> dict:
     """A Llama config.json (one decoder layer) under the engine's EAGLE-1 architecture name."""
-    keys = layer_keys(_as_layer(config), dtype)
-    keys.pop("num_aux_hidden_states")
-    return {"architectures": list(ARCHITECTURES[fmt]), **keys, "tie_word_embeddings": False}
-
-
-def _as_layer(config: EagleConfig):
-    """The fields `eagle3.layer_keys` reads (aux_layers is popped again by the caller)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(**{k: getattr(config, k) for k in (
-        "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings",
-        "rope_parameters")}, aux_layers=[])
+    return {"architectures": list(ARCHITECTURES[fmt]), **llama_layer_keys(config, dtype), "tie_word_embeddings": False}
 
 
 def plan(request: ExportRequest) -> ExportPlan:
@@ -87,16 +73,7 @@ def check_forbidden(specs: dict) -> list[Violation]:
 
 def check_against_head(cfg: dict, head: dict) -> list[Violation]:
     """Sizes and RoPE agree with the trained head's config."""
-    out = []
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "vocab_size", "rms_norm_eps"):
-        if key in cfg and cfg[key] != head[key]:
-            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)", _found(cfg[key]),
-                                 "export again from the checkpoint this head came from"))
-    if config_rope(cfg) not in (None, head["rope_parameters"]):
-        out.append(Violation(f"{CONFIG_FILE}: rope_parameters", json.dumps(head["rope_parameters"]),
-                             json.dumps(config_rope(cfg)), "copy the head's (= the target's) RoPE settings"))
-    return out
+    return check_decoder(cfg, head) + check_rope(cfg, head)
 
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
@@ -116,20 +93,12 @@ def _check_tensors(specs: dict, cfg: dict, contract) -> list[Violation]:
 
 
 # --- load back ---------------------------------------------------------------------------------
+TRAINED = ("fc_bias", "ttt_steps", "step_decay", "cls_weight", "noise")  # training-only: from specheads.json
+
+
 def config_from_export(cfg: dict, trained: dict | None = None) -> EagleConfig:
     """Rebuild the head config from config.json; `trained` supplies only training-only fields."""
-    trained = trained or {}
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    return EagleConfig(
-        hidden_size=hidden, intermediate_size=cfg["intermediate_size"], num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or hidden // heads, vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_parameters=config_rope(cfg) or {"rope_type": "default", "rope_theta": 10000.0},
-        fc_bias=bool(trained.get("fc_bias", False)), ttt_steps=trained.get("ttt_steps", 1),
-        step_decay=trained.get("step_decay", 0.8), cls_weight=trained.get("cls_weight", 0.1),
-        noise=trained.get("noise", 0.0), hidden_act=cfg.get("hidden_act", "silu"),
-    )
+    return EagleConfig(**read_decoder(cfg), **trained_fields(trained, TRAINED))
 
 
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[EagleHead, object]:
@@ -137,7 +106,7 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     again when the head was trained without one."""
     if check:
         validate(meta.folder, meta.format)
-    config = config_from_export(_read_json(meta.folder / CONFIG_FILE, meta.format), meta.head_config)
+    config = config_from_export(read_json(meta.folder / CONFIG_FILE, meta.format), meta.head_config)
     tensors = read_weights(meta.folder / WEIGHTS_FILE)
     bias = tensors.get("fc.bias")
     if bias is not None and not config.fc_bias:

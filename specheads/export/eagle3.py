@@ -1,4 +1,5 @@
-"""EAGLE-3 writers: the tensors and config.json each format needs, built from a trained head.
+"""EAGLE-3 writers, contract check and loader: the tensors and config.json each format needs, built
+from a trained head, the check of such a folder against its engine's loader, and its load-back.
 
 "vllm" is the speculators format (`vllm serve DIR`), "vllm-native" the plain HF EAGLE-3 config
 vLLM reads through `--speculative-config`, "sglang" SGLang's `LlamaForCausalLMEagle3`
@@ -7,31 +8,49 @@ vLLM reads through `--speculative-config`, "sglang" SGLang's `LlamaForCausalLMEa
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG
-from specheads.export.contract import validate as check_contract
-from specheads.export.load import load_eagle3
+from specheads.engine_facts import AUX_LAYER_OFFSET, REFUSED_OPTIONS, RESIDUAL_DEFAULT, SGLANG
+from specheads.export.checkpoint import load_strict
+from specheads.export.contract import (
+    MISSING, aux_ids, check_files, check_folder, check_key_rules, check_tensors, config_dims, found_text, get_key,
+    is_int, is_parallel, layer_config,
+)
+from specheads.export.contract_rules import (
+    CONFIG_FILE, ENGINE_NAMES, LAYER_KEYS, WEIGHTS_FILE, FormatContract, Violation, contract_for,
+)
+from specheads.export.keys import (
+    REQUIRED, Field, check_decoder, check_rope, llama_layer_keys, read_decoder, speculators_block, t2d_from_d2t,
+    trained_fields,
+)
+from specheads.export.load import ExportMeta, read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
-from specheads.heads.eagle3 import Eagle3Config
+from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
 
-FORMATS = ("vllm", "vllm-native", "sglang")
+KIND = "eagle3"
+FORMATS_WRITTEN = ("vllm", "vllm-native", "sglang")
 LAYER_PREFIX = {"vllm": "layers.0.", "vllm-native": "layers.0.", "sglang": "midlayer."}
+# the head's own top-level config.json keys (every format), beside the decoder keys of keys.DECODER_FIELDS
+# (in the layer config); the default is what the engines assume when the key is absent
+HEAD_FIELDS = (Field("draft_vocab_size"), Field("target_hidden_size", lambda node: node["hidden_size"]))
 
 
 def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
     """Refuse heads an engine would load but run differently from training."""
     if fmt == "sglang" and config.parallel_drafting:
         raise ExportRefused(
-            f"this is a P-EAGLE head (parallel_drafting: true), and {SGLANG} has no P-EAGLE loader "
+            f"this is a P-EAGLE head (parallel_drafting: true), and {REFUSED_OPTIONS[('sglang', 'parallel_drafting')]} "
             "(no mask_hidden, no parallel drafting). Export it with --format vllm (speculators peagle) "
             "or --format vllm-native (method eagle3 + parallel_drafting).")
     if fmt == "sglang" and config.norm_before_residual:
         raise ExportRefused(
-            f"this head was trained with norm_before_residual: true, but {SGLANG} always uses the "
-            "raw fc output as the residual, so it would run a different layer. Export it with "
+            f"this head was trained with norm_before_residual: true, but "
+            f"{REFUSED_OPTIONS[('sglang', 'norm_before_residual')]}, so it would run a different layer. Export it with "
             "--format vllm or --format vllm-native instead."
         )
     if config.hidden_size != config.target_hidden_size and "embed_tokens.weight" not in weights:
@@ -71,49 +90,20 @@ def without_full_vocab_map(weights: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def rope_keys(config: Eagle3Config) -> dict:
-    """rope_parameters plus the legacy rope_theta / rope_scaling mirrors older readers use."""
-    params = dict(config.rope_parameters)
-    scaling = None
-    if params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return {"rope_parameters": params, "rope_theta": params.get("rope_theta", 10000.0), "rope_scaling": scaling}
-
-
-def decoder_keys(config, model_type: str, num_layers: int) -> dict:
-    """The HF decoder keys (dims, activation, norm eps, RoPE) shared by the EAGLE-3 and DFlash configs."""
-    return {
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        **rope_keys(config),
-        "attention_bias": False,
-    }
-
-
 def layer_keys(config: Eagle3Config, dtype: str) -> dict:
     """The decoder-layer keys every format carries (Llama-style, one layer)."""
-    return {
-        **decoder_keys(config, "llama", 1),
-        "mlp_bias": False,
-        "num_aux_hidden_states": len(config.aux_layers),
-        "dtype": dtype,
-    }
+    return llama_layer_keys(config, dtype, num_aux_hidden_states=len(config.aux_layers))
+
+
+def head_fields(config: Eagle3Config) -> dict:
+    """HEAD_FIELDS' values, as config.json carries them at its top level."""
+    return {f.name: getattr(config, f.name) for f in HEAD_FIELDS}
 
 
 def head_keys(config: Eagle3Config) -> dict:
     """EAGLE-3 keys vLLM reads at the top level (both vLLM formats); numbering = our aux_layers."""
     return {
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
+        **head_fields(config),
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
         "norm_before_residual": bool(config.norm_before_residual),
         "norm_before_fc": False,
@@ -134,13 +124,8 @@ def speculators_config(config: Eagle3Config, k: int, verifier: str, verifier_arc
         "speculators_model_type": "peagle" if config.parallel_drafting else "eagle3",
         **keys,
         "transformer_layer_config": layer_keys(config, dtype),
-        "speculators_config": {
-            "algorithm": "peagle" if config.parallel_drafting else "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_archs)},
-        },
+        "speculators_config": speculators_block("peagle" if config.parallel_drafting else "eagle3", k, verifier,
+                                                verifier_archs),
     }
 
 
@@ -156,8 +141,7 @@ def sglang_config(config: Eagle3Config, dtype: str) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_keys(config, dtype),
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
+        **head_fields(config),
         "tie_word_embeddings": False,
         "norm_before_residual": False,  # documentary: SGLang has no such option (refused when true)
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
@@ -179,15 +163,172 @@ def plan(request: ExportRequest) -> ExportPlan:
     return head_plan(request, export_tensors, config_json)
 
 
-def validate(folder, fmt: str, expected=None) -> None:
-    """Check an EAGLE-3 folder against its engine's loader contract (export/contract.py)."""
-    check_contract(folder, fmt, "eagle3", expected=expected)
+# --- contract check (docs/engines.md §2.2, §2.3, §3.1; the tables in contract_rules.py) ----------
 
 
-def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
-    """An EAGLE-3 export -> (head in eval mode, meta); the reading lives in export/load.py with
-    the reading of other trainers' EAGLE-3 folders."""
-    return load_eagle3(meta, attn_implementation, check)
+def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
+    return check_key_rules(cfg, contract.keys) + check_key_rules(cfg, LAYER_KEYS, at=contract.layer_keys_at)
+
+
+def check_aux_ids(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """The aux-layer id list: present in the engine's place, well formed, consistent with its count."""
+    ids, where = aux_ids(cfg, contract), f"{CONFIG_FILE}: {contract.aux_ids_key}"
+    numbering = f"{ENGINE_NAMES[contract.engine]} numbering (first valid id {contract.min_aux_id})"
+    if ids is MISSING:
+        return [Violation(where, f"the aux-layer ids in {numbering}", "no key",
+                          "without it the engine taps its default layers, not the trained ones")]
+    if not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)
+            and ids == sorted(set(ids)) and ids[0] >= contract.min_aux_id):
+        return [Violation(where, f"distinct ascending integer ids in {numbering}", found_text(ids),
+                          "write the head's aux_layers converted to this engine's numbering")]
+    num_key = ".".join(p for p in (contract.layer_keys_at, "num_aux_hidden_states") if p)
+    num = get_key(cfg, num_key)
+    if num is MISSING and len(ids) != 3 and contract.engine == "vllm":
+        return [Violation(f"{CONFIG_FILE}: {num_key}", str(len(ids)), "no key",
+                          "vLLM's Llama EAGLE-3 sizes fc for 3 aux states unless told otherwise")]
+    if num is not MISSING and num != len(ids):
+        return [Violation(f"{CONFIG_FILE}: {num_key}", f"{len(ids)} (the number of aux ids)", found_text(num),
+                          "make the count match the id list")]
+    return []
+
+
+def check_parallel(cfg: dict, contract: FormatContract) -> list[Violation]:
+    """A P-EAGLE config names its mask token (vLLM: mask_token_id, or pard_token natively) inside V."""
+    if contract.engine != "vllm" or not is_parallel(cfg):
+        return []
+    mask = cfg.get("mask_token_id", MISSING if contract.layer_keys_at else cfg.get("pard_token", MISSING))
+    V = layer_config(cfg, contract).get("vocab_size")
+    if not is_int(mask):
+        return [Violation(f"{CONFIG_FILE}: mask_token_id", "the mask token id (an integer)", found_text(mask),
+                          "vLLM fills the parallel-drafting slots with it and refuses to start without it")]
+    if is_int(V) and not 0 <= mask < V:
+        return [Violation(f"{CONFIG_FILE}: mask_token_id", f"< vocab_size {V}", str(mask),
+                          "the mask token is embedded with the target's table; pick an id inside it")]
+    return []
+
+
+def _layer_path(contract: FormatContract) -> str:
+    return f"{contract.layer_keys_at}." if contract.layer_keys_at else ""
+
+
+def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
+    """Sizes, RoPE, residual rule, context length and aux ids agree with the trained head's config."""
+    layer, at = layer_config(cfg, contract), _layer_path(contract)
+    out = check_decoder(layer, head, at)
+    for f in HEAD_FIELDS:  # an absent key is the engine's default, computed for the trained head
+        found = cfg.get(f.name, MISSING if f.default is REQUIRED else f.default(head))
+        if found is not MISSING and found != head[f.name]:
+            out.append(Violation(f"{CONFIG_FILE}: {f.name}", f"{head[f.name]} (the trained head's)",
+                                 found_text(found), "export again from the checkpoint this head came from"))
+    out += check_rope(layer, head, at)
+    out += _check_residual(cfg, contract, head)
+    if is_parallel(cfg) != bool(head.get("parallel_drafting", False)):
+        out.append(Violation(f"{CONFIG_FILE}: parallel_drafting", json.dumps(bool(head.get("parallel_drafting"))),
+                             json.dumps(is_parallel(cfg)), "P-EAGLE heads draft in parallel, EAGLE-3 heads do "
+                             "not: export again from the checkpoint"))
+    mpe = layer.get("max_position_embeddings")
+    if is_int(mpe) and mpe < head["max_position_embeddings"]:
+        out.append(Violation(f"{CONFIG_FILE}: {at}max_position_embeddings",
+                             f">= {head['max_position_embeddings']} (the target's)", str(mpe),
+                             "a shorter draft context makes SGLang refuse to start and caps vLLM's; "
+                             "write the target's value"))
+    return out + _check_aux_against_head(cfg, contract, head)
+
+
+def _check_residual(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
+    nbr = cfg.get("norm_before_residual", MISSING)
+    if contract.engine == "sglang" and head["norm_before_residual"]:
+        return [Violation(f"{CONFIG_FILE}: norm_before_residual", "a head trained with false", "a head trained "
+                          "with true", f"{SGLANG} always uses the raw fc output as the residual; "
+                          "serve this head with vLLM")]
+    if contract.engine == "vllm" and isinstance(nbr, bool) and nbr != head["norm_before_residual"]:
+        return [Violation(f"{CONFIG_FILE}: norm_before_residual", json.dumps(head["norm_before_residual"]),
+                          json.dumps(nbr), "it must match training or the draft computes a different layer")]
+    return []
+
+
+def _check_aux_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[Violation]:
+    ids = aux_ids(cfg, contract)
+    want = [a + contract.aux_offset for a in head["aux_layers"]]
+    if ids is MISSING or ids == want:
+        return []
+    other_fmt, other = ("sglang", "SGLang") if contract.engine != "sglang" else ("vllm", "vLLM")
+    other_offset = contract_for(other_fmt, contract.kind).aux_offset
+    engine = ENGINE_NAMES[contract.engine]
+    swapped = ids == [a + other_offset for a in head["aux_layers"]]
+    hint = f"these are the ids in {other} numbering; " if swapped else ""
+    return [Violation(f"{CONFIG_FILE}: {contract.aux_ids_key}",
+                      f"{want} (trained aux_layers {head['aux_layers']} in {engine} numbering)",
+                      found_text(ids), f"{hint}write the trained layers converted to {engine} numbering")]
+
+
+def validate(folder: str | Path, fmt: str, expected=None) -> None:
+    """Check an EAGLE-3 folder against its engine's loader contract; raise ContractError listing every
+    violation. `expected` (the head config; default: the folder's specheads.json) adds the checks
+    against the trained head."""
+    folder, contract = Path(folder), contract_for(fmt, KIND)
+    check_folder(
+        folder, fmt, WEIGHTS_FILE, expected, files=check_files,
+        keys=lambda cfg: check_keys(cfg, contract) + check_aux_ids(cfg, contract) + check_parallel(cfg, contract),
+        against_head=lambda cfg, head: check_against_head(cfg, contract, head),
+        tensors=lambda specs, cfg: check_tensors(specs, config_dims(cfg, contract), contract))
+
+
+# --- load back -----------------------------------------------------------------------------------
+TRAINED = ("ttt_steps", "step_decay")  # training-only fields: from specheads.json, never config.json
+PARALLEL_TRAINED = ("cod_ratio", "cod_min_ratio")
+
+
+def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> Eagle3Config:
+    """Rebuild the head config from config.json in `fmt` (aux ids back to specheads numbering).
+    `trained` (specheads.json head_config) supplies only the training-only fields."""
+    contract = contract_for(fmt, KIND)
+    layer = read_decoder(layer_config(cfg, contract))
+    return Eagle3Config(
+        **layer, **{f.name: f.read({**layer, **cfg}) for f in HEAD_FIELDS},
+        aux_layers=[i - contract.aux_offset for i in aux_ids(cfg, contract)],
+        norm_before_residual=bool(cfg.get("norm_before_residual", RESIDUAL_DEFAULT[fmt])),
+        **trained_fields(trained, TRAINED),
+        **parallel_from_export(cfg, trained or {}),
+    )
+
+
+def parallel_from_export(cfg: dict, trained: dict) -> dict:
+    """P-EAGLE fields: parallel when speculators says peagle or the native config says so."""
+    if not is_parallel(cfg):
+        return {}
+    return {"parallel_drafting": True, "mask_token_id": cfg.get("mask_token_id", cfg.get("pard_token")),
+            **trained_fields(trained, PARALLEL_TRAINED)}
+
+
+def head_weights(weights: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:
+    """Export names -> head state-dict names (midlayer. -> layers.0.). embed_tokens.weight is the
+    engines' business (the head takes embeddings as input); a full-vocabulary head (Vd == V) ships no
+    d2t (identity offsets); a missing t2d is rebuilt from d2t."""
+    head = {}
+    for name, tensor in weights.items():
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        if name != "embed_tokens.weight":
+            head[name] = tensor
+    if "d2t" not in head and config.draft_vocab_size == config.vocab_size:
+        head["d2t"] = torch.zeros(config.vocab_size, dtype=torch.int64)  # [V]: identity (none shipped when Vd == V)
+    if "t2d" not in head and "d2t" in head:
+        head["t2d"] = t2d_from_d2t(head["d2t"], config.vocab_size)
+    return head
+
+
+def load_export(meta: ExportMeta, attn_implementation: str = "sdpa",
+                check: bool = True) -> tuple[Eagle3Head, ExportMeta]:
+    """A specheads EAGLE-3 export (any of its formats) -> (head in eval mode, meta)."""
+    if check:
+        validate(meta.folder, meta.format)
+    config = config_from_export(read_json(meta.folder / CONFIG_FILE), meta.format, meta.head_config)
+    head = Eagle3Head(config, attn_implementation=attn_implementation)
+    tensors = head_weights(read_weights(meta.folder / WEIGHTS_FILE), config)
+    load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
+    return head.eval(), meta
 
 
 def readme_lines(fmt: str, head: dict) -> list[str]:

@@ -17,23 +17,24 @@ from pathlib import Path
 import torch
 
 from specheads.export.checkpoint import load_strict
-from specheads.export.contract import (
-    _found, check_float_dtypes, check_folder, check_key_rules,
-)
+from specheads.export.contract import check_float_dtypes, check_folder, check_key_rules, found_text
 from specheads.export.contract_rules import (
     CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
 )
-from specheads.export.load import _read_json, read_weights
+from specheads.export.keys import trained_fields
+from specheads.export.load import read_json, read_weights
 from specheads.export.plan import cast, head_plan
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.engine_facts import LEGACY_VLLM, SGLANG, VLLM
 from specheads.export.readme import Readme
 
-FORMATS = ("medusa", "vllm-0.32")
+FORMATS_WRITTEN = ("medusa", "vllm-0.32")
 ORIGINAL_FILE = "medusa_lm_head.safetensors"
 WEIGHTS_FILES = {"medusa": ORIGINAL_FILE, "vllm-0.32": WEIGHTS_FILE}
 ORIGINAL_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+# format -> the config.json keys of the head's (num_heads, num_layers): written, checked and read back
+SHAPE_KEYS = {"medusa": ("medusa_num_heads", "medusa_num_layers"), "vllm-0.32": ("num_heads", "num_hidden_layers")}
 
 
 def check_exportable(config: MedusaConfig, fmt: str, weights: dict) -> None:
@@ -82,12 +83,11 @@ def from_original(tensors: dict[str, torch.Tensor], num_layers: int, bias: bool)
 def config_json(config: MedusaConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
                 dtype: str) -> dict:
     """config.json for `fmt` (K heads; k drafts per step is recorded in specheads.json)."""
+    shape = dict(zip(SHAPE_KEYS[fmt], (config.num_heads, config.num_layers)))
     if fmt == "medusa":
-        return {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
-                "base_model_name_or_path": verifier, "hidden_size": config.hidden_size,
+        return {**shape, "base_model_name_or_path": verifier, "hidden_size": config.hidden_size,
                 "vocab_size": config.vocab_size, "dtype": dtype}
-    return {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": config.num_heads,
-            "num_hidden_layers": config.num_layers, "hidden_size": config.hidden_size,
+    return {"architectures": ["MedusaModel"], "model_type": "medusa", **shape, "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
             "medusa_fc_bias": bool(config.bias), "original_lm_head": False, "logit_scale": 1.0,
             "dtype": dtype}
@@ -101,8 +101,7 @@ def plan(request: ExportRequest) -> ExportPlan:
 # --- contract check ----------------------------------------------------------------------------
 def shape_of(cfg: dict, fmt: str) -> tuple[int, int, bool] | None:
     """(num_heads, num_layers, bias) as config.json declares them; None when keys are missing."""
-    keys = ("medusa_num_heads", "medusa_num_layers") if fmt == "medusa" else ("num_heads", "num_hidden_layers")
-    K, L = cfg.get(keys[0]), cfg.get(keys[1])
+    K, L = (cfg.get(key) for key in SHAPE_KEYS[fmt])
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (K, L)):
         return None
     return K, L, True if fmt == "medusa" else cfg.get("medusa_fc_bias") is True
@@ -158,10 +157,10 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
                              "(the trained head's)", f"{declared[0]} / {declared[1]}", "export again"))
     if fmt == "vllm-0.32" and cfg.get("medusa_fc_bias") is not None and cfg.get("medusa_fc_bias") != head["bias"]:
         out.append(Violation(f"{CONFIG_FILE}: medusa_fc_bias", json.dumps(head["bias"]),
-                             _found(cfg.get("medusa_fc_bias")), "it must match training; export again"))
+                             found_text(cfg.get("medusa_fc_bias")), "it must match training; export again"))
     for key in ("hidden_size", "vocab_size"):
         if key in cfg and cfg[key] != head[key]:
-            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)", _found(cfg[key]),
+            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{head[key]} (the trained head's)", found_text(cfg[key]),
                                  "export again from the checkpoint these heads came from"))
     return out
 
@@ -184,21 +183,23 @@ def _check_files(folder: Path, fmt: str) -> list[Violation]:
 
 
 # --- load back ---------------------------------------------------------------------------------
+TRAINED = ("step_decay",)  # training-only: from specheads.json
+
+
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[MedusaHead, object]:
     """A Medusa export folder -> (heads in eval mode, meta); rebuilt from config.json alone."""
     fmt = meta.format
     if check:
         validate(meta.folder, fmt)
-    cfg = _read_json(meta.folder / CONFIG_FILE, fmt)
+    cfg = read_json(meta.folder / CONFIG_FILE, fmt)
     K, L, bias = shape_of(cfg, fmt)
     tensors = read_weights(meta.folder / WEIGHTS_FILES[fmt])
     if fmt == "medusa":
         bias = bool((meta.head_config or {}).get("bias", True)) or any(
             bool(t.any()) for n, t in tensors.items() if n.endswith(".bias"))
         tensors = from_original(tensors, L, bias)
-    trained = meta.head_config or {}
     config = MedusaConfig(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], num_heads=K,
-                          num_layers=L, bias=bias, step_decay=trained.get("step_decay", 0.8))
+                          num_layers=L, bias=bias, **trained_fields(meta.head_config, TRAINED))
     head = MedusaHead(config)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILES[fmt]))
     return head.eval(), meta

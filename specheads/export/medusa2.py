@@ -15,13 +15,12 @@ from pathlib import Path
 import torch
 
 from specheads.export import medusa
-from specheads.export.eagle3 import ExportRefused
-from specheads.export.plan import DTYPES, float_dtype, target_folder
+from specheads.export.plan import DTYPES, ExportRefused, float_dtype, target_folder
 from specheads.heads.medusa2 import ADAPTER
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
 
-FORMATS = medusa.FORMATS
+FORMATS_WRITTEN = medusa.FORMATS_WRITTEN
 WEIGHTS_FILES = medusa.WEIGHTS_FILES
 validate = medusa.validate  # the heads are Medusa-1 heads
 ADAPTER_MODES = ("merge", "ship")

@@ -23,8 +23,8 @@ from specheads.engine_facts import SGLANG, VLLM
 from specheads.export.contract_rules import (
     CONFIG_FILE, META_FILE, MTP_SGLANG_MAX_LAYERS, MTP_SHAPES, ContractError, Violation,
 )
-from specheads.export.eagle3 import ExportRefused
-from specheads.export.plan import DTYPES, target_folder
+from specheads.export.keys import trained_fields
+from specheads.export.plan import DTYPES, ExportRefused, target_folder
 from specheads.export.readme import target_ref
 from specheads.heads.mtp import ZERO_FIRST_EMBEDDING, MtpConfig, MtpHead, target_config_dict
 from specheads.heads.mtp_checkpoint import (
@@ -34,7 +34,7 @@ from specheads.heads.mtp_checkpoint import (
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
 
-FORMATS = ("vllm", "sglang")
+FORMATS_WRITTEN = ("vllm", "sglang")
 MTP_FILE = "model-mtp.safetensors"
 
 
@@ -243,6 +243,9 @@ def _reference_layer(cfg: dict, L: int) -> str:
 
 
 # --- loading back -------------------------------------------------------------------------------
+TRAINED = ("ttt_steps", "step_decay", "init")  # training-only: from specheads.json
+
+
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
     """An MTP export -> (head in eval mode, meta), rebuilt from the folder's config.json and tensors."""
     from transformers import AutoConfig
@@ -251,13 +254,11 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
         validate(meta.folder, meta.format)
     cfg = json.loads((meta.folder / CONFIG_FILE).read_text())
     _, count_key = family(cfg)
-    trained = meta.head_config or {}
     hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != count_key})
     config = MtpConfig(
         target_config=target_config_dict(hf), num_layers=cfg[count_key], num_target_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], ttt_steps=trained.get("ttt_steps", cfg[count_key]),
-        step_decay=trained.get("step_decay", 0.8), zero_first_embedding=cfg["model_type"] in ZERO_FIRST_EMBEDDING,
-        init=trained.get("init", "last_layer"))
+        hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+        zero_first_embedding=cfg["model_type"] in ZERO_FIRST_EMBEDDING, **trained_fields(meta.head_config, TRAINED))
     head = MtpHead(config, attn_implementation=attn_implementation)
     load_modules(head, meta.folder)
     return head.eval(), meta

@@ -1,4 +1,4 @@
-"""What the writers share when they describe an export (protocols.ExportPlan): the export
+"""What the writers share when they describe an export (protocols.ExportPlan): ExportRefused, the export
 dtypes, casting, the weights' dtype name, the plan of a kind that is its own tensors plus a
 config.json, and the local target folder a kind that ships target files copies from.
 """

@@ -84,7 +84,7 @@ def serve_command(serving: Serving, folder: str, served: str, k: int, parallel: 
     return cmd
 
 
-def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str = "eagle3",
+def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind: str,
                    parallel: bool = False, served: str | None = None) -> list[str]:
     """The exact commands that serve the export, best first (engine_facts.SERVING says how);
     `served` overrides the model served (Medusa-2: the merged target)."""

@@ -1,6 +1,8 @@
 """The export registries, side by side: per drafter kind, the module that writes its folders
 (`WRITERS`) and the module that reads them back (`LOADERS`); both follow `protocols.Writer`.
-An unknown kind fails here, at the first lookup, with the list of kinds.
+An unknown kind fails here, at the first lookup, with the list of kinds. Reading an export's meta,
+checking its contract and loading it dispatch on the kind its specheads.json records; a folder
+without one is another trainer's (export/foreign.py).
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from pathlib import Path
 
 from specheads.engine_facts import REFUSED
 from specheads.export import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
-from specheads.export.eagle3 import ExportRefused
+from specheads.export.contract_rules import META_FILE
 from specheads.export.folder import verify_export
-from specheads.export.load import ExportMeta, is_foreign, load_foreign, read_export_meta
+from specheads.export.foreign import load_foreign, read_foreign_meta
+from specheads.export.load import ExportMeta, is_foreign, read_record_meta
+from specheads.export.plan import ExportRefused
 
 # kind -> module, in heads.HEADS order; one line per kind so that adding a kind adds a line
 WRITERS = {
@@ -31,19 +35,38 @@ def writer_for(kind: str, fmt: str):
     if kind not in WRITERS:
         raise ExportRefused(f"head kind '{kind}' has no exporter; kinds with one: {', '.join(WRITERS)}")
     writer = WRITERS[kind]
-    if fmt not in writer.FORMATS:
+    if fmt not in writer.FORMATS_WRITTEN:
         reason = REFUSED.get((kind, fmt))  # a kind-specific explanation, when there is one
         raise ExportRefused(reason or f"format '{fmt}' cannot serve a '{kind}' head; use one of: "
-                            f"{', '.join(writer.FORMATS)}")
+                            f"{', '.join(writer.FORMATS_WRITTEN)}")
     return writer
 
 
-def loader_for(meta: ExportMeta):
-    """The module that loads an export of `meta.kind`."""
-    if meta.kind not in LOADERS:
-        raise ValueError(f"{meta.folder}: head kind '{meta.kind}' cannot be loaded by this specheads version; "
+def loader_for(kind: str, folder: str | Path):
+    """The module that loads (and checks) an export of `kind` at `folder`."""
+    if kind not in LOADERS:
+        raise ValueError(f"{folder}: head kind '{kind}' cannot be loaded by this specheads version; "
                          f"kinds it loads: {', '.join(LOADERS)}")
-    return LOADERS[meta.kind]
+    return LOADERS[kind]
+
+
+def read_export_meta(folder: str | Path) -> ExportMeta:
+    """What an export folder says about itself: its specheads.json, or (another trainer's folder)
+    the EAGLE-3 format its config.json is written in."""
+    return read_record_meta(folder) or read_foreign_meta(Path(folder))
+
+
+def validate(folder: str | Path, fmt: str, kind: str | None = None, expected=None) -> None:
+    """Check an export folder against the (format, kind) loader contract; raise ContractError listing
+    every violation. `kind` defaults to the one the folder's specheads.json records; `expected` (the
+    head config; default: specheads.json's) adds the checks against the trained head."""
+    if kind is None:
+        meta = read_record_meta(folder)
+        if meta is None:
+            raise ValueError(f"{Path(folder) / META_FILE}: no such file, so the folder names no head kind; "
+                             f"pass kind (one of {', '.join(LOADERS)})")
+        kind = meta.kind
+    loader_for(kind, folder).validate(folder, fmt, expected=expected)
 
 
 def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True,
@@ -55,7 +78,7 @@ def load_with_meta(folder: str | Path, attn_implementation: str = "sdpa", check:
     if is_foreign(meta):
         return load_foreign(meta, attn_implementation, num_target_layers)
     verify_export(meta.folder, meta.record)  # recorded weight checksums (older exports: a notice)
-    return loader_for(meta).load_export(meta, attn_implementation, check)
+    return loader_for(meta.kind, meta.folder).load_export(meta, attn_implementation, check)
 
 
 def load(folder: str | Path, attn_implementation: str = "sdpa", check: bool = True):

@@ -1,0 +1,198 @@
+"""Folders other trainers wrote (speculators, SpecForge / SGLang, plain vLLM): third-party EAGLE-3
+drafts with no specheads.json, read the way their engine reads them (docs/engines.md §2.2, §2.3,
+§3.1); every option the head cannot run is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specheads.export.checkpoint import load_strict
+from specheads.export.contract_rules import CONFIG_FILE, WEIGHTS_FILE, ContractError, contract_for
+from specheads.engine_facts import RESIDUAL_DEFAULT
+from specheads.export.eagle3 import KIND, head_weights
+from specheads.export.keys import DEFAULT_ROPE, speculative_tokens
+from specheads.export.load import ExportMeta, read_json, read_weights
+from specheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+
+LEGACY_NAMES = (("midlayer.", "layers.0."), ("aux_norm_low.", "fc_norm.0."),
+                ("aux_norm_mid.", "fc_norm.1."), ("aux_norm_high.", "fc_norm.2."))
+DROPPED = {"embed_tokens.weight", "t2d", "verifier_norm.weight", "verifier_lm_head.weight"}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ForeignDraftError(ValueError):
+    """A third-party EAGLE-3 folder this head cannot run as its engine would; says what and why."""
+
+    def __init__(self, folder: Path, what: str):
+        super().__init__(f"{folder}: {what}")
+
+
+def _layer_dict(cfg: dict, fmt: str, folder: Path) -> dict:
+    """The decoder-layer keys: speculators' transformer_layer_config, else the top level."""
+    if fmt != "vllm":
+        return cfg
+    if cfg.get("speculators_model_type", "eagle3") != "eagle3":
+        raise ForeignDraftError(folder, f"speculators_model_type '{cfg['speculators_model_type']}': only "
+                                "EAGLE-3 speculators checkpoints load as EAGLE-3 heads")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ForeignDraftError(folder, f"{CONFIG_FILE}: transformer_layer_config is missing or not an object")
+    return layer
+
+
+def _resolved_layer(layer: dict, folder: Path):
+    """A LlamaConfig with transformers' defaults for the keys a trainer left out (as the engines do)."""
+    from transformers import LlamaConfig
+
+    model_type = layer.get("model_type", "llama")
+    if model_type != "llama":
+        raise ForeignDraftError(folder, f"draft layer model_type '{model_type}': only Llama-style draft layers "
+                                "(no q/k norm) load here; a qwen3 layer would run without its q_norm/k_norm")
+    resolved = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("model_type", "architectures")})
+    if resolved.num_hidden_layers != 1:
+        raise ForeignDraftError(folder, f"num_hidden_layers {resolved.num_hidden_layers}: only one-layer "
+                                "EAGLE-3 drafts load here")
+    if resolved.attention_bias or getattr(resolved, "mlp_bias", False):
+        raise ForeignDraftError(folder, "attention_bias / mlp_bias: the head has no biases")
+    return resolved
+
+
+def _foreign_aux(cfg: dict, fmt: str, num_target_layers: int | None, folder: Path) -> list[int]:
+    """Aux-layer ids in specheads (= vLLM) numbering; SGLang ids are one lower (docs/engines.md §1)."""
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    if fmt == "sglang":
+        if eagle.get("use_aux_hidden_state", True) is False:
+            raise ForeignDraftError(folder, "eagle_config.use_aux_hidden_state is false: a draft fed only the "
+                                    "final hidden state is not an EAGLE-3 head")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        offset = contract_for("sglang", KIND).aux_offset  # SGLang numbering (docs/engines.md §1)
+        ids = None if ids is None else [i - offset for i in ids]
+    else:
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        if num_target_layers is None:
+            raise ForeignDraftError(folder, "config.json names no aux layers, so the engine taps its default "
+                                    "(vLLM ids [2, L//2, L-3] for an L-layer target; SGLang ids one lower): "
+                                    "write them into config.json (eagle_aux_hidden_state_layer_ids; for "
+                                    "SGLang inside eagle_config), or pass num_target_layers from Python")
+        ids = default_aux_layers(num_target_layers)
+    return [int(i) for i in ids]
+
+
+def _foreign_flags(cfg: dict, fmt: str, folder: Path) -> dict:
+    """norm_before_residual / norm_before_fc / fc_norm / norm_output as the engine reads them."""
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    if cfg.get("bias"):
+        raise ForeignDraftError(folder, "bias: true (a bias on fc): the head's fc has no bias")
+    flags = {
+        "norm_before_fc": bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
+        "fc_norm": bool(cfg.get("fc_norm", cfg.get("use_aux_norm", False))),
+        "norm_output": bool(cfg.get("norm_output", False)),
+        # SGLang has no such option: it always keeps the raw fc output as the residual
+        "norm_before_residual": False if fmt == "sglang" else bool(
+            cfg.get("norm_before_residual", RESIDUAL_DEFAULT[fmt])),
+    }
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise ForeignDraftError(folder, "norm_before_fc and fc_norm are both set; they exclude each other")
+    return flags
+
+
+def foreign_config(cfg: dict, fmt: str, folder: Path, num_target_layers: int | None = None) -> Eagle3Config:
+    """Head config for a folder another trainer wrote, with the engine's defaults filled in."""
+    layer = _resolved_layer(_layer_dict(cfg, fmt, folder), folder)
+    hidden = layer.hidden_size
+    target_hidden = cfg.get("target_hidden_size") or hidden
+    if target_hidden != hidden:
+        raise ForeignDraftError(folder, f"target_hidden_size {target_hidden} differs from the draft's hidden_size "
+                                f"{hidden}: such drafts embed tokens with their own table, which this "
+                                "verifier does not run")
+    vd = cfg.get("draft_vocab_size", layer.vocab_size)
+    if vd is None:
+        raise ForeignDraftError(folder, "draft_vocab_size is null (the draft shares the target's lm_head); "
+                                "write the target's lm_head into the folder and set draft_vocab_size to V")
+    k = speculative_tokens(cfg)
+    rope = dict(getattr(layer, "rope_parameters", None) or DEFAULT_ROPE)
+    return Eagle3Config(
+        hidden_size=hidden, target_hidden_size=target_hidden, intermediate_size=layer.intermediate_size,
+        num_attention_heads=layer.num_attention_heads,
+        num_key_value_heads=layer.num_key_value_heads or layer.num_attention_heads,
+        head_dim=getattr(layer, "head_dim", None) or hidden // layer.num_attention_heads,
+        vocab_size=layer.vocab_size, draft_vocab_size=int(vd),
+        aux_layers=_foreign_aux(cfg, fmt, num_target_layers, folder),
+        max_position_embeddings=layer.max_position_embeddings, rms_norm_eps=layer.rms_norm_eps,
+        rope_parameters=rope, hidden_act=layer.hidden_act, **({"ttt_steps": k} if k else {}),
+        **_foreign_flags(cfg, fmt, folder),
+    )
+
+
+def read_foreign_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or every shard a model.safetensors.index.json names (never a pickle)."""
+    if (folder / WEIGHTS_FILE).is_file() or not (folder / INDEX_FILE).is_file():
+        return read_weights(folder / WEIGHTS_FILE)
+    shards = sorted(set(read_json(folder / INDEX_FILE).get("weight_map", {}).values()))
+    out: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        out.update(read_weights(folder / shard))
+    return out
+
+
+def foreign_weights(weights: dict[str, torch.Tensor], config: Eagle3Config,
+                    folder: Path) -> dict[str, torch.Tensor]:
+    """Third-party tensor names -> head names: `model.` prefix and legacy SpecForge names undone,
+    embeddings / t2d / verifier copies dropped, d2t supplied (zeros) when the vocab is not reduced."""
+    if "model.lm_head.weight" in weights:
+        raise ForeignDraftError(folder, "model.lm_head.weight: SGLang silently drops an lm_head nested under "
+                                "`model.`, so this folder serves without its draft head; rename it lm_head.weight")
+    head = {}
+    for name, tensor in weights.items():
+        name = name[len("model."):] if name.startswith("model.") else name
+        for old, new in LEGACY_NAMES:
+            name = new + name[len(old):] if name.startswith(old) else name
+        if name not in DROPPED:
+            head[name] = tensor
+    if "d2t" not in head:
+        if config.draft_vocab_size != config.vocab_size:
+            raise ForeignDraftError(folder, f"no d2t tensor but draft_vocab_size {config.draft_vocab_size} < "
+                                    f"vocab_size {config.vocab_size}: the draft ids cannot be mapped to target ids")
+        head["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.int64)  # [Vd]: identity offsets
+    return head_weights(head, config)
+
+
+def load_foreign(meta: ExportMeta, attn_implementation: str = "sdpa",
+                 num_target_layers: int | None = None) -> tuple[Eagle3Head, ExportMeta]:
+    """A speculators / SpecForge / plain-vLLM EAGLE-3 folder -> (head in eval mode, meta)."""
+    config = foreign_config(read_json(meta.folder / CONFIG_FILE), meta.format, meta.folder, num_target_layers)
+    head = Eagle3Head(config, attn_implementation=attn_implementation)
+    tensors = foreign_weights(read_foreign_weights(meta.folder), config, meta.folder)
+    load_strict(head, tensors, str(meta.folder))
+    meta.head_config = asdict(config)
+    meta.num_speculative_tokens = meta.num_speculative_tokens or config.ttt_steps
+    return head.eval(), meta
+
+
+def detect_eagle3_format(cfg: dict) -> str:
+    """Which EAGLE-3 export format a config.json is: speculators ("vllm"), native vLLM, or SGLang."""
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        return "vllm"
+    archs = cfg.get("architectures") or []
+    if "LlamaForCausalLMEagle3" in archs:
+        return "sglang"
+    if "eagle_aux_hidden_state_layer_ids" in cfg or "draft_vocab_size" in cfg:
+        return "vllm-native"
+    raise ValueError(f"architectures {archs} without EAGLE-3 keys: not an export format specheads knows")
+
+
+def read_foreign_meta(folder: Path) -> ExportMeta:
+    """The ExportMeta of a folder without specheads.json: an EAGLE-3 draft in the format its
+    config.json is written in."""
+    try:
+        fmt = detect_eagle3_format(read_json(folder / CONFIG_FILE))
+    except ValueError as err:
+        if isinstance(err, ContractError):
+            raise
+        raise ValueError(f"{folder / CONFIG_FILE}: {err}; pass a folder written by `specheads export`") from None
+    return ExportMeta(folder=folder, format=fmt, kind=KIND, target=None, head_config=None, num_speculative_tokens=None)
