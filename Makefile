@@ -5,12 +5,14 @@ TORCH  ?= torch==2.13.0
 RUN    ?= runs/demo
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+SUFFIX_STAMP = $(VENV)/.suffix-installed
+ARCTIC ?= arctic-inference==0.3.0
 
 ENGINES ?= vllm,sglang
 
-.PHONY: install test demo engine-check train export eval bench bench-server push clean real-target real
+.PHONY: install suffix test demo engine-check train export eval bench bench-server push clean real-target real
 
-install: $(STAMP)
+install: $(STAMP) $(SUFFIX_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +20,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+# arctic-inference (the suffix tree behind vLLM's `method: suffix`) ships only an sdist whose build
+# isolation pulls a CUDA torch: build its wheel against the venv's CPU torch, with the build-only
+# tools (nanobind, protobuf 5, grpcio-tools) in a side folder, and install just the wheel (~1 min)
+suffix: $(SUFFIX_STAMP)
+
+$(SUFFIX_STAMP): $(STAMP)
+	rm -rf $(VENV)/suffix-build
+	$(BIN)/pip install -q --target $(VENV)/suffix-build nanobind==2.9.2 protobuf==5.29.6 grpcio-tools "cmake>=3.18"
+	PATH="$(abspath $(VENV))/suffix-build/bin:$(abspath $(BIN)):$$PATH" PYTHONPATH="$(abspath $(VENV))/suffix-build" \
+	  $(BIN)/pip wheel -q --no-build-isolation --no-deps "$(ARCTIC)" -w $(VENV)/suffix-build/wheels
+	$(BIN)/pip install -q --no-deps --force-reinstall $(VENV)/suffix-build/wheels/arctic_inference-*.whl
+	$(BIN)/python -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+	rm -rf $(VENV)/suffix-build
+	touch $@
 
 test: install
 	$(BIN)/python -m pytest -q -x --timeout 900 tests
