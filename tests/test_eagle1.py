@@ -14,7 +14,7 @@ from random_models import make_target
 from specheads.export import ContractError, ExportRefused, export, load_with_meta
 from specheads.export import eagle1 as eagle1_export
 from specheads.export.checkpoint import save_checkpoint
-from specheads.heads.eagle import EagleHead, EagleOptions
+from specheads.heads.eagle1 import EagleHead, EagleOptions
 from specheads.heads.eagle3 import ttt_attention_mask
 from specheads.heads.losses import shift
 from specheads.verify.eagle1_proposers import Eagle1Proposer, Eagle1StaticTreeProposer

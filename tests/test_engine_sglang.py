@@ -55,7 +55,7 @@ def _eagle3(target):
 
 
 def _eagle1(target):
-    from specheads.heads.eagle import EagleHead, EagleOptions
+    from specheads.heads.eagle1 import EagleHead, EagleOptions
 
     torch.manual_seed(1)
     return EagleHead.for_target(EagleOptions(fc_bias=True, ttt_steps=3), target.config)

@@ -23,7 +23,7 @@ from specheads.export.contract_rules import (
 from specheads.export.keys import check_decoder, check_rope, llama_layer_keys, read_decoder, trained_fields
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
-from specheads.heads.eagle import EagleConfig, EagleHead
+from specheads.heads.eagle1 import EagleConfig, EagleHead
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specheads.heads.dflash import DFlashHead
 from specheads.heads.draft import DraftHead
-from specheads.heads.eagle import EagleHead
+from specheads.heads.eagle1 import EagleHead
 from specheads.heads.eagle3 import Eagle3Head
 from specheads.heads.medusa import MedusaHead
 from specheads.heads.medusa2 import Medusa2Head

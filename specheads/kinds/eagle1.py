@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specheads.heads.eagle import EagleHead, EagleOptions
+from specheads.heads.eagle1 import EagleHead, EagleOptions
 from specheads.kinds.base import EngineSide, Example, Kind, final_states, random_head, step_logits
 from specheads.verify.eagle1_proposers import bind_to_target
 
