@@ -126,7 +126,7 @@ def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, ngram_sizes,
     target, eos = session.target, session.eos
     messages = []
     for turn, text in enumerate(row.turns):
-        messages.append({"role": "user", "content": text})
+        messages += user_turn(text)
         ids = eval_prompt_ids(target.tokenizer, messages)
         ctx = target.context
         if ctx is not None and len(ids) >= ctx:  # later turns only grow: skip the rest
