@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import write_json, write_text
-from specheads.eval.online import read_prompts
+from specheads.data.prompts import read_prompts
 from specheads.session import eos_ids, load_draft
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.registry import make_proposer

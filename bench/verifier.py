@@ -28,7 +28,7 @@ import torch
 
 from specheads.atomic import write_json, write_text
 from specheads.cli_options import add_fingerprint_argument
-from specheads.eval.online import encode_chat, read_prompts
+from specheads.data.prompts import encode_chat, read_prompts, user_turn
 from specheads.session import Session, eos_ids
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.ngram_proposers import NgramProposer
@@ -117,10 +117,10 @@ def timed(method: Method, device, ids, max_new_tokens, eos):
 
 def encode_rows(target, rows) -> list[tuple[str, list[int]]]:
     """(id, chat-rendered first turn) per row, skipping prompts that fill the context."""
-    ctx = getattr(target.config, "max_position_embeddings", None)
+    ctx = target.context
     out = []
     for row in rows:
-        ids = encode_chat(target.tokenizer, [{"role": "user", "content": row.turns[0]}])
+        ids = encode_chat(target.tokenizer, user_turn(row.turns[0]))
         if ctx is None or len(ids) < ctx - 1:
             out.append((row.id, ids))
     if not out:

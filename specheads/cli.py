@@ -176,7 +176,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _regenerate(argv: list[str]) -> int:
-    from specheads.regenerate import main
+    from specheads.regenerate_command import main
 
     return main(argv)
 

@@ -16,7 +16,7 @@ from specheads.bounds import ConfigError, bounded, check_bounds
 from specheads.errors import read_user_text
 from specheads.heads import head_options_class
 from specheads.schedule import SCHEDULES
-from specheads.target import DTYPES, peek_config
+from specheads.target import DTYPES, config_context, peek_config
 
 
 @dataclass
@@ -264,7 +264,7 @@ def check_recipe_inputs(recipe: Recipe, outputs: tuple[str, ...] = (),
     if peeked is None:
         return
     cfg, where = peeked
-    ctx = cfg.get("max_position_embeddings")
+    ctx = config_context(cfg)
     if isinstance(ctx, int) and d.max_length > ctx:
         raise ConfigError(f"data.max_length = {d.max_length} exceeds the target's context of {ctx} "
                          f"tokens (max_position_embeddings in {where}): set data.max_length <= {ctx}")

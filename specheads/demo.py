@@ -18,7 +18,7 @@ from specheads.builtin.stdlib import MAX_PROMPT_CHARS, write_demo_data
 from specheads.builtin.tiny_target import cached_tiny_target, is_tiny_target
 from specheads.config import load_recipe
 from specheads.data.conversations import read_conversations
-from specheads.data.regenerate import regenerate_local
+from specheads.data.regenerate_turns import regenerate_local
 from specheads.eval.offline import check_parity
 from specheads.eval.online import evaluate
 from specheads.eval.predict import advice_summary

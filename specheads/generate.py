@@ -29,7 +29,7 @@ from specheads.cli_options import (
     add_fingerprint_argument, add_sampling_arguments, add_tree_arguments, sampling_from_args, spec_from_args,
 )
 from specheads.data.messages import FieldError, check_text
-from specheads.eval.online import encode_chat
+from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text, user_turn
 from specheads.metrics import broken_draft_warning
 from specheads.session import Session
 from specheads.target import resolve_device
@@ -50,11 +50,11 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if not text or not text.strip():
         raise GenerateError("the prompt is empty: pass some text with --prompt")
     if not chat:
-        return list(tokenizer(text)["input_ids"])
-    if not getattr(tokenizer, "chat_template", None):
-        raise GenerateError("the target's tokenizer has no chat template: pass --no-chat to feed "
-                            "the prompt as raw text")
-    return encode_chat(tokenizer, [{"role": "user", "content": text}])
+        return encode_text(tokenizer, text)
+    try:
+        return encode_chat(tokenizer, user_turn(text))
+    except NoChatTemplate as err:
+        raise GenerateError(f"{err}: pass --no-chat to feed the prompt as raw text") from None
 
 
 # --- the command ---------------------------------------------------------------------------------

@@ -45,6 +45,15 @@ def resolve_target_path(path: str) -> Path:
     return folder
 
 
+CONTEXT_KEY = "max_position_embeddings"  # the config field every reader takes the context from
+
+
+def config_context(config) -> int | None:
+    """The context length in a config: a transformers config object or a config.json dict
+    (`peek_config`'s, text_config merged); its max_position_embeddings, None when absent."""
+    return config.get(CONTEXT_KEY) if isinstance(config, dict) else getattr(config, CONTEXT_KEY, None)
+
+
 def peek_config(path: str) -> tuple[dict, Path] | None:
     """The target's config.json (and where it is) without loading weights; an embedded target
     not built yet gives its preset's sizes; None for an unreadable file (loading reports it)."""
@@ -55,7 +64,7 @@ def peek_config(path: str) -> tuple[dict, Path] | None:
         if preset is None:
             return None
         if not (folder / BUILD_INFO).is_file():  # what the build will write
-            return {"max_position_embeddings": preset.max_position_embeddings, "vocab_size": preset.vocab_size,
+            return {CONTEXT_KEY: preset.max_position_embeddings, "vocab_size": preset.vocab_size,
                     "hidden_size": preset.hidden_size, "num_hidden_layers": preset.num_layers}, Path(path)
     else:
         folder = resolve_target_path(path)
@@ -140,6 +149,11 @@ class Target:
     @property
     def vocab_size(self) -> int:
         return self.embed_tokens.weight.shape[0]
+
+    @property
+    def context(self) -> int | None:
+        """The context length (max_position_embeddings of the config); None when the config has none."""
+        return config_context(self.config)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:

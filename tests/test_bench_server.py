@@ -42,7 +42,7 @@ def prompts_file(tmp_path_factory):
 
 def local_counts(tiny_target_dir, random_export_dir) -> dict:
     """What the built-in verifier counts for the same prompts, settings and draft length."""
-    from specheads.eval.online import encode_chat
+    from specheads.data.prompts import encode_chat
     from specheads.session import Session
 
     session = Session.open(str(tiny_target_dir), random_export_dir, dtype="float32", device="cpu")

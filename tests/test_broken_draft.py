@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from specheads.eval.online import encode_chat
+from specheads.data.prompts import encode_chat
 from specheads.session import eos_ids
 from specheads.verify.loop import greedy_decode
 from test_integrity import cli

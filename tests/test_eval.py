@@ -7,13 +7,9 @@ import shutil
 
 import pytest
 
-from specheads.eval.online import (
-    PromptsError,
-    alpha_from_tau,
-    encode_chat,
-    evaluate,
-    read_prompts,
-)
+from specheads.data.prompts import encode_chat
+from specheads.eval.offline import samples_from_outputs
+from specheads.eval.online import alpha_from_tau, evaluate
 from specheads.cli import main as cli
 from specheads.target import Target, TargetError
 
@@ -71,6 +67,9 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
         {"role": "user", "content": "import os"}, {"role": "assistant", "content": answer},
         {"role": "user", "content": "and then?"}])
     assert rows[2]["prompt_tokens"] == len(expected)
+    # offline parity samples hold exactly the prompts the online eval decoded from
+    samples = samples_from_outputs(target.tokenizer, out / "outputs.jsonl")
+    assert [s.loss_mask.count(0) for s in samples] == [r["prompt_tokens"] for r in rows if r["turn"] == 0]
 
 
 def test_eval_refuses_a_draft_for_another_target(target_dir, export_dir, prompts_file, tmp_path):
@@ -82,25 +81,6 @@ def test_eval_refuses_a_draft_for_another_target(target_dir, export_dir, prompts
     with pytest.raises(TargetError, match="embedding_sketch"):
         evaluate(str(target_dir), str(other), str(prompts_file), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
-
-
-def test_read_prompts(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "a"}\n\n{"turns": ["b", "c"], "id": 7}\n{"prompt": "d"}\n')
-    rows = read_prompts(path)
-    assert [(r.id, r.turns) for r in rows] == [("1", ["a"]), ("7", ["b", "c"]), ("4", ["d"])]
-    assert len(read_prompts(path, limit=2)) == 2
-    path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(PromptsError, match=r"p.jsonl:2: expected"):
-        read_prompts(path)
-    path.write_text('{"prompt": ""}\n')
-    with pytest.raises(PromptsError, match="non-empty"):
-        read_prompts(path)
-    path.write_text("not json\n")
-    with pytest.raises(PromptsError, match="not valid JSON"):
-        read_prompts(path)
-    with pytest.raises(PromptsError, match="does not exist"):
-        read_prompts(tmp_path / "missing.jsonl")
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 0.95])

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from specheads.cli import main as cli
-from specheads.eval.online import encode_chat
+from specheads.data.prompts import encode_chat
 from specheads.session import Session, eos_ids, load_draft
 from specheads.verify.settings import TreeSpec, make_tree_spec
 from specheads.verify.text import TextStream, writer

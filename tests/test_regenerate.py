@@ -14,7 +14,10 @@ import pytest
 from servers import start_server
 
 from specheads.data.conversations import Conversation, Message
-from specheads.data.regenerate import LocalBackend, RegenerateError, RegenOptions, regenerate_local, shape_answer
+from specheads.data.prompts import encode_chat
+from specheads.data.regenerate_turns import (
+    LocalBackend, RegenerateError, RegenOptions, generate_batch, regenerate_local, shape_answer,
+)
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.resume import RowWriter, read_index
 from specheads.target import Target
@@ -38,8 +41,11 @@ def test_regenerate_matches_plain_greedy(tiny_target_dir):
             if msg.role != "assistant":
                 continue
             history = [{"role": m.role, "content": m.content} for m in conv.messages[:i]]
+            # the two-step encoding regeneration used before data/prompts.py, as an independent
+            # reference: encode_chat must give these very ids
             prompt = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            assert encode_chat(tok, history) == ids
             ref = greedy_decode(target, ids, 12, eos_token_ids=[tok.eos_token_id]).tokens
             ref = [t for t in ref if t != tok.eos_token_id]
             assert msg.content == tok.decode(ref, skip_special_tokens=True)
@@ -132,7 +138,7 @@ def test_regenerate_through_server_survives_sigkill_and_matches_local(tiny_targe
         assert victim.wait() == -signal.SIGKILL
         killed_at = len(read_index(out)[0])
         assert 3 <= killed_at < 20, "the kill must land in the middle of the run"
-        from specheads.regenerate import main  # the resumed run: same command, in-process
+        from specheads.regenerate_command import main  # the resumed run: same command, in-process
 
         assert main(cmd[4:]) == 0
         report = json.loads(capsys.readouterr().out)
@@ -185,23 +191,16 @@ def test_regenerate_public_sharegpt_sample(tiny_target_dir, tmp_path):
 def test_local_rows_are_yielded_per_batch_and_resume_counts_all_runs(tiny_target_dir, tmp_path):
     """A finished row leaves the local backend after its own batch (so it is written before the
     next batch runs); after a resume meta.json's `all_runs` counts every run's truncations."""
-    import specheads.data.regenerate as regen
-
     target = Target.load(str(tiny_target_dir), device="cpu")
     opts = RegenOptions(max_new_tokens=3)  # every answer is cut: every row counts as truncated
     rows = read_rows(SLICE)
     single = [r for r in rows if sum(m["role"] == "assistant" for m in r.messages) == 1][:6]
-    calls = []
-    real = regen._generate_batch
-    regen._generate_batch = lambda *a: calls.append(len(a[1])) or real(*a)
-    try:
-        it = LocalBackend(target, opts, batch_size=2).run_iter(single)
-        first = [next(it), next(it)]
-        assert calls == [2], calls  # two rows out after the first batch of two, nothing else run
-        assert all(r["regenerated"]["truncated_turns"] == 1 for r in first)
-        assert len(single) == 6 and len(list(it)) == 4 and calls == [2, 2, 2]
-    finally:
-        regen._generate_batch = real
+    calls, plain = [], generate_batch(target, opts)
+    it = LocalBackend(target, opts, 2, lambda prompts, n: calls.append(len(prompts)) or plain(prompts, n)).run_iter(single)
+    first = [next(it), next(it)]
+    assert calls == [2], calls  # two rows out after the first batch of two, nothing else run
+    assert all(r["regenerated"]["truncated_turns"] == 1 for r in first)
+    assert len(single) == 6 and len(list(it)) == 4 and calls == [2, 2, 2]
     out = tmp_path / "regen.jsonl"
     first_run = run_regenerate(SLICE, out, LocalBackend(target, opts, 4), opts, limit=5)
     second = run_regenerate(SLICE, out, LocalBackend(target, opts, 4), opts, limit=12)
@@ -215,7 +214,7 @@ def test_local_rows_are_yielded_per_batch_and_resume_counts_all_runs(tiny_target
 def test_speculative_regeneration_gives_plain_greedy_answers(tiny_target_dir, random_export_dir, tmp_path, capsys):
     """--draft: every answer comes from speculative decoding in a session, and greedy answers are
     token for token those of batched plain generate; meta.json names the draft."""
-    from specheads.regenerate import main
+    from specheads.regenerate_command import main
 
     common = [str(SLICE), "--max-new-tokens", "12", "--limit", "12", "--target", str(tiny_target_dir),
               "--device", "cpu"]

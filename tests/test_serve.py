@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from specheads.eval.online import encode_chat
+from specheads.data.prompts import encode_chat
 from specheads.session import eos_ids
 from specheads.serve.metrics import parse_metrics
 from specheads.target import Target

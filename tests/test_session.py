@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specheads.cli import main as cli
-from specheads.eval.online import encode_chat
+from specheads.data.prompts import encode_chat
 from specheads.export import export, read_export_meta
 from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options

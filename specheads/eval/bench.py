@@ -416,9 +416,9 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
                            temperature, timeout)
     if out_dir:  # refused before any request: a folder of other files is not ours to write into
         check_output(Path(out_dir), lambda f: (f / "bench.json").is_file(), "a bench output folder")
-    # lazy, measured: importing this module takes 0.17 s, eval.online (torch) 5.9 s, and a bad
-    # option must be refused before that
-    from specheads.eval.online import read_prompts
+    # lazy, measured: importing this module takes 0.17 s, data.prompts 1.9 s (the data package
+    # imports torch), and a bad option must be refused before that
+    from specheads.data.prompts import read_prompts
 
     url, baseline_url = url.rstrip("/"), baseline_url.rstrip("/") if baseline_url else None
     prompts = read_prompts(prompts_file, limit)  # a bad file fails before any server is asked

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specheads.data.conversations import read_conversations
+from specheads.data.prompts import encode_chat, user_turn
 from specheads.data.tokenize import TokenizedSample, collate, tokenize_all
 from specheads.eval.predict import simulated_tau
 from specheads.eval.report import check_report_folder, write_report
@@ -65,9 +66,7 @@ def samples_from_rows(tokenizer, rows: list[dict]) -> list[TokenizedSample]:
     for row in rows:
         if row.get("turn", 0) != 0 or not row.get("plain_ids"):
             continue
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
-                                               tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = encode_chat(tokenizer, user_turn(row["prompt"]))  # exactly the online prompt's ids
         answer = list(row["plain_ids"])
         samples.append(TokenizedSample(str(row["id"]), ids + answer, [0] * len(ids) + [1] * len(answer)))
     return samples

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
-from specheads.data.messages import FieldError, check_text
-from specheads.errors import read_user_text
+from specheads.data.prompts import NoChatTemplate, PromptRow, PromptsError, encode_chat, read_prompts, user_turn
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
@@ -37,15 +36,6 @@ from specheads.verify.steps import DecodeStats
 log = logging.getLogger(__name__)
 
 
-class PromptsError(ValueError):
-    """The prompts file is missing or a row is not a usable prompt (the message names the line)."""
-
-@dataclass
-class PromptRow:
-    id: str
-    turns: list[str]
-    category: str | None = None
-
 @dataclass
 class Totals:
     """Stats summed over every prompt and turn, per method."""
@@ -57,52 +47,12 @@ class Totals:
     ngram_mismatches: list[str] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # turns whose prompt fills the context
 
-# --- inputs ------------------------------------------------------------------------------------
-
-def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
-    """jsonl rows with `prompt` (one user message) or `turns` (MT-bench / Spec-Bench style)."""
-    path = Path(path)
-    if limit is not None and limit < 1:
-        raise PromptsError(f"--limit {limit}: must be >= 1 (the number of prompts to evaluate)")
-    rows = []
-    for n, line in enumerate(read_user_text(path, "prompts file", PromptsError).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise PromptsError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-        turns = [obj["prompt"]] if isinstance(obj, dict) and "prompt" in obj else (
-            obj.get("turns") if isinstance(obj, dict) else None)
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
-            raise PromptsError(f"{path}:{n}: expected a non-empty string 'prompt' or a non-empty "
-                               "list of strings 'turns'")
-        _check_turns(turns, "prompt" in obj, f"{path}:{n}")
-        rows.append(PromptRow(id=str(obj.get("id", obj.get("question_id", n))), turns=turns,
-                              category=obj.get("category")))
-        if limit is not None and len(rows) >= limit:
-            break
-    if not rows:
-        raise PromptsError(f"prompts file '{path}' holds no prompts")
-    return rows
-
-
-def _check_turns(turns: list[str], single: bool, where: str) -> None:
-    """Each turn is a user message's text: it must hold only characters a tokenizer can encode."""
-    for j, text in enumerate(turns):
-        try:
-            check_text(text, "prompt" if single else f"turns[{j}]")
-        except FieldError as err:
-            raise PromptsError(f"{where}: {err}") from None
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Render the conversation with the tokenizer's chat template, ready for the assistant turn."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptsError("the target's tokenizer has no chat template; specheads eval renders "
-                           "prompts as chat turns and needs one")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+def eval_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """`encode_chat`, refusing a tokenizer without a chat template in eval's words."""
+    try:
+        return encode_chat(tokenizer, messages)
+    except NoChatTemplate as err:
+        raise PromptsError(f"{err}; specheads eval renders prompts as chat turns and needs one") from None
 
 # --- metrics -----------------------------------------------------------------------------------
 
@@ -176,9 +126,9 @@ def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, ngram_sizes,
     target, eos = session.target, session.eos
     messages = []
     for turn, text in enumerate(row.turns):
-        messages.append({"role": "user", "content": text})
-        ids = encode_chat(target.tokenizer, messages)
-        ctx = getattr(target.config, "max_position_embeddings", None)
+        messages += user_turn(text)
+        ids = eval_prompt_ids(target.tokenizer, messages)
+        ctx = target.context
         if ctx is not None and len(ids) >= ctx:  # later turns only grow: skip the rest
             log.warning("prompt %s turn %d has %d tokens, the context is %d: skipped",
                         row.id, turn, len(ids), ctx)
@@ -288,7 +238,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         ),
     }
     if predict and tree.kind == "chain" and not sampled:
-        prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": r.turns[0]}]) for r in rows]
+        prompts = [eval_prompt_ids(target.tokenizer, user_turn(r.turns[0])) for r in rows]
         if not quiet:
             print("[specheads] eval: timing target and draft steps for the speed-up prediction",
                   file=sys.stderr, flush=True)

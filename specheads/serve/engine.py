@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text
 from specheads.session import Session
 from specheads.verify.steps import DecodeStats
 from specheads.verify.settings import Sampling
@@ -104,29 +105,23 @@ class Engine:
 
     @property
     def context(self) -> int | None:
-        return getattr(self.target.config, "max_position_embeddings", None)
+        return self.target.context
 
     def chat_ids(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> list[int]:
         """The conversation rendered with the target's chat template, ready for the answer."""
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise RequestError("the target's tokenizer has no chat template: use /v1/completions",
-                               "messages")
-        kwargs = dict(template_kwargs or {})
-        if tools:
-            kwargs["tools"] = tools
         try:
-            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            return encode_chat(self.tokenizer, messages, tools, template_kwargs)
+        except NoChatTemplate as err:
+            raise RequestError(f"{err}: use /v1/completions", "messages") from None
         except Exception as err:  # noqa: BLE001 - jinja / template errors come from the request
             raise RequestError(f"the chat template cannot render these 'messages'"
                                f"{' and tools' if tools else ''}: {type(err).__name__}: {err}",
                                "messages") from None
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def text_ids(self, prompt) -> list[int]:
         """A completion prompt (text or a list of token ids) -> ids."""
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+            return encode_text(self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
     def budget(self, ids: list[int], params: Params, field: str = "prompt") -> int:

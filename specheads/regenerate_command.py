@@ -1,4 +1,5 @@
-"""`specheads regenerate`: the command's options and backend choice (the work: data/regenerate_run.py).
+"""`specheads regenerate`: the command's options and backend choice (the resumable run:
+data/regenerate_run.py; the turn-by-turn engine: data/regenerate_turns.py).
 
 With `--draft` the local target decodes through a speculation session (session.py), so answers
 come from the one decode loop: greedy answers are exactly plain greedy decoding's, sampled ones
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from specheads.cli_options import add_fingerprint_argument
 from specheads.data.openai_client import Endpoint
-from specheads.data.regenerate import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError
+from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, one_by_one
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.resume import check_resumable
 from specheads.session import Session, load_draft
@@ -72,7 +73,7 @@ def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBacke
     def decode(ids: list[int], max_new_tokens: int) -> list[int]:
         return session.decode(ids, max_new_tokens, sampling).result.tokens
 
-    return LocalBackend(session.target, opts, a.batch_size, decode, draft=str(Path(a.draft).resolve()))
+    return LocalBackend(session.target, opts, a.batch_size, one_by_one(decode), draft=str(Path(a.draft).resolve()))
 
 
 def main(argv: list[str] | None = None) -> int:
