@@ -426,7 +426,7 @@ def prepare(export: str | Path, engine: str, target: str | Path | None = None, k
     work = Path(work).resolve() if work else Path(tempfile.mkdtemp(prefix="specheads-engine-check-"))
     (work / engine).mkdir(parents=True, exist_ok=True)
     if ours.runs_forward:
-        max_pos = int(getattr(ours.target.config, "max_position_embeddings", 256))
+        max_pos = ours.target.context or 256
         inputs = make_inputs(ours.target, num_positions(max_pos, k, positions))
         if ours.spec.engine_side.anchors:
             inputs["anchors"] = spread_anchors(inputs["input_ids"].shape[1])

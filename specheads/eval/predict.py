@@ -300,7 +300,7 @@ def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, re
     import torch
 
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)[None]  # [1, P]
-    ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+    ctx = target.context or 1 << 30
     past = ids.shape[1]
     counts = [n for n in counts if past + n <= ctx]
     if not counts:
@@ -369,7 +369,7 @@ def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float]
                        rank_q: list[list[float]] | None = None) -> dict:
     """metrics.json's `prediction` and `advice`: step costs measured on up to 4 prompts that leave
     room in the context for the timed forwards (max(TARGET_COUNTS) tokens); {} when none does."""
-    ctx = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+    ctx = target.context or 1 << 30
     prompts = [p for p in prompts if len(p) + max(TARGET_COUNTS) < ctx]
     if not prompts:
         return {}

@@ -37,7 +37,6 @@ from specheads.verify.steps import (
     DecodeStats,
     check_tree_attention,
     compact_cache,
-    context_length,
     cut_at_eos,
     fit_tree,
     gather_rows,
@@ -244,7 +243,7 @@ def run_loop(target, proposer, prompt_ids: torch.Tensor, max_new_tokens: int, ru
     drafts = BatchProposer(proposer) if shape.drafts_with(proposer) else None
     run = _Run(target, rule, shape, drafts, frozenset(int(e) for e in eos_token_ids), budget,
                rule.new_result(shape.new_stats()), drafts.layers if drafts else [],
-               Clock(target.device), Clock(target.device), context_length(target))
+               Clock(target.device), Clock(target.device), target.context)
     t_start = time.perf_counter()
     if budget > 0:
         begin(run, ids)

@@ -119,7 +119,7 @@ def chain_or_static(spec: TreeSpec, chain, static, head, target, what: str, why:
 
 def check_tree_fits(spec: TreeSpec, target) -> None:
     """Refuse a tree that cannot be verified in one forward within the target's context."""
-    ctx = getattr(target.config, "max_position_embeddings", None)
+    ctx = target.context
     if ctx is not None and spec.nodes() >= ctx:
         raise SettingsError(f"the draft tree ({spec.label()}) verifies {spec.nodes()} tokens per "
                             f"step but the target's context is {ctx}: use a smaller tree")

@@ -143,10 +143,6 @@ def cut_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int], bool]
     return tokens, False
 
 
-def context_length(target) -> int | None:
-    return getattr(target.config, "max_position_embeddings", None)
-
-
 def prepare_prompt(target, prompt_ids, max_new_tokens: int) -> tuple[torch.Tensor, int]:
     """Validate the prompt -> (ids [1, P] on the target's device, new-token budget).
 
@@ -160,7 +156,7 @@ def prepare_prompt(target, prompt_ids, max_new_tokens: int) -> tuple[torch.Tenso
     vocab = target.vocab_size
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise DecodeError(f"prompt token ids must lie in 0..{vocab - 1} for this target")
-    ctx = context_length(target)
+    ctx = target.context
     budget = max_new_tokens
     if ctx is not None:
         if ids.numel() >= ctx:
