@@ -110,9 +110,10 @@ def _eval_online(a: argparse.Namespace) -> int:
                  sampling=sampling_from_args(a), predict=not a.no_predict,
                  verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet,
                  dtype=a.dtype, device=a.device, allow_missing_fingerprint=a.allow_missing_fingerprint)
-    d, n = m["speculative"], m["ngram"]
+    d = m["speculative"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
-    print(f"{label} tau={d['tau']:.3f} (n-gram {n['tau']:.3f}) c={d['cost_ratio_c']:.3f} "
+    free = ", ".join(f"{key} {m[key]['tau']:.3f}" for key in ("ngram", "suffix") if key in m)
+    print(f"{label} tau={d['tau']:.3f} ({free}) c={d['cost_ratio_c']:.3f} "
           f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
           f"greedy_equal={m['greedy_equal']}{'' if m['lossless'] else ' LOSSY (typical acceptance)'}"
           f" -> {Path(a.out) / 'metrics.json'}")

@@ -22,6 +22,7 @@ from specheads.data.regenerate_turns import regenerate_local
 from specheads.eval.offline import check_parity
 from specheads.eval.online import evaluate
 from specheads.eval.predict import advice_summary
+from specheads.eval.report import FREE_NAMES
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint
 from specheads.target import Target
@@ -157,7 +158,8 @@ def print_summary(summary: dict) -> None:
     for col in ("proposer", "tau", "acceptance per position", "predicted speedup", "measured speedup",
                 "greedy equal"):
         table.add_column(col)
-    for name, r in (("EAGLE-3 (from the vLLM export)", spec), ("n-gram (prompt lookup)", ngram)):
+    rows = [("EAGLE-3 (from the vLLM export)", spec)] + [(label, m[key]) for key, label in FREE_NAMES.items() if key in m]
+    for name, r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         table.add_row(name, f"{r['tau']:.3f}", acc, f"{r.get('predicted_speedup', float('nan')):.2f}x",
                       f"{r.get('measured_speedup', float('nan')):.2f}x", str(r.get("greedy_equal")))
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_demo(Path(a.run), Path(a.recipe), a.max_new_tokens, a.limit, a.overrides,
                        a.preset, a.module_limit, a.regenerate)
     print_summary(summary)
-    if not (summary["metrics"].get("greedy_equal") and summary["metrics"]["ngram"].get("greedy_equal")):
+    m = summary["metrics"]
+    if not (m.get("greedy_equal") and all(m[key].get("greedy_equal") for key in FREE_NAMES if key in m)):
         print("ERROR: speculative output differs from plain greedy decoding (see eval/metrics.json)")
         return 1
     return 0

@@ -75,10 +75,12 @@ def metrics_section(metrics: dict) -> list[str]:
              f"Built-in verifier, {metrics.get('num_prompts')} prompts from `{Path(str(prov.get('prompts_file', '?'))).name}`, "
              f"draft shape {json.dumps(metrics.get('tree'))}, {prov.get('device', '?')} {prov.get('dtype', '')}, "
              f"greedy output identical to plain decoding: {metrics.get('greedy_equal')}.", "",
-             "| tau (bonus included) | acceptance per position | measured speed-up | n-gram baseline tau |",
-             "|---:|---|---:|---:|",
+             "| tau (bonus included) | acceptance per position | measured speed-up | n-gram baseline tau | "
+             "suffix decoding tau |",
+             "|---:|---|---:|---:|---:|",
              f"| {metrics.get('tau', 0):.3f} | {acc} | {spec.get('measured_speedup', 0):.2f}x | "
-             f"{(metrics.get('ngram') or {}).get('tau', float('nan')):.3f} |", ""]
+             f"{(metrics.get('ngram') or {}).get('tau', float('nan')):.3f} | "
+             f"{(metrics.get('suffix') or {}).get('tau', float('nan')):.3f} |", ""]
     adv = metrics.get("advice")
     if adv:
         lines += [f"Recommended on that hardware: {advice_summary(adv)}.", ""]

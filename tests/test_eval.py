@@ -50,6 +50,8 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
     assert d["cost_ratio_c"] > 0 and d["predicted_speedup"] > 0 and 0 <= d["alpha_estimate"] <= 1
     assert d["prefill_forwards"] == 3 and d["new_tokens"] <= 3 * 12
     assert m["ngram"]["tau"] >= 1.0 and m["ngram"]["greedy_equal"] is True
+    assert m["suffix"]["tau"] >= 1.0 and m["suffix"]["greedy_equal"] is True  # vLLM's method: suffix
+    assert m["suffix"]["max_tree_depth"] == 24 and m["suffix"]["tokens"] == m["ngram"]["tokens"]
     assert m["plain"]["tokens"] == d["new_tokens"] and m["plain"]["wall_s"] > 0
     assert m["provenance"]["fingerprint_checked"] is True
     assert m["provenance"]["target"]["vocab_size"] == 512

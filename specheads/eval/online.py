@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
+from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.data.prompts import NoChatTemplate, PromptRow, PromptsError, encode_chat, read_prompts, user_turn
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import prediction_metrics
@@ -30,6 +31,8 @@ from specheads.progress import Progress
 from specheads.provenance import provenance
 from specheads.session import Session, run
 from specheads.verify.ngram_proposers import NgramProposer
+from specheads.verify.suffix_proposers import SuffixProposer
+from specheads.verify.trees import SettingsError
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
 from specheads.verify.steps import DecodeStats
 
@@ -42,9 +45,9 @@ class Totals:
 
     plain: DecodeStats = field(default_factory=DecodeStats)
     draft: DecodeStats = field(default_factory=DecodeStats)
-    ngram: DecodeStats = field(default_factory=DecodeStats)
+    free: dict[str, DecodeStats] = field(default_factory=dict)  # training-free proposer -> its stats
     mismatches: list[str] = field(default_factory=list)
-    ngram_mismatches: list[str] = field(default_factory=list)
+    free_mismatches: dict[str, list[str]] = field(default_factory=dict)
     skipped: list[dict] = field(default_factory=list)  # turns whose prompt fills the context
 
 def eval_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -101,28 +104,40 @@ def method_metrics(stats: DecodeStats, plain: DecodeStats, k: int) -> dict:
 
 # --- the run -----------------------------------------------------------------------------------
 
-def run_turn(session: Session, ngram_sizes, ids, max_new_tokens, sampling: Sampling = Sampling()):
-    """One prompt turn decoded plain, with the draft (the session's chain or tree) and with
-    n-grams (a chain of the session's k), sampled runs with the same seed each."""
+def free_proposers(ngram_sizes=(3, 1)) -> dict:
+    """The training-free proposers every eval compares with: prompt lookup, and suffix decoding
+    (vLLM's `method: suffix`; its global cache spans the whole eval, as a server's would) when
+    arctic-inference is installed."""
+    out = {"ngram": NgramProposer(*ngram_sizes)}
+    try:
+        out["suffix"] = SuffixProposer()
+    except SettingsError as err:
+        log.warning("no suffix decoding row: %s", err)
+    return out
+
+
+def run_turn(session: Session, free: dict, ids, max_new_tokens, sampling: Sampling = Sampling()):
+    """One prompt turn decoded plain, with the draft (the session's chain or tree) and with each
+    training-free proposer (a chain of the session's k), sampled runs with the same seed each."""
     plain = session.plain(ids, max_new_tokens, sampling)
     draft = session.decode(ids, max_new_tokens, sampling).result
-    ngram = run(TreeSpec("chain", k=session.k), session.target, NgramProposer(*ngram_sizes), ids,
-                max_new_tokens, session.eos, sampling)
-    return plain, draft, ngram
+    others = {name: run(TreeSpec("chain", k=session.k), session.target, proposer, ids, max_new_tokens,
+                        session.eos, sampling) for name, proposer in free.items()}
+    return plain, draft, others
 
 def evaluate_rows(session: Session, rows: list[PromptRow], max_new_tokens: int, ngram_sizes=(3, 1),
                   sampling: Sampling = Sampling(), quiet: bool = True) -> tuple[Totals, list[dict]]:
     """Decode every turn of every row; multi-turn rows continue with the model's own answers
     (progress over turns on stderr unless `quiet`)."""
-    totals, outputs = Totals(), []
+    totals, outputs, free = Totals(), [], free_proposers(ngram_sizes)
     with Progress(sum(len(r.turns) for r in rows), "eval", "turns", quiet=quiet) as bar:
         for row in rows:
-            _evaluate_row(session, row, max_new_tokens, ngram_sizes, sampling, totals, outputs, bar)
+            _evaluate_row(session, row, max_new_tokens, free, sampling, totals, outputs, bar)
     return totals, outputs
 
-def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, ngram_sizes, sampling: Sampling,
+def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, free: dict, sampling: Sampling,
                   totals: Totals, outputs: list[dict], bar) -> None:
-    """Every turn of one row, plain / draft / n-gram, into `totals` and `outputs`."""
+    """Every turn of one row, plain / draft / each training-free proposer, into `totals` and `outputs`."""
     target, eos = session.target, session.eos
     messages = []
     for turn, text in enumerate(row.turns):
@@ -136,16 +151,18 @@ def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, ngram_sizes,
                                    "context": ctx})
             bar.update(len(row.turns) - turn)
             break
-        plain, draft, ngram = run_turn(session, ngram_sizes, ids, max_new_tokens, sampling)
+        plain, draft, others = run_turn(session, free, ids, max_new_tokens, sampling)
         totals.plain = totals.plain.add(plain.stats)
         totals.draft = totals.draft.add(draft.stats)
-        totals.ngram = totals.ngram.add(ngram.stats)
         sampled = not sampling.greedy
         equal = None if sampled else draft.tokens == plain.tokens  # samples need not agree
         if equal is False and row.id not in totals.mismatches:
             totals.mismatches.append(row.id)
-        if not sampled and ngram.tokens != plain.tokens and row.id not in totals.ngram_mismatches:
-            totals.ngram_mismatches.append(row.id)
+        for name, result in others.items():
+            totals.free[name] = totals.free.get(name, DecodeStats()).add(result.stats)
+            wrong = totals.free_mismatches.setdefault(name, [])
+            if not sampled and result.tokens != plain.tokens and row.id not in wrong:
+                wrong.append(row.id)
         answer = target.tokenizer.decode(
             [t for t in plain.tokens if t not in eos], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
@@ -154,7 +171,8 @@ def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, ngram_sizes,
             "prompt_tokens": len(ids), "plain_ids": plain.tokens, "speculative_ids": draft.tokens,
             "speculative_text": target.tokenizer.decode(draft.tokens, skip_special_tokens=True),
             "greedy_equal": equal, "tau": draft.stats.summary()["tau"],
-            "ngram_tau": ngram.stats.summary()["tau"], "stop_reason": plain.stop_reason,
+            **{f"{name}_tau": r.stats.summary()["tau"] for name, r in others.items()},
+            "stop_reason": plain.stop_reason,
             "decode_tokens": draft.stats.decode_tokens, "decode_forwards": draft.stats.decode_forwards,
         })
         bar.update(1)
@@ -223,9 +241,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         "predicted_speedup": spec["predicted_speedup"],
         "speculative": {**spec, "greedy_equal": equal},
         "draft_warning": broken_draft_warning(spec),  # None unless the draft accepts (almost) nothing
-        "ngram": {**method_metrics(totals.ngram, totals.plain, k), "max_ngram": 3, "min_ngram": 1,
-                  "greedy_equal": None if sampled else not totals.ngram_mismatches,
-                  "mismatched_ids": totals.ngram_mismatches},
+        **free_metrics(totals, k, sampled),
         "plain": {"tokens": totals.plain.tokens, "target_forwards": totals.plain.decode_forwards,
                   "prefill_forwards": totals.plain.prefill_forwards, "wall_s": totals.plain.wall_s,
                   "target_decode_s": totals.plain.target_decode_s},
@@ -255,6 +271,17 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if attach:
         attach_to_export(draft_dir, out)
     return metrics
+
+FREE_SETTINGS = {"ngram": {"max_ngram": 3, "min_ngram": 1}, "suffix": dict(VLLM_SUFFIX_DEFAULTS)}
+
+
+def free_metrics(totals: Totals, k: int, sampled: bool) -> dict:
+    """metrics.json's row of each training-free proposer: "ngram" (prompt lookup), "suffix"."""
+    return {name: {**method_metrics(stats, totals.plain, k), **FREE_SETTINGS[name],
+                   "greedy_equal": None if sampled else not totals.free_mismatches[name],
+                   "mismatched_ids": totals.free_mismatches[name]}
+            for name, stats in totals.free.items()}
+
 
 def use_prediction(metrics: dict) -> None:
     """One predicted speed-up per setting: with a step-cost prediction, the evaluated k's number

@@ -25,6 +25,9 @@ from specheads.errors import read_user_text
 from specheads.eval.predict import sglang_flags
 from specheads.export.readme import RECOMMENDED
 
+# training-free proposers every eval compares with, as reports name them
+FREE_NAMES = {"ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding (vLLM method: suffix)"}
+
 THROUGHPUT_KEYS = ("output_tokens_per_s", "output_throughput", "tokens_per_s")
 SERIES_KEYS = ("label", "name", "method")
 
@@ -189,8 +192,10 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
     acc = spec.get("acceptance_per_position") or spec.get("acc_uncond")
     if acc:
         lines.append("- acceptance per position: " + " / ".join(f"{a:.2f}" for a in acc))
-    if metrics.get("ngram"):
-        lines.append(f"- n-gram (prompt lookup) tau {metrics['ngram']['tau']:.3f}")
+    for name, label in FREE_NAMES.items():
+        if metrics.get(name):
+            lines.append(f"- {label} tau {metrics[name]['tau']:.3f}, measured speed-up "
+                         f"{metrics[name].get('measured_speedup', float('nan')):.2f}x")
     if metrics.get("simulated_tau"):
         sim = metrics["simulated_tau"]
         lines.append("- simulated tau, chain of k: " + ", ".join(f"k={k}: {t:.2f}" for k, t in sim["chain"].items()))

@@ -79,14 +79,6 @@ class SuffixProposer:
             return torch.empty(0, dtype=torch.long)
         return torch.tensor(self._speculate(k, tree=False).token_ids, dtype=torch.long)
 
-    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
-        """A frequency-scored draft tree of up to `tree_tokens` nodes under the last token:
-        (tree, tokens [N]) with node 0 the last emitted token."""
-        draft = self._speculate(self.settings.tree_tokens, tree=True)
-        parents = [-1] + [p + 1 for p in draft.parents]  # library: -1 = child of the last token
-        tokens = torch.tensor([self.context[-1], *draft.token_ids], dtype=torch.long)
-        return tree_from_parents(parents), tokens
-
     def accept(self, inputs, following: torch.Tensor, out=None, start: int = 0) -> None:
         self._extend([int(t) for t in following.reshape(-1).tolist()])
 
@@ -95,3 +87,14 @@ class SuffixProposer:
         if self.request is not None and self.request in self.cache.active_requests:
             self.cache.stop_request(self.request)
         self.request = None
+
+
+class SuffixTreeProposer(SuffixProposer):
+    """Suffix decoding's draft trees (the library's tree mode), verified by our tree verifier."""
+
+    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
+        """A frequency-scored draft tree of up to `tree_tokens` nodes under the last token:
+        (tree, the draft nodes' tokens [N - 1]); node 0 is the last emitted token."""
+        draft = self._speculate(self.settings.tree_tokens, tree=True)
+        parents = [-1] + [p + 1 for p in draft.parents]  # library: -1 = child of the last token
+        return tree_from_parents(parents), torch.tensor(draft.token_ids, dtype=torch.long)

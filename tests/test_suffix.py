@@ -1,0 +1,88 @@
+"""Suffix decoding: the library's drafts, fed as vLLM feeds it; lossless through the chain and tree
+verifiers; a global cache that helps later requests and stays within its bound."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.suffix_proposers import SuffixProposer, SuffixSettings, SuffixTreeProposer
+from specheads.verify.trees import SettingsError
+from random_models import make_target
+
+
+def stream(n: int, seed: int = 0) -> list[int]:
+    """A token stream with repeated spans (what suffix trees feed on) and some noise."""
+    g = torch.Generator().manual_seed(seed)
+    spans = [torch.randint(3, 60, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(6)]
+    out = []
+    while len(out) < n:
+        out += spans[int(torch.randint(0, len(spans), (1,), generator=g))]
+        out += torch.randint(3, 60, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g).tolist()
+    return out[:n]
+
+
+def test_drafts_equal_the_librarys_fed_as_vllm_feeds_it():
+    """vLLM 0.33 (v1/spec_decode/suffix_decoding.py): start_request(prompt), add_active_response(the
+    step's new tokens), speculate(the last max_tree_depth tokens, max_spec_tokens=k)."""
+    tokens, s = stream(400, seed=1), SuffixSettings()
+    ours, ref = SuffixProposer(s), SuffixDecodingCache(s.max_tree_depth, s.max_cached_requests)
+    prompt, pos, steps, drafted = tokens[:60], 60, 0, 0
+    ours.start(torch.tensor(prompt), tokens[pos])
+    ref.start_request("r", prompt)
+    ref.add_active_response("r", [tokens[pos]])
+    pos += 1
+    g = torch.Generator().manual_seed(2)
+    while pos < len(tokens) - 4:
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        want = ref.speculate("r", tokens[max(0, pos - s.max_tree_depth):pos], max_spec_tokens=k,
+                             max_spec_factor=s.max_spec_factor, min_token_prob=s.min_token_prob)
+        got = ours.propose(k)
+        assert got.tolist() == want.token_ids and ours.score == pytest.approx(want.score)
+        drafted += len(want.token_ids)
+        step = tokens[pos:pos + int(torch.randint(1, 4, (1,), generator=g))]
+        ours.accept(None, torch.tensor(step))
+        ref.add_active_response("r", step)
+        pos, steps = pos + len(step), steps + 1
+    assert steps > 100 and drafted > 50  # the stream's repeats were drafted
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("sdpa")
+
+
+@pytest.mark.parametrize("make", [SuffixProposer, SuffixTreeProposer])
+def test_suffix_decoding_is_greedy_equal(target, make):
+    proposer, drafted = make(), 0
+    for seed in range(4):
+        prompt = torch.tensor(stream(48, seed=seed))
+        ref = greedy_decode(target, prompt, 40)
+        res = decode(target, proposer, prompt, 40, 4)  # CTX 96: prompt 48 + 40
+        assert res.tokens == ref.tokens, (make.__name__, seed)
+        drafted += res.stats.proposed_tokens
+    assert drafted > 0
+
+
+def test_the_global_cache_serves_later_requests_and_stays_bounded():
+    proposer = SuffixProposer(SuffixSettings(max_cached_requests=3))
+    proposer.start(torch.tensor([1, 2, 3]), 40)
+    proposer.accept(None, torch.tensor([41, 42, 43, 44, 45]))
+    proposer.start(torch.tensor([9, 8, 41, 42]), 43)  # an unrelated prompt that meets the last output
+    assert proposer.propose(2).tolist() == [44, 45]
+    for i in range(20):
+        proposer.start(torch.tensor([7, i + 100]), 5)
+        proposer.accept(None, torch.tensor([6, 7, 8]))
+        assert len(proposer.cache.cached_requests) <= 3
+    assert len(proposer.cache.active_requests) == 1
+
+
+def test_a_missing_library_names_the_make_target(monkeypatch):
+    monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)
+    with pytest.raises(SettingsError, match="make suffix"):
+        SuffixProposer()
