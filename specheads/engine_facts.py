@@ -73,6 +73,12 @@ class Serving:
     chain: bool = True
     serve_dir: bool = False  # the config names its verifier: `vllm serve DIR` works with a hub target
     title: str = ""
+    resolves: str = ""  # the method the engine resolves `method` to, where it renames it
+
+    @property
+    def engine_method(self) -> str:
+        """The method the engine itself reports for this export (SGLang runs NEXTN as EAGLE)."""
+        return self.resolves or self.method
 
 
 SERVING = {  # (kind, format) -> Serving; a pair absent here is not written
@@ -86,7 +92,8 @@ SERVING = {  # (kind, format) -> Serving; a pair absent here is not written
     ("eagle", "vllm"): Serving("vllm", "eagle", title=f"{VLLM}, method eagle"),
     ("eagle", "sglang"): Serving("sglang", "EAGLE", title=f"{SGLANG}, LlamaForCausalLMEagle"),
     ("mtp", "vllm"): Serving("vllm", "mtp", serves="export", draft=False, title=f"{VLLM}, method mtp"),
-    ("mtp", "sglang"): Serving("sglang", "NEXTN", serves="export", draft=False, title=f"{SGLANG}, NEXTN"),
+    ("mtp", "sglang"): Serving("sglang", "NEXTN", serves="export", draft=False, title=f"{SGLANG}, NEXTN",
+                                resolves="EAGLE"),
     ("draft", "vllm"): Serving("vllm", "draft_model", title=f"{VLLM}, method draft_model"),
     ("draft", "sglang"): Serving("sglang", "STANDALONE", title=f"{SGLANG}, STANDALONE"),
     ("dflash", "vllm"): Serving("vllm", "dflash", title=f"{VLLM}, speculators dflash format"),
@@ -101,7 +108,17 @@ LAUNCHERS = {
     "medusa": "python -m medusa.inference.cli --model {folder}",
 }
 SGLANG_DRAFT = " --speculative-draft-model-path {folder}"
-SGLANG_CHAIN = " --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k1}"
+SGLANG_TREE = "--speculative-num-steps {steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}"
+
+
+def sglang_tree_flags(steps: int, topk: int, tokens: int) -> str:
+    """SGLang's draft-shape flags: `steps` draft steps, `topk` branches per step, `tokens` verified."""
+    return SGLANG_TREE.format(steps=steps, topk=topk, tokens=tokens)
+
+
+def sglang_chain_flags(k: int) -> str:
+    """A chain of k drafts: topk 1, k steps, k + 1 tokens verified per step."""
+    return sglang_tree_flags(k, 1, k + 1)
 VLLM_SERVE_DIR = "vllm serve {folder}"  # speculators format with a hub verifier: the folder names it
 
 _NO_MEDUSA = (f"{VLLM} removed Medusa (model, proposer and the 'medusa' method) and {SGLANG} has no "
@@ -128,6 +145,31 @@ REFUSED_OPTIONS = {
 AUX_LAYER_OFFSET = {"vllm": 0, "vllm-native": 0, "sglang": -1}
 # DFlash: speculators' aux_hidden_state_layer_ids = target_layer_ids (output of layer t) + 1
 DFLASH_SPECULATORS_OFFSET = 1
+
+# the engine's norm_before_residual when config.json omits it, per format (docs/engines.md §2.2, §2.3)
+RESIDUAL_DEFAULT = {"vllm": True, "vllm-native": False, "sglang": False}
+
+# --- what `make engine-check` expects each engine to do with our exports ----------------------------
+# export format -> the engines asked to load it (Medusa: SGLang is asked too, and must refuse it)
+FORMAT_ENGINES = {"vllm": ("vllm",), "vllm-native": ("vllm",), "sglang": ("sglang",),
+                  "vllm-0.32": ("vllm",), "medusa": ("sglang",)}
+# (engine, probe kind, layout) -> the draft class the engine builds (layout: the MTP target family, else
+# ""; a tuple: any of these). P-EAGLE: speculators' `peagle` names vLLM's P-EAGLE class, the native
+# config the EAGLE-3 one
+DRAFT_CLASSES = {
+    ("vllm", "eagle3", ""): "Eagle3LlamaForCausalLM", ("vllm", "eagle", ""): "EagleLlamaForCausalLM",
+    ("vllm", "draft", ""): "LlamaForCausalLM", ("vllm", "mtp", "deepseek_v3"): "DeepSeekMTPModel",
+    ("vllm", "mtp", "qwen3_next"): "Qwen3NextMTP", ("vllm", "mtp", "qwen3_5_text"): "Qwen3_5MTP",
+    ("vllm", "mtp", "qwen3_5_moe_text"): "Qwen3_5MoeMTP", ("vllm", "dflash", ""): "DFlashDraftModel",
+    ("vllm", "peagle", ""): ("PeagleLlamaForCausalLM", "Eagle3LlamaForCausalLM"),
+}
+# (engine, kind) the engine does not serve at all: the check passes when the engine refuses it
+ENGINE_REFUSES = {("vllm", "medusa"): f"{VLLM} removed Medusa", ("vllm", "medusa2"): f"{VLLM} removed Medusa",
+                  ("sglang", "medusa"): f"{SGLANG} has no Medusa", ("sglang", "medusa2"): f"{SGLANG} has no Medusa"}
+# (engine, kind) -> tensor names of ours the engine's loader receives and deliberately ignores
+ENGINE_IGNORES = {("vllm", "eagle3"): (r"^t2d$",)}
+# (engine, kind) -> parameters the engine creates but reads only in a mode our exports never use
+ENGINE_UNUSED = {("vllm", "dflash"): (r"(^|\.)mask_embedding$",)}  # only with a shipped mask_embedding.pt
 
 # vLLM's speculative-decoding counters (SpecDecodingProm; Prometheus adds `_total`), docs/engines.md §2.8
 VLLM_SPEC_METRICS = {

@@ -141,14 +141,16 @@ def test_engine_error_and_not_run_are_reported_as_such():
 def vllm_export(tmp_path_factory):
     """An EAGLE-3 head with a scattered reduced vocabulary, exported in vLLM's native format."""
     from specheads.builtin.tiny_target import cached_tiny_target
-    from specheads.engines.matrix import _checkpoint, _fingerprint_provenance, eagle3_head
+    from specheads.engines.matrix import fingerprint_provenance, save_example
+    from specheads.kinds import KINDS
     from specheads.export import export
     from specheads.target import Target
 
     tiny = cached_tiny_target("test", progress=False)
     target = Target.load(str(tiny), device="cpu")
     root = tmp_path_factory.mktemp("engine")
-    ckpt = _checkpoint(root, eagle3_head(target, target.vocab_size // 2, 1), tiny, _fingerprint_provenance(target))
+    example = KINDS["eagle3"].example  # a scattered draft vocabulary of V / 2
+    ckpt = save_example(root, example.build(target, example.seed), tiny, fingerprint_provenance(target))
     return export(ckpt, "vllm-native", root / "export"), tiny
 
 
@@ -240,6 +242,7 @@ def test_matrix_takes_any_trained_run_and_its_target(tmp_path):
     for fmt in ("vllm", "sglang"):
         (run / "export" / fmt).mkdir(parents=True)
         (run / "export" / fmt / "config.json").write_text("{}")
+        (run / "export" / fmt / "specheads.json").write_text('{"kind": "eagle3"}')
     with pytest.raises(FileNotFoundError, match="not a target folder"):
         matrix.run_rows(*matrix.parse_run(f"{run}:{target}"))
     target.mkdir(parents=True)

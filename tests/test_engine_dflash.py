@@ -27,14 +27,16 @@ FAULTS = {  # name -> a change to config.json that the engine reads and our trai
 def dflash_exports(tmp_path_factory):
     """A perturbed random DFlash head (block 4) on the tiny target, exported in all three formats."""
     from specheads.builtin.tiny_target import cached_tiny_target
-    from specheads.engines.matrix import _checkpoint, _fingerprint_provenance, dflash_head
+    from specheads.engines.matrix import fingerprint_provenance, save_example
+    from specheads.kinds import KINDS
     from specheads.export import export
     from specheads.target import Target
 
     tiny = cached_tiny_target("test", progress=False)
     target = Target.load(str(tiny), device="cpu")
     root = tmp_path_factory.mktemp("dflash-engine")
-    ckpt = _checkpoint(root, dflash_head(target, 8), tiny, _fingerprint_provenance(target))
+    example = KINDS["dflash"].example
+    ckpt = save_example(root, example.build(target, example.seed), tiny, fingerprint_provenance(target))
     return {fmt: export(ckpt, fmt, root / fmt) for fmt in ("vllm", "vllm-native", "sglang")}, tiny
 
 
@@ -53,7 +55,7 @@ def test_prepare_writes_block_anchors_for_dflash(dflash_exports, tmp_path):
     T = job.inputs["input_ids"].shape[1]
     anchors = job.inputs["anchors"].tolist()
     assert anchors == sorted(set(anchors)) and anchors[0] >= 1 and anchors[-1] == T
-    assert len(anchors) == check.DFLASH_ANCHORS and T > 200  # blocks spread over a long prompt
+    assert len(anchors) == check.ANCHORS and T > 200  # blocks spread over a long prompt
 
 
 def test_our_side_is_the_trained_head_not_config_json(dflash_exports, tmp_path):
@@ -106,7 +108,7 @@ def _assert_clean(report):
     text = check.format_report(report)
     assert [report.stages[s].status for s in ("config", "weights", "layers", "forward")] == [check.PASS] * 4, text
     n = report.numbers
-    assert n["logits_max_abs_diff"] <= 1e-4 and n["argmax_equal"] == n["positions"] == 3 * check.DFLASH_ANCHORS, text
+    assert n["logits_max_abs_diff"] <= 1e-4 and n["argmax_equal"] == n["positions"] == 3 * check.ANCHORS, text
     assert n["chain_engine"] == n["chain_ours"] and len(n["chain_ours"]) == 3, text
 
 

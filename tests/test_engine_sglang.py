@@ -107,52 +107,39 @@ def run_probe(kind, target_dir, draft_dir, inputs, out, k=3) -> tuple[dict, dict
     return result, tensors
 
 
-@torch.no_grad()
-def ours(kind, target, folder, inputs, k):
-    """Our loaded export's aux states [T, *], logits over the target vocab [T, V] and chain [k]."""
-    from specheads.export import load
-    from specheads.verify.decode import causal_mask, positions
-    from specheads.verify.eagle1_proposers import Eagle1Proposer
-    from specheads.verify.mtp_proposers import DraftModelProposer
-    from specheads.verify.proposers import Eagle3Proposer
+def ours(folder, tiny_target_dir, inputs, k):
+    """Our loaded export's aux states [T, *] (None: it reads none), logits over the target vocab [T, V]
+    and chain [k], computed the way `make engine-check` computes our side."""
+    from specheads.engines.check import Ours
 
-    head = load(folder).eval()
-    t = load_file(str(inputs))
+    side, t = Ours(Path(folder), Path(tiny_target_dir)), load_file(str(inputs))
     ids, first = t["input_ids"], int(t["next_token"][0])
-    T = ids.shape[1]
-    prop = {"eagle3": Eagle3Proposer, "eagle": Eagle1Proposer, "draft": DraftModelProposer}[kind](head, target)
-    layers = head.required_layers() if kind == "eagle3" else []
-    out = target.forward(ids, layers=layers)
-    aux, logits = None, None
-    if kind == "draft":
-        logits = head.model(input_ids=ids).logits[0]
-    else:
-        aux = torch.cat([out.hidden[i] for i in layers], -1)[0] if kind == "eagle3" else out.final[0]
-        hidden = head.fuse(aux[None]) if kind == "eagle3" else aux[None]
-        nxt = torch.cat([ids[0, 1:], torch.tensor([first])])[None]
-        step = head.step(hidden, target.embed(nxt), positions(0, T, "cpu"), causal_mask(0, T, torch.float32, "cpu"))
-        logits = head.logits(step)[0]
-        if kind == "eagle3":  # draft vocab -> target ids through d2t
-            full = torch.full((T, target.vocab_size), float("-inf"))
-            full[:, head.to_target_ids(torch.arange(logits.shape[-1]))] = logits
-            logits = full
-    prop.start(ids, first, out)
-    return aux, logits, prop.propose(k)
+    out, aux = side.features(ids)
+    return aux, side.draft_logits(ids, first, out, None, k), torch.tensor(side.chain(ids, first, out, k))
+
+
+def _eagle3_layout(cfg: dict, weights: dict, folder: Path) -> None:
+    """SGLang numbers the aux layers one lower than we do and reads d2t as hot_token_id."""
+    intended = json.loads((folder / "specheads.json").read_text())["head_config"]["aux_layers"]
+    assert cfg["aux_layer_ids_specheads"] == intended and cfg["aux_layer_ids"] == [a - 1 for a in intended]
+    assert cfg["draft_vocab_size"] == 256 and weights["consumed"] == {"d2t": "hot_token_id (d2t + arange)"}
+
+
+LAYOUT_CHECKS = {"eagle3": _eagle3_layout}  # kind -> its own config assertions
 
 
 @pytest.mark.parametrize("kind", list(HEADS))
 def test_sglang_runs_our_export_like_our_head(kind, target, tiny_target_dir, exports, inputs, tmp_path):
+    from specheads.engine_facts import SERVING
+
     result, tensors = run_probe(kind, tiny_target_dir, exports[kind], inputs, tmp_path / "probe")
     assert result["error"] is None, result["error"]
     cfg, w = result["config"], result["weights"]
-    assert cfg["algorithm"] == {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft": "STANDALONE"}[kind]
+    assert cfg["algorithm"] == SERVING[(kind, "sglang")].engine_method
     assert cfg["vocab_size"] == target.vocab_size and cfg["k"] == 3
     assert w["never_written"] == [] and w["dropped"] == [] and w["loaded"]
-    aux, logits, chain = ours(kind, target, exports[kind], inputs, 3)
-    if kind == "eagle3":
-        intended = json.loads((exports[kind] / "specheads.json").read_text())["head_config"]["aux_layers"]
-        assert cfg["aux_layer_ids_specheads"] == intended and cfg["aux_layer_ids"] == [a - 1 for a in intended]
-        assert cfg["draft_vocab_size"] == 256 and w["consumed"] == {"d2t": "hot_token_id (d2t + arange)"}
+    aux, logits, chain = ours(exports[kind], tiny_target_dir, inputs, 3)
+    LAYOUT_CHECKS.get(kind, lambda *args: None)(cfg, w, exports[kind])
     if aux is not None:
         assert result["layers"] == "ok"
         torch.testing.assert_close(tensors["aux_hidden"], aux, rtol=0, atol=1e-5)

@@ -9,39 +9,23 @@ from dataclasses import replace
 
 import pytest
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
 
 from specheads import engine_facts
-from specheads.builtin.family_targets import save_family_target
 from specheads.engines import matrix, venvs
 from specheads.export import ALL_FORMATS, WRITERS, ExportRefused, export, read_export_meta
-from specheads.export.checkpoint import save_checkpoint
 from specheads.export.readme import TargetRef, serve_commands
 from specheads.export.registry import writer_for
 from specheads.heads import HEADS
-from specheads.heads.medusa2 import Medusa2Head, Medusa2Options
-from specheads.provenance import provenance
+from specheads.kinds import KINDS
 from specheads.target import Target
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_target_dir, tmp_path_factory):
-    """A checkpoint of every kind (random heads; MTP on a tiny DeepSeek-V3 target)."""
+    """A checkpoint of every kind: its descriptor's first example (random weights; MTP on its family target)."""
     root = tmp_path_factory.mktemp("kinds")
     target = Target.load(str(tiny_target_dir), device="cpu")
-    prov = provenance(target=target.fingerprint())
-    heads = {"eagle3": matrix.eagle3_head(target, target.vocab_size // 2, 1), "dflash": matrix.dflash_head(target, 8),
-             "eagle": matrix.eagle_head(target, 3), "draft": matrix.draft_head(target, 4),
-             "medusa": matrix.medusa_head(target, 5),
-             "medusa2": Medusa2Head.for_target(Medusa2Options(num_heads=2, lora_r=2), target.config)}
-    out = {kind: save_checkpoint(root / kind, 1, head.float(), {"target": {"path": str(tiny_target_dir)}}, prov, {})
-           for kind, head in heads.items()}
-    family = save_family_target(root / "deepseek", "deepseek_v3", vocab=target.vocab_size,
-                                tokenizer_dir=tiny_target_dir)
-    fam = Target(AutoModelForCausalLM.from_pretrained(family), None, family)
-    fp = {"vocab_size": fam.vocab_size, "hidden_size": fam.hidden_size, "name": "deepseek_v3"}
-    out["mtp"] = save_checkpoint(root / "mtp", 1, matrix.mtp_head(fam, 6), {"target": {"path": str(family)}},
-                                 provenance(target=fp), {})
+    out = {kind: matrix.example_checkpoint(root, spec.example, tiny_target_dir, target)[0] for kind, spec in KINDS.items()}
     assert sorted(out) == sorted(HEADS)
     return out
 
@@ -66,7 +50,8 @@ def test_every_kind_names_a_bad_dtype(checkpoints, tmp_path, kind):
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_every_kind_checks_the_adapter_option(checkpoints, tmp_path, kind):
     fmt = WRITERS[kind].FORMATS[0]
-    want = "adapter 'keep': expected one of merge, ship" if kind == "medusa2" else "--adapter applies to heads"
+    modes = getattr(WRITERS[kind], "ADAPTER_MODES", None)  # heads trained with target adapters (Medusa-2)
+    want = f"adapter 'keep': expected one of {', '.join(modes)}" if modes else "--adapter applies to heads"
     with pytest.raises(ValueError, match=want):
         export(checkpoints[kind], fmt, tmp_path / "out", adapter="keep")
     assert not (tmp_path / "out").exists()

@@ -20,6 +20,7 @@ FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("recipes", {"config"}),
     ("data", {"data"}),
     ("artifacts", {"export", "verify", "session"}),
+    ("kinds", {"kinds"}),
     ("measurement", {"eval", "engines"}),
     ("services", {"train", "runlog", "serve", "hub", "cli_options"}),
     ("commands", {"generate", "regenerate", "demo"}),

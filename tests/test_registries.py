@@ -9,11 +9,13 @@ import pytest
 
 from specheads.export import LOADERS, WRITERS, ExportRefused, load_with_meta
 from specheads.export.registry import writer_for
+from specheads.export.readme import Readme
 from specheads.heads import HEADS, head_class
+from specheads.kinds import KINDS, Kind, kind_of
 from specheads.verify.settings import PROPOSERS, SettingsError, TreeSpec, make_proposer
 
 REGISTRIES = {"heads.HEADS": HEADS, "export.WRITERS": WRITERS, "export.LOADERS": LOADERS,
-              "verify.settings.PROPOSERS": PROPOSERS}
+              "verify.settings.PROPOSERS": PROPOSERS, "kinds.KINDS": KINDS}
 
 
 def test_every_registry_has_the_same_kinds():
@@ -30,6 +32,10 @@ def test_registry_members_provide_their_protocol():
         assert module.FORMATS and callable(LOADERS[kind].load_export), kind
     for kind, module in PROPOSERS.items():
         assert callable(module.make_proposer), kind
+    for kind, spec in KINDS.items():  # a descriptor with examples the engine matrix and export tests build
+        assert isinstance(spec, Kind) and spec.name == kind and spec.examples, kind
+        assert all(set(e.formats) <= set(WRITERS[kind].FORMATS) for e in spec.examples), kind
+        assert isinstance(WRITERS[kind].README, Readme), kind  # what the export's README says of the kind
 
 
 def test_unknown_kind_fails_at_first_lookup_naming_the_kinds(tmp_path):
@@ -38,6 +44,8 @@ def test_unknown_kind_fails_at_first_lookup_naming_the_kinds(tmp_path):
         head_class("nope")
     with pytest.raises(ExportRefused, match=f"head kind 'nope'.*{known}"):
         writer_for("nope", "vllm")
+    with pytest.raises(ValueError, match=f"head kind 'nope' has no descriptor.*{known}"):
+        kind_of("nope")
     with pytest.raises(SettingsError, match=f"head kind 'nope' has no proposer.*{known}"):
         make_proposer(TreeSpec("chain", k=2), SimpleNamespace(kind="nope"), target=None)
     (tmp_path / "specheads.json").write_text(json.dumps({"kind": "nope", "format": "vllm"}))

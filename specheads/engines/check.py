@@ -53,15 +53,12 @@ from safetensors.torch import load_file, save_file
 import torch
 
 from specheads.atomic import write_json
-from specheads.engine_facts import AUX_LAYER_OFFSET, SGLANG, VLLM
+from specheads.engine_facts import DRAFT_CLASSES, ENGINE_IGNORES, ENGINE_REFUSES, ENGINE_UNUSED, SERVING
 from specheads.engines import venvs
 from specheads.export import load
 from specheads.export.load import read_export_meta
-from specheads.heads.dflash import DFlashConfig, DFlashHead
+from specheads.kinds import kind_of
 from specheads.target import Target
-from specheads.verify.decode import causal_mask, positions
-from specheads.verify.dflash_proposers import DFlashProposer
-from specheads.verify.eagle1_proposers import bind_to_target
 from specheads.verify.settings import TreeSpec, make_proposer
 
 
@@ -70,32 +67,8 @@ PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
 BATCH_PROBES = {"vllm"}  # probes that also take `--jobs FILE.json` (many exports, one engine import)
 TOLERANCE = 1e-4  # absolute below magnitude 1; logits: relative to their largest magnitude
 ROW_TOLERANCE = 1e-5  # tapped states: relative to each position's norm (`row_tolerance`)
-DFLASH_ANCHORS = 8  # DFlash blocks compared per export, anchors spread over the prompt
+ANCHORS = 8  # blocks compared per export (kinds that draft blocks at anchors), spread over the prompt
 PASS, FAIL, NOT_RUN, REFUSED = "PASS", "FAIL", "NOT RUN", "REFUSED"
-# (engine, kind) -> the method the engine must derive
-EXPECTED_METHOD = {
-    ("vllm", "eagle3"): "eagle3", ("vllm", "eagle"): "eagle", ("vllm", "draft"): "draft_model",
-    ("vllm", "mtp"): "mtp", ("vllm", "dflash"): "dflash",
-    ("sglang", "eagle3"): "EAGLE3", ("sglang", "eagle"): "EAGLE", ("sglang", "draft"): "STANDALONE",
-    ("sglang", "mtp"): "EAGLE",  # NEXTN resolves to EAGLE in SGLang 0.5.23
-}
-# (engine, probe kind, layout) -> the draft class the engine must build (layout: MTP family, else ""; a
-# tuple: any of these)
-EXPECTED_ARCH = {
-    ("vllm", "eagle3", ""): "Eagle3LlamaForCausalLM", ("vllm", "eagle", ""): "EagleLlamaForCausalLM",
-    ("vllm", "draft", ""): "LlamaForCausalLM", ("vllm", "mtp", "deepseek_v3"): "DeepSeekMTPModel",
-    ("vllm", "mtp", "qwen3_next"): "Qwen3NextMTP", ("vllm", "mtp", "qwen3_5_text"): "Qwen3_5MTP",
-    ("vllm", "mtp", "qwen3_5_moe_text"): "Qwen3_5MoeMTP", ("vllm", "dflash", ""): "DFlashDraftModel",
-    # P-EAGLE: the speculators `peagle` type names vLLM's P-EAGLE class, the native config the EAGLE-3 one
-    ("vllm", "peagle", ""): ("PeagleLlamaForCausalLM", "Eagle3LlamaForCausalLM"),
-}
-# (engine, kind) the engine does not serve at all: the check passes when the engine refuses it
-ENGINE_REFUSES = {("vllm", "medusa"): f"{VLLM} removed Medusa", ("vllm", "medusa2"): f"{VLLM} removed Medusa",
-                  ("sglang", "medusa"): f"{SGLANG} has no Medusa", ("sglang", "medusa2"): f"{SGLANG} has no Medusa"}
-# (engine, kind) -> tensor names of ours the engine's loader receives and deliberately ignores
-ENGINE_IGNORES = {("vllm", "eagle3"): (r"^t2d$",)}
-# (engine, kind) -> parameters the engine creates but reads only in a mode our exports never use
-ENGINE_UNUSED = {("vllm", "dflash"): (r"(^|\.)mask_embedding$",)}  # only with a shipped mask_embedding.pt
 
 
 @dataclass
@@ -181,115 +154,70 @@ class Ours:
     """The export as specheads loads it, on the same inputs as the probe."""
 
     def __init__(self, export: Path, target_path: Path | None):
-
         self.meta = read_export_meta(export)
         self.kind, self.format = self.meta.kind, self.meta.format
+        self.spec = kind_of(self.kind)
+        self.serving = SERVING.get((self.kind, self.format))
         self.target_path = target_path
         self._target = self._head = None
-        self.load_error = None
 
     @property
     def target(self):
         if self._target is None:
-
             self._target = Target.load(str(self.target_path), dtype="float32", device="cpu")
         return self._target
 
     @property
     def head(self):
         if self._head is None:
-
-            self._head = load(self.meta.folder, attn_implementation="eager", check=False)
-            if self.kind == "dflash":
-                self._head = as_trained(self._head, self.meta.head_config)
-            if self.kind == "eagle":
-
-                bind_to_target(self._head, self.target)
+            head = load(self.meta.folder, attn_implementation="eager", check=False)
+            self._head = self.spec.prepare(head, self)
         return self._head
 
+    @property
+    def runs_forward(self) -> bool:
+        """The engines run this kind's draft: the layers and forward stages compare with ours."""
+        return self.spec.engine_side is not None
+
+    @property
+    def serves_export(self) -> bool:
+        """The export is the target checkpoint with the draft written in (MTP)."""
+        return self.serving is not None and self.serving.serves == "export"
+
     def probe_kind(self) -> str:
-        """The probe's --kind: P-EAGLE is an EAGLE-3 head that drafts in parallel."""
-        parallel = (self.meta.head_config or {}).get("parallel_drafting")
-        return "peagle" if self.kind == "eagle3" and parallel else self.kind
+        return self.spec.probe_name(self.meta.head_config)
 
     def k(self) -> int:
         return int(self.meta.num_speculative_tokens or 3)
 
-    def target_config(self) -> dict:
-        return json.loads((self.meta.folder / "config.json").read_text()) if self.kind == "mtp" else {}
-
-    def aux_layers(self) -> list[int]:
-        return list((self.meta.head_config or {}).get("aux_layers") or [])
-
     def features(self, ids: torch.Tensor):
-        """(target output, the states the draft reads [T, n*H])."""
-        if self.kind in ("eagle3", "dflash"):
-            layers = self.head.required_layers() if self.kind == "dflash" else self.aux_layers()
-            out = self.target.forward(ids, layers=layers)
-            return out, torch.cat([out.hidden[i][0] for i in layers], dim=-1)
-        out = self.target.forward(ids)
-        return out, out.final[0]
+        """(target output, the states the draft reads [T, F]) (None, None: it reads none)."""
+        return self.spec.engine_side.features(self, ids)
 
     @torch.no_grad()
     def draft_logits(self, ids: torch.Tensor, next_token: int, out, anchors: list[int] | None = None,
                      k: int | None = None) -> torch.Tensor:
         """Our draft module on the first pass, as full-vocabulary logits [T, V] (-inf off the draft vocab);
-        DFlash: the blocks at `anchors`, [len(anchors) * k, V]."""
+        block drafters: the blocks at `anchors`, [len(anchors) * k, V]."""
+        return self.spec.engine_side.first_pass(self, ids, next_token, out, anchors, k or self.k())
 
-        T = ids.shape[1]
-        if self.kind == "draft":
-            model = self.head.model
-            return model(input_ids=ids, attention_mask=causal_mask(0, T, torch.float32, ids.device),
-                         position_ids=positions(0, T, ids.device)).logits[0].float()
-        head = self.head
-        if self.kind == "dflash":
-            return self._block_logits(ids, next_token, out, anchors, k or self.k())
-        shifted = torch.cat([ids[0, 1:], ids.new_tensor([next_token])])[None]  # [1, T]
-        hidden = head.fuse([out.hidden[i] for i in self.aux_layers()]) if self.kind == "eagle3" else out.final
-        o = head.step(hidden, self.target.embed(shifted), positions(0, T, ids.device),
-                      causal_mask(0, T, hidden.dtype, ids.device))
-        logits = head.logits(o)[0].float()  # [T, Vd]
-        return self._full_vocab(logits)
-
-    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [N, Vd] at their target ids [N, V], -inf elsewhere."""
-        if logits.shape[-1] == self.target.vocab_size and self.kind not in ("eagle3",):
+        if logits.shape[-1] == self.target.vocab_size:
             return logits
         full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))
         full[:, self.head.to_target_ids(torch.arange(logits.shape[-1]))] = logits
         return full
 
-    def _block_logits(self, ids: torch.Tensor, next_token: int, out, anchors: list[int], k: int) -> torch.Tensor:
-        """DFlash: slots 1..k of the block at each anchor [len(anchors) * k, V], from our proposer."""
-
-        proposer, T, rows = DFlashProposer(self.head, self.target), ids.shape[1], []
-        for a in anchors:
-            proposer.start(ids[0, :a], next_token if a == T else int(ids[0, a]), out)
-            rows.append(self._full_vocab(proposer.block_logits(k).float()))
-        return torch.cat(rows)
-
     @torch.no_grad()
     def chain(self, ids: torch.Tensor, next_token: int, out, k: int) -> list[int]:
-        """The greedy chain our verifier drafts after `next_token`."""
-
+        """The greedy chain our decoder drafts after `next_token`."""
         proposer = make_proposer(TreeSpec(kind="chain", k=k), self.head, self.target)
         proposer.start(ids[0], next_token, out)
         return [int(t) for t in proposer.propose(k)]
 
 
-def as_trained(head, trained: dict | None):
-    """A DFlash head rebuilt with the config it was trained with (specheads.json `head_config`) and the
-    export's weights: the mask token, causality and taps we compare with are the trained ones, not
-    whatever config.json says (the engine reads config.json)."""
-
-    if not trained:
-        return head
-    rebuilt = DFlashHead(DFlashConfig(**trained), attn_implementation="eager")
-    rebuilt.load_state_dict(head.state_dict())
-    return rebuilt.eval()
-
-
-def dflash_anchors(T: int, n: int = DFLASH_ANCHORS) -> torch.Tensor:
+def spread_anchors(T: int, n: int = ANCHORS) -> torch.Tensor:
     """n anchor positions spread over 1..T (T: the block right after the prompt), ascending."""
     return torch.linspace(1, T, min(n, T)).round().long().unique()
 
@@ -302,29 +230,21 @@ def _engine_error(result: dict, stage: str) -> str | None:
     return None
 
 
+def expected_config(ours: Ours, engine: str, k: int) -> dict:
+    """The config values the engine must derive from the export (None: not checked)."""
+    want = {"method": ours.serving.engine_method if ours.serving else None, "num_speculative_tokens": k}
+    want["draft_architecture"] = DRAFT_CLASSES.get((engine, ours.probe_kind(), ours.spec.layout(ours)))
+    if ours.runs_forward:
+        want["vocab_size"] = ours.target.vocab_size
+        want.update(ours.spec.engine_side.expect(ours, engine))
+    return want
+
+
 def judge_config(result: dict, ours: Ours, engine: str, k: int) -> Stage:
     msg = _engine_error(result, "config") or _engine_error(result, "probe")
     if msg:
         return Stage(FAIL, f"the engine refused the folder: {msg}")
-    cfg, problems = result.get("config") or {}, []
-    want = {"method": EXPECTED_METHOD.get((engine, ours.kind)), "num_speculative_tokens": k}
-    if ours.probe_kind() == "peagle":
-        want["parallel_drafting"] = True
-    layout = ours.target_config().get("model_type", "") if ours.kind == "mtp" else ""
-    want["draft_architecture"] = EXPECTED_ARCH.get((engine, ours.probe_kind(), layout))
-    if ours.kind in ("eagle3", "eagle", "draft", "dflash"):
-        want["vocab_size"] = ours.target.vocab_size
-    if ours.kind == "dflash":  # vLLM's aux ids count HF hidden states (DFlash id + 1)
-        hc = ours.meta.head_config or {}
-        want["mask_token_id"] = hc.get("mask_token_id")
-        if engine == "vllm":
-            want["aux_layer_ids"] = [t + 1 for t in hc.get("target_layer_ids") or []] or None
-    if ours.kind == "eagle3":
-        hc = ours.meta.head_config or {}
-        want["draft_vocab_size"] = hc.get("draft_vocab_size")
-        want["aux_layer_ids"] = [a + AUX_LAYER_OFFSET[engine] for a in ours.aux_layers()]
-        if engine == "vllm":  # speculators defaults it to true, native vLLM to false: it must match training
-            want["norm_before_residual"] = bool(hc.get("norm_before_residual", False))
+    cfg, problems, want = result.get("config") or {}, [], expected_config(ours, engine, k)
     for key, value in want.items():
         if value is not None and (cfg.get(key) not in value if isinstance(value, tuple) else cfg.get(key) != value):
             problems.append(f"{key}: engine {cfg.get(key)!r}, intended {value!r}")
@@ -498,18 +418,18 @@ def prepare(export: str | Path, engine: str, target: str | Path | None = None, k
     if not (export / "config.json").is_file():
         raise EngineCheckError(f"{export}: no config.json; pass a folder written by `specheads export`")
     ours = Ours(export, Path(target).resolve() if target else None)
-    if ours.kind == "mtp":
+    if ours.serves_export:
         ours.target_path = export  # the MTP export is the target checkpoint with its modules written in
     if ours.target_path is None:
         raise EngineCheckError(f"{export}: pass --target, the target folder the head was trained on")
     k = k or ours.k()
     work = Path(work).resolve() if work else Path(tempfile.mkdtemp(prefix="specheads-engine-check-"))
     (work / engine).mkdir(parents=True, exist_ok=True)
-    if ours.kind in ("eagle3", "eagle", "draft", "dflash"):
+    if ours.runs_forward:
         max_pos = int(getattr(ours.target.config, "max_position_embeddings", 256))
         inputs = make_inputs(ours.target, num_positions(max_pos, k, positions))
-        if ours.kind == "dflash":
-            inputs["anchors"] = dflash_anchors(inputs["input_ids"].shape[1])
+        if ours.spec.engine_side.anchors:
+            inputs["anchors"] = spread_anchors(inputs["input_ids"].shape[1])
     else:  # the engine runs no forward for these kinds; the file keeps the protocol uniform
         inputs = {"input_ids": torch.arange(8)[None] % 7 + 1, "next_token": torch.tensor([1])}
 
@@ -535,7 +455,7 @@ def finish(job: Job, result: dict, tensors: dict, tail: str) -> EngineCheck:
     if tensors:
         ids, next_token = job.inputs["input_ids"], int(job.inputs["next_token"][0])
         try:
-            out, feats = ours.features(ids) if ours.kind != "draft" else (None, None)
+            out, feats = ours.features(ids)
             anchors = [int(a) for a in job.inputs["anchors"]] if "anchors" in job.inputs else None
             mine = ours.draft_logits(ids, next_token, out, anchors, k)
             chain = ours.chain(ids, next_token, out, k)

@@ -13,34 +13,26 @@ Exits non-zero when any check fails.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from transformers import AutoModelForCausalLM
 
 from specheads.atomic import write_json, write_text
 from specheads.builtin.family_targets import save_family_target
 from specheads.builtin.tiny_target import cached_tiny_target
+from specheads.engine_facts import FORMAT_ENGINES
 from specheads.engines.check import EngineCheck, FAIL, PROBES, format_report, prepare, run_jobs
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint, save_checkpoint
-from specheads.heads.dflash import DFlashHead, DFlashOptions
-from specheads.heads.draft import DraftHead, DraftOptions
-from specheads.heads.eagle import EagleHead, EagleOptions
-from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
-from specheads.heads.medusa import MedusaHead, MedusaOptions
-from specheads.heads.mtp import MtpHead, MtpOptions
+from specheads.export.contract_rules import META_FILE
+from specheads.kinds import KINDS, Example
 from specheads.provenance import provenance
 from specheads.target import Target
 
-
-
-# export format -> the engines that load it (Medusa: both engines are asked, and must refuse it)
-FORMAT_ENGINES = {"vllm": ("vllm",), "vllm-native": ("vllm",), "sglang": ("sglang",),
-                  "vllm-0.32": ("vllm",), "medusa": ("sglang",)}
-MTP_FAMILIES = ("deepseek_v3", "qwen3_next", "qwen3_5")
 STAGES = ("config", "weights", "layers", "forward")
 
 
@@ -58,135 +50,54 @@ class Row:
 
 
 # --- building the small exports ----------------------------------------------------------------------
-def _fingerprint_provenance(target) -> dict:
-
+def fingerprint_provenance(target) -> dict:
     return provenance(target=target.fingerprint())
 
 
-def _checkpoint(root: Path, head, target_path: Path, prov: dict):
-
+def save_example(root: Path, head, target_path: Path, prov: dict):
+    """A one-step training checkpoint of `head` under `root/run`, recorded as trained on `target_path`."""
     return save_checkpoint(root / "run", 1, head.float(), recipe={"target": {"path": str(target_path)}},
                            provenance=prov, trainer_state={})
 
 
-def _perturb(head, scale: float, seed: int) -> None:
-    """Random weights that make every tensor matter (norms away from 1, no pass-through init)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.is_floating_point():
-                p.add_(torch.randn(p.shape, generator=g) * scale)
+def family_target(root: Path, family: str, tiny: Path, vocab: int):
+    """(folder, Target) of a tiny `family` target with the test target's tokenizer (built once)."""
+    folder = root / "targets" / family
+    if not (folder / "config.json").is_file():
+        save_family_target(folder, family, vocab=vocab, tokenizer_dir=tiny)
+    return folder, Target(AutoModelForCausalLM.from_pretrained(folder), None, folder)
 
 
-def _random_head(head_cls, options, target, seed: int, scale: float = 0.0, init_from_target: bool = False):
-    """A `head_cls` head for `target` built under `seed`; initialised from the target and/or
-    perturbed by `scale` (0: not perturbed) when asked."""
-    torch.manual_seed(seed)
-    head = head_cls.for_target(options, target.config)
-    if init_from_target:
-        head.init_from_target(target)
-    if scale:
-        _perturb(head, scale, seed)
-    return head
-
-
-def eagle3_head(target, draft_vocab: int, seed: int):
-
-    head = _random_head(Eagle3Head, Eagle3Options(ttt_steps=3, draft_vocab_size=draft_vocab), target, seed, 0.05)
-    V = target.vocab_size
-    if draft_vocab < V:  # a scattered draft vocabulary, so a wrong d2t shows
-        used = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:draft_vocab]).values
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[used] = True
-        head.set_vocab_map(used - torch.arange(draft_vocab), t2d)
-    return head
-
-
-def peagle_head(target, seed: int):
-    """P-EAGLE: an EAGLE-3 head drafting in parallel (its mask_hidden perturbed like the rest)."""
-
-    options = Eagle3Options(ttt_steps=3, draft_vocab_size=target.vocab_size // 2, parallel_drafting=True)
-    return _random_head(Eagle3Head, options, target, seed, 0.05)
-
-
-def dflash_head(target, seed: int):
-
-    return _random_head(DFlashHead, DFlashOptions(num_layers=1, block_size=4), target, seed, 0.05)
-
-
-def eagle_head(target, seed: int):
-
-    return _random_head(EagleHead, EagleOptions(ttt_steps=3), target, seed, 0.05)
-
-
-def draft_head(target, seed: int):
-
-    return _random_head(DraftHead, DraftOptions(num_layers=2, ttt_steps=3), target, seed, 0.02, init_from_target=True)
-
-
-def medusa_head(target, seed: int):
-
-    return _random_head(MedusaHead, MedusaOptions(num_heads=3, num_layers=1), target, seed, init_from_target=True)
-
-
-def mtp_head(target, seed: int):
-
-    return _random_head(MtpHead, MtpOptions(num_layers=1, ttt_steps=1), target, seed, 0.02, init_from_target=True)
-
-
-def _export_all(root: Path, name: str, kind: str, ckpt, formats, target_path: Path | None, rows: list[Row],
-                note: str = "") -> None:
-
-    for fmt in formats:
-        out = root / f"{name}-{fmt}"
-        if not (out / "specheads.json").is_file():
-            export(ckpt, fmt, out)
-        rows.append(Row(f"{name}-{fmt}", kind, fmt, out, target_path, FORMAT_ENGINES[fmt], note))
+def example_checkpoint(root: Path, example: Example, tiny: Path, target) -> tuple[Checkpoint, Path]:
+    """(checkpoint, target folder) of `example`, reused from `root/checkpoints` when there."""
+    folder = root / "checkpoints" / example.name
+    found = sorted(folder.glob("run/checkpoint-*"))
+    target_path = tiny
+    if example.family:
+        target_path, target = family_target(root, example.family, tiny, target.vocab_size)
+    if found:
+        return Checkpoint(found[-1]), target_path
+    prov = fingerprint_provenance(target) if not example.family else provenance(target={
+        "vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "name": example.family})
+    return save_example(folder, example.build(target, example.seed), target_path, prov), target_path
 
 
 def build_exports(root: Path) -> list[Row]:
-    """Every kind x format as a small export under `root` (reused when already there)."""
-
+    """Every kind's matrix examples x their formats as small exports under `root` (reused when there)."""
     root.mkdir(parents=True, exist_ok=True)
     tiny = cached_tiny_target("test", progress=False)
     target = Target.load(str(tiny), device="cpu")
-    prov, V, rows = _fingerprint_provenance(target), target.vocab_size, []
-
-    def ckpt(name, head):
-        folder = root / "checkpoints" / name
-        found = sorted(folder.glob("run/checkpoint-*"))
-        if found:
-
-            return Checkpoint(found[-1])
-        return _checkpoint(folder, head, tiny, prov)
-
-    _export_all(root, "eagle3", "eagle3", ckpt("eagle3", eagle3_head(target, V // 2, 1)),
-                ("vllm", "vllm-native", "sglang"), tiny, rows, f"draft vocab {V // 2} of {V}")
-    _export_all(root, "eagle3-fullvocab", "eagle3", ckpt("eagle3-fullvocab", eagle3_head(target, V, 2)),
-                ("vllm", "vllm-native", "sglang"), tiny, rows, f"draft vocab = V = {V}: no d2t / t2d")
-    _export_all(root, "peagle", "eagle3", ckpt("peagle", peagle_head(target, 7)), ("vllm", "vllm-native"), tiny,
-                rows, "P-EAGLE (parallel drafting)")
-    _export_all(root, "dflash", "dflash", ckpt("dflash", dflash_head(target, 8)), ("vllm", "vllm-native", "sglang"),
-                tiny, rows, "block size 4, 8 anchors")
-    _export_all(root, "eagle", "eagle", ckpt("eagle", eagle_head(target, 3)), ("vllm", "sglang"), tiny, rows)
-    _export_all(root, "draft", "draft", ckpt("draft", draft_head(target, 4)), ("vllm", "sglang"), tiny, rows)
-    _export_all(root, "medusa", "medusa", ckpt("medusa", medusa_head(target, 5)), ("vllm-0.32", "medusa"), tiny,
-                rows, "refused by both engines")
-    for family in MTP_FAMILIES:
-        folder = root / "targets" / family
-        if not (folder / "config.json").is_file():
-            save_family_target(folder, family, vocab=V, tokenizer_dir=tiny)
-        fam_target = Target(__import__("transformers").AutoModelForCausalLM.from_pretrained(folder), None, folder)
-        fp = {"vocab_size": fam_target.vocab_size, "hidden_size": fam_target.hidden_size, "name": family}
-
-        name = f"mtp-{family}"
-        found = sorted((root / "checkpoints" / name).glob("run/checkpoint-*"))
-        if found:
-
-            c = Checkpoint(found[-1])
-        else:
-            c = _checkpoint(root / "checkpoints" / name, mtp_head(fam_target, 6), folder, provenance(target=fp))
-        _export_all(root, name, "mtp", c, ("vllm", "sglang"), None, rows, f"tiny {family} (released config, sizes scaled)")
+    V, rows = target.vocab_size, []
+    for kind, spec in KINDS.items():
+        for example in (e for e in spec.examples if e.matrix):
+            ckpt, target_path = example_checkpoint(root, example, tiny, target)
+            checked_against = None if example.family else tiny  # MTP: the export is the target
+            for fmt in example.formats:
+                out = root / f"{example.name}-{fmt}"
+                if not (out / "specheads.json").is_file():
+                    export(ckpt, fmt, out)
+                rows.append(Row(f"{example.name}-{fmt}", kind, fmt, out, checked_against, FORMAT_ENGINES[fmt],
+                                example.note.format(V=V, half=V // 2)))
     return rows
 
 
@@ -195,10 +106,11 @@ def run_rows(run: Path, target: Path | None = None) -> list[Row]:
     (RUN/target unless given: `make real` keeps the converted target in the user cache)."""
     rows, target = [], target or run / "target"
     label = run.name
-    for fmt in ("vllm", "vllm-native", "sglang"):
+    for fmt in FORMAT_ENGINES:
         folder = run / "export" / fmt
         if (folder / "config.json").is_file():
-            rows.append(Row(f"{label}-{fmt}", "eagle3", fmt, folder, target, FORMAT_ENGINES[fmt],
+            kind = json.loads((folder / META_FILE).read_text())["kind"]  # the head trained in that run
+            rows.append(Row(f"{label}-{fmt}", kind, fmt, folder, target, FORMAT_ENGINES[fmt],
                             f"the trained head of {label}"))
     if not rows:
         raise FileNotFoundError(f"{run / 'export'}: no export; run `make demo RUN={run}` (or `make real`) first")

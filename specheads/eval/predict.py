@@ -23,6 +23,7 @@ import heapq
 import math
 from dataclasses import asdict, dataclass, field
 
+from specheads.engine_facts import sglang_tree_flags
 from specheads.verify.decode import Clock, DecodeStats, generate, new_cache, target_step, trim_cache
 from specheads.verify.settings import TreeSpec, make_proposer
 
@@ -256,8 +257,7 @@ def advice_summary(adv: dict) -> str:
 
 def sglang_flags(s: dict) -> str:
     """The SGLang command-line flags of an advice entry (`advice(...)["sglang"]`)."""
-    return (f"--speculative-num-steps {s['speculative_num_steps']} --speculative-eagle-topk "
-            f"{s['speculative_eagle_topk']} --speculative-num-draft-tokens {s['speculative_num_draft_tokens']}")
+    return sglang_tree_flags(s["speculative_num_steps"], s["speculative_eagle_topk"], s["speculative_num_draft_tokens"])
 
 
 # --- measuring the costs ---------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: in
     with export_dir(out_dir, ident, overwrite) as tmp:
         write_plan(plan, tmp)
         write_json(tmp / META_FILE, record)
-        readme = readme_text(fmt, out_dir, record["serve_commands"], plan.target or request.target, record)
+        readme = readme_text(fmt, writer.README, record["serve_commands"], plan.target or request.target, record)
         (tmp / "README.md").write_text(readme + plan.readme_extra)
         writer.validate(tmp, fmt, expected=head.config if plan.expected is None else plan.expected)
     for cmd in record["serve_commands"]:

@@ -31,6 +31,7 @@ from specheads.export.load import _read_json, read_weights
 from specheads.export.plan import cast, head_plan
 from specheads.heads.dflash import DFlashConfig, DFlashHead
 from specheads.protocols import ExportPlan, ExportRequest
+from specheads.export.readme import Readme
 
 FORMATS = ("vllm", "vllm-native", "sglang")
 ARCHITECTURE = "DFlashDraftModel"
@@ -344,3 +345,17 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     head = DFlashHead(config, attn_implementation=attn_implementation)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
     return head.eval(), meta
+
+
+def readme_lines(fmt: str, head: dict) -> list[str]:
+    """The README's Head section."""
+    return [f"- DFlash: {head['num_hidden_layers']} Qwen3-style layer(s) reading target layers "
+            f"{head['target_layer_ids']} (output of layer t) as context keys; blocks of {head['block_size']} "
+            f"(anchor + {head['block_size'] - 1} mask token id {head['mask_token_id']}), "
+            f"{'causal' if head['causal'] else 'bidirectional'} inside the block",
+            f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens"
+            + (" (the target's lm_head is shared)" if head['draft_vocab_size'] == head['vocab_size'] else ""),
+            f"- trained with {head['loss']} loss over {head['num_anchors']} anchors per sequence"]
+
+
+README = Readme("DFlash block drafter", readme_lines)

@@ -20,6 +20,7 @@ from specheads.export.plan import cast, float_dtype, target_folder
 from specheads.heads.draft import DraftConfig, DraftHead
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.target import tokenizer_hash
+from specheads.export.readme import Readme
 
 FORMATS = ("vllm", "sglang")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -129,3 +130,13 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
                          vocab_size=cfg["vocab_size"], ttt_steps=trained.get("ttt_steps", 4),
                          init_from_target=trained.get("init_from_target", True))
     return DraftHead(config, model=model).eval(), meta
+
+
+def readme_lines(fmt: str, head: dict) -> list[str]:
+    """The README's Head section."""
+    m = head["model_config"]
+    return [f"- Llama draft: {m['num_hidden_layers']} layer(s), hidden size {m['hidden_size']}, "
+            f"the target's tokenizer and vocabulary ({head['vocab_size']} tokens)"]
+
+
+README = Readme("Draft model", readme_lines)

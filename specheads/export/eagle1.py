@@ -27,6 +27,7 @@ from specheads.export.load import _read_json, read_weights
 from specheads.export.plan import cast, head_plan
 from specheads.heads.eagle import EagleConfig, EagleHead
 from specheads.protocols import ExportPlan, ExportRequest
+from specheads.export.readme import Readme
 
 FORMATS = ("vllm", "sglang")
 ARCHITECTURES = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}
@@ -149,3 +150,14 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
     return head.eval(), meta
 
+
+def readme_lines(fmt: str, head: dict) -> list[str]:
+    """The README's Head section."""
+    bias = "trained with an fc bias" if head["fc_bias"] else (
+        "no fc bias (SGLang gets an exact zero `fc.bias`)" if fmt == "sglang" else "no fc bias")
+    return [f"- EAGLE-1: fc over [embedding ; final-normed target state], one decoder layer without "
+            f"input norm, the target's lm_head; {bias}",
+            f"- hidden size {head['hidden_size']}, trained for {head['ttt_steps']} draft step(s)"]
+
+
+README = Readme("EAGLE-1 draft", readme_lines)

@@ -15,6 +15,7 @@ from specheads.export.load import load_eagle3
 from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.eagle3 import Eagle3Config
 from specheads.protocols import ExportPlan, ExportRequest
+from specheads.export.readme import Readme
 
 FORMATS = ("vllm", "vllm-native", "sglang")
 LAYER_PREFIX = {"vllm": "layers.0.", "vllm-native": "layers.0.", "sglang": "midlayer."}
@@ -187,3 +188,17 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
     """An EAGLE-3 export -> (head in eval mode, meta); the reading lives in export/load.py with
     the reading of other trainers' EAGLE-3 folders."""
     return load_eagle3(meta, attn_implementation, check)
+
+
+def readme_lines(fmt: str, head: dict) -> list[str]:
+    """The README's Head section (P-EAGLE: an EAGLE-3 head drafting in parallel)."""
+    parallel = [f"- P-EAGLE: all {head['ttt_steps']} drafts in one forward (mask token id {head['mask_token_id']}, "
+                f"learned `mask_hidden`); vLLM serves it with `parallel_drafting: true`, {SGLANG} cannot"
+                ] if head.get("parallel_drafting") else []
+    return parallel + [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
+                       f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
+                       f"- hidden size {head['hidden_size']}, norm_before_residual "
+                       f"{str(head['norm_before_residual']).lower()}, trained for {head['ttt_steps']} draft steps"]
+
+
+README = Readme("EAGLE-3 draft", readme_lines, serve_notes=True)

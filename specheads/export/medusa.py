@@ -27,6 +27,8 @@ from specheads.export.load import _read_json, read_weights
 from specheads.export.plan import cast, head_plan
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 from specheads.protocols import ExportPlan, ExportRequest
+from specheads.engine_facts import LEGACY_VLLM, SGLANG, VLLM
+from specheads.export.readme import Readme
 
 FORMATS = ("medusa", "vllm-0.32")
 ORIGINAL_FILE = "medusa_lm_head.safetensors"
@@ -200,3 +202,16 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     head = MedusaHead(config)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILES[fmt]))
     return head.eval(), meta
+
+
+def readme_lines(fmt: str, head: dict) -> list[str]:
+    """The README's Head section."""
+    bias = "with" if head["bias"] else "without"
+    zeros = " (written as exact zeros: the original layout always has one)" if fmt == "medusa" and not head["bias"] else ""
+    return [f"- {head['num_heads']} Medusa heads of {head['num_layers']} residual block(s), {bias} block bias{zeros}",
+            f"- each head has its own output layer over the full vocabulary ({head['vocab_size']} tokens)",
+            f"- {VLLM} and {SGLANG} cannot load Medusa heads; this layout is for {LEGACY_VLLM} "
+            "or the original Medusa code"]
+
+
+README = Readme("Medusa heads", readme_lines)

@@ -19,6 +19,7 @@ from specheads.export.eagle3 import ExportRefused
 from specheads.export.plan import DTYPES, float_dtype, target_folder
 from specheads.heads.medusa2 import ADAPTER
 from specheads.protocols import ExportPlan, ExportRequest
+from specheads.export.readme import Readme
 
 FORMATS = medusa.FORMATS
 WEIGHTS_FILES = medusa.WEIGHTS_FILES
@@ -125,3 +126,13 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
     """A Medusa-2 export -> (Medusa heads in eval mode, meta); the verifier is target/ (merge) or
     base + adapter/ (ship), as meta.record["adapter"] says."""
     return medusa.load_export(meta, attn_implementation, check)
+
+
+def readme_lines(fmt: str, head: dict) -> list[str]:
+    """The README's Head section: Medusa's lines and the LoRA it was trained with."""
+    return [*medusa.readme_lines(fmt, head), f"- trained jointly with LoRA (r {head['lora_r']}, alpha "
+            f"{head['lora_alpha']}) on {len(head['lora_modules'])} target projections, self-distillation "
+            f"weight {head['distill_weight']}; see Adapter below for the verifier to use"]
+
+
+README = Readme("Medusa-2 heads (trained with LoRA on the target)", readme_lines)

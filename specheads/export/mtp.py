@@ -32,6 +32,7 @@ from specheads.heads.mtp_checkpoint import (
     weight_map,
 )
 from specheads.protocols import ExportPlan, ExportRequest
+from specheads.export.readme import Readme
 
 FORMATS = ("vllm", "sglang")
 MTP_FILE = "model-mtp.safetensors"
@@ -261,3 +262,11 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True):
     load_modules(head, meta.folder)
     return head.eval(), meta
 
+
+def readme_lines(fmt: str, head: dict) -> list[str]:
+    """The README's Head section."""
+    return [f"- {head['num_layers']} MTP module(s) after target layer {head['num_target_layers'] - 1}, "
+            f"trained for {head['ttt_steps']} draft step(s); the target's weights are unchanged"]
+
+
+README = Readme("MTP modules inside the target checkpoint", readme_lines)

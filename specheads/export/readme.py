@@ -12,9 +12,10 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from specheads.engine_facts import (
-    FORMATS, LAUNCHERS, LEGACY_VLLM, SERVING, SGLANG, SGLANG_CHAIN, SGLANG_DRAFT, VLLM, VLLM_SERVE_DIR, Serving,
+    FORMATS, LAUNCHERS, SERVING, SGLANG_DRAFT, VLLM, VLLM_SERVE_DIR, Serving, sglang_chain_flags,
 )
 
 RECOMMENDED = "## Recommended settings"  # the README section `specheads eval --attach` adds
@@ -79,7 +80,7 @@ def serve_command(serving: Serving, folder: str, served: str, k: int, parallel: 
     if serving.launcher == "sglang" and serving.draft:
         cmd += SGLANG_DRAFT.format(folder=q(folder))
     if serving.launcher == "sglang" and serving.chain:  # topk 1, k steps, k + 1 tokens verified per step
-        cmd += SGLANG_CHAIN.format(k=k, k1=k + 1)
+        cmd += " " + sglang_chain_flags(k)
     return cmd
 
 
@@ -95,10 +96,13 @@ def serve_commands(fmt: str, folder: str | Path, target: TargetRef, k: int, kind
     return cmds
 
 
-KIND_NAMES = {"eagle3": "EAGLE-3 draft", "eagle": "EAGLE-1 draft", "medusa": "Medusa heads",
-              "medusa2": "Medusa-2 heads (trained with LoRA on the target)",
-              "mtp": "MTP modules inside the target checkpoint", "draft": "Draft model",
-              "dflash": "DFlash block drafter"}
+@dataclass(frozen=True)
+class Readme:
+    """What an export's README says of its kind: the heading's name and the Head section's lines."""
+
+    name: str  # "EAGLE-3 draft"
+    head_lines: Callable[[str, dict], list[str]]  # (format, head_config) -> the Head section's lines
+    serve_notes: bool = False  # explain how the serve commands name the target (speculators configs)
 
 
 def notes(fmt: str, target: TargetRef) -> list[str]:
@@ -120,61 +124,18 @@ def notes(fmt: str, target: TargetRef) -> list[str]:
     return out
 
 
-def head_lines(kind: str, fmt: str, head: dict) -> list[str]:
-    """The README's description of the head, per kind."""
-    if kind == "medusa2":
-        return [*head_lines("medusa", fmt, head), f"- trained jointly with LoRA (r {head['lora_r']}, alpha "
-                f"{head['lora_alpha']}) on {len(head['lora_modules'])} target projections, self-distillation "
-                f"weight {head['distill_weight']}; see Adapter below for the verifier to use"]
-    if kind == "medusa":
-        bias = "with" if head["bias"] else "without"
-        zeros = " (written as exact zeros: the original layout always has one)" if fmt == "medusa" and not head["bias"] else ""
-        return [f"- {head['num_heads']} Medusa heads of {head['num_layers']} residual block(s), {bias} block bias{zeros}",
-                f"- each head has its own output layer over the full vocabulary ({head['vocab_size']} tokens)",
-                f"- {VLLM} and {SGLANG} cannot load Medusa heads; this layout is for {LEGACY_VLLM} "
-                "or the original Medusa code"]
-    if kind == "mtp":
-        return [f"- {head['num_layers']} MTP module(s) after target layer {head['num_target_layers'] - 1}, "
-                f"trained for {head['ttt_steps']} draft step(s); the target's weights are unchanged"]
-    if kind == "draft":
-        m = head["model_config"]
-        return [f"- Llama draft: {m['num_hidden_layers']} layer(s), hidden size {m['hidden_size']}, "
-                f"the target's tokenizer and vocabulary ({head['vocab_size']} tokens)"]
-    if kind == "dflash":
-        return [f"- DFlash: {head['num_hidden_layers']} Qwen3-style layer(s) reading target layers "
-                f"{head['target_layer_ids']} (output of layer t) as context keys; blocks of {head['block_size']} "
-                f"(anchor + {head['block_size'] - 1} mask token id {head['mask_token_id']}), "
-                f"{'causal' if head['causal'] else 'bidirectional'} inside the block",
-                f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens"
-                + (" (the target's lm_head is shared)" if head['draft_vocab_size'] == head['vocab_size'] else ""),
-                f"- trained with {head['loss']} loss over {head['num_anchors']} anchors per sequence"]
-    if kind == "eagle":
-        bias = "trained with an fc bias" if head["fc_bias"] else (
-            "no fc bias (SGLang gets an exact zero `fc.bias`)" if fmt == "sglang" else "no fc bias")
-        return [f"- EAGLE-1: fc over [embedding ; final-normed target state], one decoder layer without "
-                f"input norm, the target's lm_head; {bias}",
-                f"- hidden size {head['hidden_size']}, trained for {head['ttt_steps']} draft step(s)"]
-    parallel = [f"- P-EAGLE: all {head['ttt_steps']} drafts in one forward (mask token id {head['mask_token_id']}, "
-                f"learned `mask_hidden`); vLLM serves it with `parallel_drafting: true`, {SGLANG} cannot"
-                ] if head.get("parallel_drafting") else []
-    return parallel + [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
-            f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
-            f"- hidden size {head['hidden_size']}, norm_before_residual {str(head['norm_before_residual']).lower()},"
-            f" trained for {head['ttt_steps']} draft steps"]
-
-
 def readme_title(fmt: str, kind: str) -> str:
     """The engine and format named in the README's heading (speculators: EAGLE-3 in `vllm` only)."""
     return SERVING[(kind, fmt)].title or FORMATS[fmt].title
 
 
-def readme_text(fmt: str, folder: str | Path, commands: list[str], target: TargetRef, meta: dict) -> str:
-    """README.md: what this folder is, how to serve it, where it came from."""
-    head, kind = meta["head_config"], meta.get("kind", "eagle3")
+def readme_text(fmt: str, readme: Readme, commands: list[str], target: TargetRef, meta: dict) -> str:
+    """README.md: what this folder is (the writer's `readme`), how to serve it, where it came from."""
+    head, kind = meta["head_config"], meta["kind"]
     cmd_block = "\n\n".join(commands)
     title = readme_title(fmt, kind)
     lines = [
-        f"# {KIND_NAMES.get(kind, kind)} for `{target.name or target.serve_as}` ({title})",
+        f"# {readme.name} for `{target.name or target.serve_as}` ({title})",
         "",
         f"Exported by specheads {meta['specheads_version']} from checkpoint `{meta['checkpoint']}`.",
         "",
@@ -184,11 +145,11 @@ def readme_text(fmt: str, folder: str | Path, commands: list[str], target: Targe
         cmd_block,
         "```",
         "",
-        *[f"- {n}" for n in (notes(fmt, target) if kind == "eagle3" else [])],
+        *[f"- {n}" for n in (notes(fmt, target) if readme.serve_notes else [])],
         "",
         "## Head",
         "",
-        *head_lines(kind, fmt, head),
+        *readme.head_lines(fmt, head),
         f"- weights: {meta['dtype']}",
         "",
         "`specheads.json` records the export format, the engine versions targeted, the training "
