@@ -332,16 +332,21 @@ def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> DFla
     )
 
 
+def with_t2d(config: DFlashConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A reduced vocabulary's t2d [V] rebuilt from d2t when the folder has none (the engines skip it)."""
+    if config.own_lm_head and "t2d" not in tensors:
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)  # [V]
+        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"]] = True
+        tensors["t2d"] = t2d
+    return tensors
+
+
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[DFlashHead, object]:
     """A DFlash export folder -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format)
     config = config_from_export(_read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
-    tensors = read_weights(meta.folder / WEIGHTS_FILE)
-    if config.own_lm_head and "t2d" not in tensors:
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)  # [V]
-        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"]] = True
-        tensors["t2d"] = t2d
+    tensors = with_t2d(config, read_weights(meta.folder / WEIGHTS_FILE))
     head = DFlashHead(config, attn_implementation=attn_implementation)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
     return head.eval(), meta

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specheads.engine_facts import REFUSED
+from specheads.export import dspark
 from specheads.export import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.export.eagle3 import ExportRefused
 from specheads.export.folder import verify_export
@@ -22,6 +23,7 @@ WRITERS = {
     "mtp": mtp,
     "draft": draft,
     "dflash": dflash,
+    "dspark": dspark,
 }
 LOADERS = WRITERS  # each kind's writer module also reads its folders back (`load`)
 

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads.verify import dspark_proposers
 from specheads.verify import dflash_proposers, eagle1_proposers, eagle3_proposers, medusa_proposers, mtp_proposers
 from specheads.verify.decode import as_batch
 from specheads.verify.loop import ChainShape, TreeShape, decode
@@ -126,6 +127,7 @@ PROPOSERS = {
     "mtp": mtp_proposers,
     "draft": mtp_proposers,
     "dflash": dflash_proposers,
+    "dspark": dspark_proposers,
 }
 
 
