@@ -427,6 +427,19 @@ def test_contract_rules_break(tmp_path, target, fmt, config, tensors, needle):
     assert needle in str(err.value)
 
 
+def fit(head, target, ids: torch.Tensor, steps: int, lr: float = 1e-2) -> None:
+    """`steps` AdamW steps of the head on one batch of ids [B, T], every token supervised."""
+    batch = batch_of(ids)
+    inputs = head.expand(target, head.collect(target, batch), batch)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    head.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        head(**inputs).loss.backward()
+        opt.step()
+    head.eval()
+
+
 def test_trained_export_loads_and_decodes_losslessly(tmp_path, target):
     """Train on the target's own greedy continuation, export, load back: greedy speculation from the
     folder equals plain greedy decoding and accepts more than one token per forward."""
@@ -436,15 +449,7 @@ def test_trained_export_loads_and_decodes_losslessly(tmp_path, target):
     head = make_head(target, seed=6, num_anchors=64)
     prompt = torch.randint(0, 95, (5,), generator=torch.Generator().manual_seed(0))
     ids = torch.cat([prompt, torch.tensor(greedy(target, None, prompt, 40, 0).tokens)])[None]
-    batch = batch_of(ids)
-    inputs = head.expand(target, head.collect(target, batch), batch)
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    head.train()
-    for _ in range(150):
-        res = head(**inputs)
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
+    fit(head, target, ids, steps=150)
     loaded, _ = load_with_meta(export(checkpoint(tmp_path, head.eval()), "sglang", tmp_path / "s"))
     res = greedy(target, DSparkProposer(loaded.to(target.dtype), target), prompt, 30, 3)
     assert res.tokens == greedy(target, None, prompt, 30, 0).tokens

@@ -110,12 +110,17 @@ def speculators_config(config: DFlashConfig, k: int, verifier: str, verifier_arc
 
 def config_json(config: DFlashConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
                 dtype: str) -> dict:
-    if k > config.block_size - 1:
-        raise ValueError(f"num_speculative_tokens {k}: this head was trained on blocks of {config.block_size} "
-                         f"(anchor + {config.block_size - 1} drafts); use at most {config.block_size - 1}")
-    if fmt == "vllm":
-        return speculators_config(config, k, verifier, verifier_archs, dtype)
-    return native_config(config, dtype)
+    return block_config(fmt, k, config.block_size - 1, lambda: speculators_config(config, k, verifier, verifier_archs,
+                                                                                  dtype), lambda: native_config(config, dtype))
+
+
+def block_config(fmt: str, k: int, drafts: int, speculators, native) -> dict:
+    """speculators() for the speculators format, else native(); a chain longer than the `drafts`
+    tokens a block was trained to draft is refused."""
+    if k > drafts:
+        raise ValueError(f"num_speculative_tokens {k}: this head was trained on blocks of anchor + {drafts} "
+                         f"drafts; use at most {drafts}")
+    return speculators() if fmt == "vllm" else native()
 
 
 def plan(request: ExportRequest) -> ExportPlan:
@@ -305,10 +310,16 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
     """Check a DFlash export folder against its engine's loader; raise ContractError listing all."""
+    check_format(folder, fmt, expected, check_keys, check_against_head, check_tensors)
+
+
+def check_format(folder: str | Path, fmt: str, expected, keys, against_head, tensors) -> None:
+    """check_folder with a block-drafter kind's checks, each given the format: keys(cfg, fmt),
+    against_head(cfg, fmt, head), tensors(specs, cfg, fmt) (DFlash's, or DSpark's around them)."""
     check_folder(Path(folder), fmt, WEIGHTS_FILE, expected, files=check_files,
-                 keys=lambda cfg: check_keys(cfg, fmt),
-                 against_head=lambda cfg, head: check_against_head(cfg, fmt, head),
-                 tensors=lambda specs, cfg: check_tensors(specs, cfg, fmt))
+                 keys=lambda cfg: keys(cfg, fmt),
+                 against_head=lambda cfg, head: against_head(cfg, fmt, head),
+                 tensors=lambda specs, cfg: tensors(specs, cfg, fmt))
 
 
 # --- load back ---------------------------------------------------------------------------------

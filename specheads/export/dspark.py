@@ -19,7 +19,7 @@ import torch
 from specheads.engine_facts import DSPARK_REFUSED, SGLANG, VLLM
 from specheads.export import dflash
 from specheads.export.checkpoint import load_strict
-from specheads.export.contract import MISSING, _found, _int, check_files, check_folder, check_key_rules, get_key
+from specheads.export.contract import MISSING, _found, _int, check_key_rules, get_key
 from specheads.export.contract_rules import CONFIG_FILE, FLOAT_DTYPES, WEIGHTS_FILE, KeyRule, Violation
 from specheads.export.load import _read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, float_dtype
@@ -87,12 +87,8 @@ def speculators_config(config: DSparkConfig, k: int, verifier: str, verifier_arc
 
 def config_json(config: DSparkConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
                 dtype: str) -> dict:
-    if k > config.block_size:
-        raise ValueError(f"num_speculative_tokens {k}: this head drafts blocks of {config.block_size} tokens; "
-                         f"use at most {config.block_size}")
-    if fmt == "vllm":
-        return speculators_config(config, k, verifier, verifier_archs, dtype)
-    return native_config(config, dtype)
+    return dflash.block_config(fmt, k, config.block_size, lambda: speculators_config(config, k, verifier, verifier_archs,
+                                                                                     dtype), lambda: native_config(config, dtype))
 
 
 def plan(request: ExportRequest) -> ExportPlan:
@@ -228,10 +224,7 @@ def check_tensors(specs: dict, cfg: dict, fmt: str) -> list[Violation]:
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
     """Check a DSpark export folder against its engine's loader; raise ContractError listing all."""
-    check_folder(Path(folder), fmt, WEIGHTS_FILE, expected, files=check_files,
-                 keys=lambda cfg: check_keys(cfg, fmt),
-                 against_head=lambda cfg, head: check_against_head(cfg, fmt, head),
-                 tensors=lambda specs, cfg: check_tensors(specs, cfg, fmt))
+    dflash.check_format(folder, fmt, expected, check_keys, check_against_head, check_tensors)
 
 
 # --- load back ---------------------------------------------------------------------------------

@@ -3,10 +3,7 @@ prompt, each block's slots biased by the Markov head from the greedy token befor
 
 from __future__ import annotations
 
-import torch
-
-from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET
-from specheads.heads.dspark import DSparkConfig, DSparkHead, DSparkOptions
+from specheads.heads.dspark import DSparkHead, DSparkOptions
 from specheads.kinds import dflash
 from specheads.kinds.base import EngineSide, Example, Kind, random_head
 from specheads.verify.dspark_proposers import DSparkProposer
@@ -28,38 +25,20 @@ def gated_head(target, seed: int):
     return random_head(DSparkHead, options, target, seed, 0.05)
 
 
-def as_trained(head, ours):
-    """The head rebuilt with the config it was trained with (specheads.json `head_config`) and the
-    export's weights (see kinds/dflash.py `as_trained`)."""
-    trained = ours.meta.head_config
-    if not trained:
-        return head
-    rebuilt = DSparkHead(DSparkConfig(**trained), attn_implementation="eager")
-    rebuilt.load_state_dict(head.state_dict())
-    return rebuilt.eval()
-
-
-@torch.no_grad()
 def first_pass(ours, ids, next_token, out, anchors, k):
     """Slots 1..k of the block at each anchor with the Markov bias of the greedy token before each
     [len(anchors) * k, V], from our proposer."""
-    proposer, T, rows = DSparkProposer(ours.head, ours.target), ids.shape[1], []
-    for a in anchors:
-        proposer.start(ids[0, :a], next_token if a == T else int(ids[0, a]), out)
-        rows.append(ours.full_vocab(proposer.block_logits(k).float()))
-    return torch.cat(rows)
+    return dflash.blocks_at(DSparkProposer(ours.head, ours.target), ours, ids, next_token, out, anchors, k)
 
 
 def expect(ours, engine: str) -> dict:
     """DFlash's mask token and aux ids (the backbone's), the block size G and the Markov fields."""
     hc = ours.meta.head_config or {}
     d = hc.get("dflash") or {}
-    want = {"mask_token_id": d.get("mask_token_id"), "markov_rank": hc.get("markov_rank"),
-            "markov_head_type": hc.get("markov_head_type"), "sample_from_anchor": False,
-            "block_size": d["block_size"] - 1 if d.get("block_size") else None}
-    if engine == "vllm":
-        want["aux_layer_ids"] = [t + DFLASH_SPECULATORS_OFFSET for t in d.get("target_layer_ids") or []] or None
-        want["markov_head_type"] = None  # vLLM copies it and never reads it (vanilla only, refused at export)
+    want = {**dflash.backbone_expect(d, engine), "markov_rank": hc.get("markov_rank"), "sample_from_anchor": False,
+            "block_size": d["block_size"] - 1 if d.get("block_size") else None,
+            # vLLM copies markov_head_type and never reads it (vanilla only, refused at export)
+            "markov_head_type": hc.get("markov_head_type") if engine == "sglang" else None}
     if hc.get("enable_confidence_head"):
         want["confidence_head"] = True
     return want
@@ -70,5 +49,5 @@ KIND = Kind(
     examples=(Example("dspark", example_head, 9, FORMATS, "block 3, vanilla Markov rank 8, confidence head"),
               Example("dspark-gated", gated_head, 10, ("sglang",), "gated Markov head (SGLang only)")),
     engine_side=EngineSide(dflash.features, first_pass, expect, anchors=True),
-    prepare=as_trained,
+    prepare=dflash.as_trained,
 )
