@@ -17,7 +17,7 @@ import os
 from probe_sglang_dflash import store_context
 from probe_sglang_forward import forward_batch
 
-HOOK_NOTE = ("SGLang's DSPARK argument handler runs with the server's device reading 'cuda' (it refuses other "
+HOOK_NOTE = ("SGLang's DSPARK argument handler runs with its view of the server's device reading 'cuda' (it refuses other "
              "devices; SGLang serves DSPARK on CUDA/NPU/XPU only); config parsing and the weight loader are SGLang's own")
 STEP_NOTE = ("draft_markov_block's fused greedy / sampling step kernels (CUDA) -> the Markov head's own "
              "init_state / step_bias and an argmax over compute_base_logits + bias, slot by slot")
@@ -40,15 +40,23 @@ def confidence_mode(draft_dir) -> str | None:
 def allow_dspark_on_cpu() -> str:
     from sglang.srt.arg_groups import speculative_hook
 
-    handler = speculative_hook._handle_dspark
+    handler, view = speculative_hook._handle_dspark, speculative_hook.resolving_view
+
+    class OnCuda:
+        """The handler's read view of the server arguments, its device reading 'cuda'."""
+
+        def __init__(self, resolving):
+            self._resolving = resolving
+
+        def __getattr__(self, name):
+            return "cuda" if name == "device" else getattr(self._resolving, name)
 
     def handle_dspark_as_on_cuda(server_args):
-        saved = server_args.device
-        server_args.device = "cuda"
+        speculative_hook.resolving_view = lambda sa: OnCuda(view(sa))
         try:
             return handler(server_args)
         finally:
-            server_args.device = saved
+            speculative_hook.resolving_view = view
 
     speculative_hook._handle_dspark = handle_dspark_as_on_cuda
     return HOOK_NOTE
