@@ -261,7 +261,7 @@ def test_drafting_is_the_training_computation(target, kind):
             continue
         proposer.start(ids[0, :a], int(ids[0, a]), out)
         data = iter(ids[0, a + 1:a + 4])
-        _, logits = proposer.draft_block(3, lambda row: next(data))
+        _, logits = proposer.draft_block(3, lambda row, data=data: next(data))
         prev = ids[0, a:a + 3]
         want = head.block_logits(captured["out"][:, n:n + 1], prev[None, None], target.lm_head.weight)[0, 0]
         torch.testing.assert_close(logits, want, atol=1e-9, rtol=1e-9)
@@ -341,7 +341,7 @@ def test_export_writes_what_the_engines_read_and_loads_back_exactly(tmp_path, ta
         assert cfg["dflash_config"]["target_layer_ids"] == [1, 3, 5] and cfg["dflash_config"]["block_size"] == 3
         assert cfg["dflash_config"]["sample_from_anchor"] is False and cfg["logit_scale"] == 1.0
     with safe_open(str(out / "model.safetensors"), "pt") as fh:
-        dtypes = {n: fh.get_slice(n).get_dtype() for n in fh.keys()}
+        dtypes = {n: fh.get_slice(n).get_dtype() for n in fh.keys()}  # noqa: SIM118 - a safe_open handle, not a dict
     assert dtypes["confidence_head.proj.weight"] == dtypes["confidence_head.proj.bias"] == "F32"
     assert {"fc.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= set(dtypes)
     assert not any(n.startswith(("dflash.", "lm_head", "embed_tokens", "d2t")) for n in dtypes)
@@ -363,7 +363,7 @@ def test_bfloat16_export_keeps_the_confidence_head_in_float32(tmp_path, target):
 
     out = export(checkpoint(tmp_path, make_head(target)), "vllm-native", tmp_path / "bf16", dtype="bfloat16")
     with safe_open(str(out / "model.safetensors"), "pt") as fh:
-        dtypes = {n: fh.get_slice(n).get_dtype() for n in fh.keys()}
+        dtypes = {n: fh.get_slice(n).get_dtype() for n in fh.keys()}  # noqa: SIM118 - a safe_open handle, not a dict
     assert {d for n, d in dtypes.items() if n.startswith("confidence_head.")} == {"F32"}
     assert {d for n, d in dtypes.items() if not n.startswith("confidence_head.")} == {"BF16"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from specheads.engines import check
+from test_engine_dflash import example_exports
 
 FORMATS = {"vllm": ("vllm", "vllm-native"), "sglang": ("sglang",)}
 
@@ -46,18 +47,7 @@ FAULTS = {  # config.json edited after export (the weights' checksums still hold
 @pytest.fixture(scope="module")
 def dspark_exports(tmp_path_factory):
     """The descriptor's example (vanilla Markov rank 8, confidence head, block 3) in every format."""
-    from specheads.builtin.tiny_target import cached_tiny_target
-    from specheads.engines.matrix import fingerprint_provenance, save_example
-    from specheads.export import export
-    from specheads.kinds import KINDS
-    from specheads.target import Target
-
-    tiny = cached_tiny_target("test", progress=False)
-    target = Target.load(str(tiny), device="cpu")
-    root = tmp_path_factory.mktemp("dspark-engine")
-    example = KINDS["dspark"].example
-    ckpt = save_example(root, example.build(target, example.seed), tiny, fingerprint_provenance(target))
-    return {fmt: export(ckpt, fmt, root / fmt) for fmt in ("vllm", "vllm-native", "sglang")}, tiny
+    return example_exports("dspark", tmp_path_factory.mktemp("dspark-engine"))
 
 
 def test_our_block_at_the_prompt_end_is_the_greedy_chain(dspark_exports):
@@ -119,7 +109,7 @@ def test_engine_drafts_equal_ours_with_the_confidence_head(engine_runs):
 
 @pytest.mark.engine
 def test_engine_fails_exports_it_reads_differently(engine_runs):
-    engine, runs = engine_runs
+    runs = engine_runs[1]
     report = runs["mask_token"][0]
     text = check.format_report(report)
     assert report.stages["weights"].status == check.PASS and report.stages["forward"].status == check.FAIL, text

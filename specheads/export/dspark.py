@@ -259,9 +259,9 @@ def readme_lines(fmt: str, head: dict) -> list[str]:
     confidence = ("a confidence head (float32" + (", reading the Markov embedding too" if
                   head["confidence_head_with_markov"] else "") + ")") if head["enable_confidence_head"] else \
         "no confidence head"
-    return dflash.readme_lines(fmt, head["dflash"]) + [
-        f"- DSpark: blocks of {head['dflash']['block_size'] - 1} drafted tokens (sample_from_anchor: false), "
-        f"a {head['markov_head_type']} Markov head of rank {head['markov_rank']} and {confidence}"]
+    line = (f"- DSpark: blocks of {head['dflash']['block_size'] - 1} drafted tokens (sample_from_anchor: false), "
+            f"a {head['markov_head_type']} Markov head of rank {head['markov_rank']} and {confidence}")
+    return [*dflash.readme_lines(fmt, head["dflash"]), line]
 
 
 README = Readme("DSpark block drafter", readme_lines)

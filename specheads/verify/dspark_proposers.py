@@ -15,7 +15,7 @@ verification (docs/dspark_format.md §2). The decode loop does not use them yet.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
