@@ -99,6 +99,9 @@ SERVING = {  # (kind, format) -> Serving; a pair absent here is not written
     ("dflash", "vllm"): Serving("vllm", "dflash", title=f"{VLLM}, speculators dflash format"),
     ("dflash", "vllm-native"): Serving("vllm", "dflash", title=f"{VLLM}, method dflash (DFlashDraftModel)"),
     ("dflash", "sglang"): Serving("sglang", "DFLASH", chain=False, title=f"{SGLANG}, DFLASH (DFlashDraftModel)"),
+    ("dspark", "vllm"): Serving("vllm", "dspark", title=f"{VLLM}, speculators dspark format"),
+    ("dspark", "vllm-native"): Serving("vllm", "dspark", title=f"{VLLM}, method dspark (Qwen3DSparkModel)"),
+    ("dspark", "sglang"): Serving("sglang", "DSPARK", chain=False, title=f"{SGLANG}, DSPARK (Qwen3DSparkModel)"),
 }
 
 # the command lines of each launcher; {served} {folder} {spec} are shell-quoted, {k1} = k + 1
@@ -140,6 +143,21 @@ REFUSED_OPTIONS = {
     ("sglang", "parallel_drafting"): f"{SGLANG} has no P-EAGLE loader",
 }
 
+# DSpark head options a format cannot carry: (format, option) -> why (docs/dspark_format.md §1, §3.3)
+_VANILLA_ONLY = (f"{VLLM} runs only the vanilla Markov head for Qwen3DSparkModel: it builds markov_w1 / markov_w2 "
+                 "and never reads markov_head_type (qwen3_dspark.py), so a gated / rnn head would run as vanilla "
+                 "or fail on its gate_proj / joint_proj tensors; its one check says \"Qwen3-Omni DSpark currently "
+                 "requires markov_head_type='vanilla'\". Export this head with --format sglang, or retrain with "
+                 "head.markov_head_type: vanilla")
+DSPARK_REFUSED = {
+    ("vllm", "markov_head_type"): _VANILLA_ONLY,
+    ("vllm-native", "markov_head_type"): _VANILLA_ONLY,
+    ("sglang", "draft_vocab_size"): (f"{SGLANG} skips a DSpark draft's lm_head.* (always the target's: \"DSpark dense "
+                                     "draft requires the target lm_head\") and reads no d2t map, so a reduced "
+                                     "draft vocabulary cannot be served. Export with --format vllm or "
+                                     "--format vllm-native, or retrain with head.draft_vocab_size: null"),
+}
+
 # EAGLE-3 target-layer numbering: engine id = specheads aux_layers id + offset (docs/engines.md §3.1:
 # SGLang counts the hidden state after layer k as k - 1, vLLM as k)
 AUX_LAYER_OFFSET = {"vllm": 0, "vllm-native": 0, "sglang": -1}
@@ -162,6 +180,7 @@ DRAFT_CLASSES = {
     ("vllm", "mtp", "qwen3_next"): "Qwen3NextMTP", ("vllm", "mtp", "qwen3_5_text"): "Qwen3_5MTP",
     ("vllm", "mtp", "qwen3_5_moe_text"): "Qwen3_5MoeMTP", ("vllm", "dflash", ""): "DFlashDraftModel",
     ("vllm", "peagle", ""): ("PeagleLlamaForCausalLM", "Eagle3LlamaForCausalLM"),
+    ("vllm", "dspark", ""): "Qwen3DSparkModel", ("sglang", "dspark", ""): "Qwen3DSparkModel",
 }
 # (engine, kind) the engine does not serve at all: the check passes when the engine refuses it
 ENGINE_REFUSES = {("vllm", "medusa"): f"{VLLM} removed Medusa", ("vllm", "medusa2"): f"{VLLM} removed Medusa",
@@ -169,7 +188,8 @@ ENGINE_REFUSES = {("vllm", "medusa"): f"{VLLM} removed Medusa", ("vllm", "medusa
 # (engine, kind) -> tensor names of ours the engine's loader receives and deliberately ignores
 ENGINE_IGNORES = {("vllm", "eagle3"): (r"^t2d$",)}
 # (engine, kind) -> parameters the engine creates but reads only in a mode our exports never use
-ENGINE_UNUSED = {("vllm", "dflash"): (r"(^|\.)mask_embedding$",)}  # only with a shipped mask_embedding.pt
+ENGINE_UNUSED = {("vllm", "dflash"): (r"(^|\.)mask_embedding$",),  # only with a shipped mask_embedding.pt
+                 ("vllm", "dspark"): (r"(^|\.)mask_embedding$",)}  # "an unused placeholder param" (qwen3_dspark.py)
 
 # vLLM 0.33's `method: suffix` settings (SpeculativeConfig.suffix_decoding_*): the defaults our suffix
 # proposer starts from, so its drafts are the ones `vllm serve` would make

@@ -26,6 +26,12 @@ FAULTS = {  # name -> a change to config.json that the engine reads and our trai
 @pytest.fixture(scope="module")
 def dflash_exports(tmp_path_factory):
     """A perturbed random DFlash head (block 4) on the tiny target, exported in all three formats."""
+    return example_exports("dflash", tmp_path_factory.mktemp("dflash-engine"))
+
+
+def example_exports(kind: str, root: Path) -> tuple[dict[str, Path], Path]:
+    """The kind descriptor's first example on the tiny target, exported in vllm, vllm-native and sglang
+    under `root`, and the target folder."""
     from specheads.builtin.tiny_target import cached_tiny_target
     from specheads.engines.matrix import fingerprint_provenance, save_example
     from specheads.kinds import KINDS
@@ -34,8 +40,7 @@ def dflash_exports(tmp_path_factory):
 
     tiny = cached_tiny_target("test", progress=False)
     target = Target.load(str(tiny), device="cpu")
-    root = tmp_path_factory.mktemp("dflash-engine")
-    example = KINDS["dflash"].example
+    example = KINDS[kind].example
     ckpt = save_example(root, example.build(target, example.seed), tiny, fingerprint_provenance(target))
     return {fmt: export(ckpt, fmt, root / fmt) for fmt in ("vllm", "vllm-native", "sglang")}, tiny
 

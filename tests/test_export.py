@@ -244,7 +244,7 @@ def test_readme_title_names_each_kind_s_own_format():
     for kind, writer in WRITERS.items():
         for fmt in writer.FORMATS_WRITTEN:
             title = readme_title(fmt, kind)
-            assert ("speculators" in title) == ((kind, fmt) in {("eagle3", "vllm"), ("dflash", "vllm")}), (kind, fmt, title)
+            assert ("speculators" in title) == ((kind, fmt) in {("eagle3", "vllm"), ("dflash", "vllm"), ("dspark", "vllm")}), (kind, fmt, title)
     assert readme_title("sglang", "mtp") == "SGLang 0.5.23, NEXTN"
 
 
@@ -321,7 +321,7 @@ def test_full_vocab_export_decodes_greedy_equal(tiny_target_dir, tmp_path):
 
 
 def test_t2d_is_rebuilt_from_d2t_as_the_vocab_map_builds_it():
-    from specheads.export.keys import t2d_from_d2t
+    from specheads.heads.vocab import t2d_from_d2t
 
     counts = torch.tensor([5, 0, 3, 9, 1, 0, 7, 2])
     d2t, t2d = build_vocab_map(counts, 4)

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
 import probe_cpu  # noqa: E402
 from probe_sglang_dflash import KV_NOTE, mask_token_id, run_blocks  # noqa: E402
+import probe_sglang_dspark as dspark  # noqa: E402
 from probe_sglang_forward import (  # noqa: E402
     STANDALONE_NOTE, replace_attention_kernel, run_draft, run_target, standalone_chain_as_served,
 )
@@ -39,7 +40,8 @@ from probe_sglang_weights import (  # noqa: E402
 
 ENGINE = "sglang"
 ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft": "STANDALONE", "mtp": "NEXTN",
-              "medusa": "MEDUSA", "medusa2": "MEDUSA", "dflash": "DFLASH", "peagle": "PEAGLE"}
+              "medusa": "MEDUSA", "medusa2": "MEDUSA", "dflash": "DFLASH", "peagle": "PEAGLE",
+              "dspark": "DSPARK"}
 SGL_KERNEL_NOTE = ("run in sgl_kernel ops; the installed sgl_kernel is the CUDA build (stubbed here), so "
                    "they have no CPU path and the forward is not attempted")
 MTP_FORWARD_SKIP = {  # target model_type -> why the MTP module's forward is not run on a CPU
@@ -250,6 +252,8 @@ def stage_config(args, result: dict):
         REPLACED.append(replace_attention_kernel())
         if algorithm == "DFLASH":
             REPLACED.append(allow_dflash_on_cpu())
+        if algorithm == "DSPARK":
+            REPLACED.extend(n for n in (dspark.allow_dspark_on_cpu(), dspark.confidence_mode(args.draft)) if n)
         sa = server_args(args, algorithm)
         init_runtime(sa)
         algo, target_cfg, draft_cfg, aux = load_configs(args, sa)
@@ -262,6 +266,11 @@ def stage_config(args, result: dict):
     if algorithm == "DFLASH":
         try:
             result["config"]["mask_token_id"] = mask_token_id(draft_cfg, target_cfg)
+        except Exception as exc:
+            raise StageError("config", exc) from exc
+    if algorithm == "DSPARK":
+        try:
+            result["config"].update(dspark.runtime(draft_cfg, target_cfg, result["config"]["num_draft_tokens"]))
         except Exception as exc:
             raise StageError("config", exc) from exc
     return algo, target_cfg, draft_cfg, aux
@@ -353,6 +362,8 @@ def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg
         result["layers"] = "ok"
     result["config"]["target_next_token"] = engine_next  # SGLang's target, greedy after the prompt
     next_token = engine_next if given_next is None else given_next
+    if args.kind == "dspark":
+        return stage_forward_dspark(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors)
     if args.kind == "dflash":
         return stage_forward_dflash(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors)
     try:
@@ -380,6 +391,23 @@ def stage_forward_dflash(args, result, tensors, target_model, draft_model, hidde
         raise StageError("forward", exc) from exc
     tensors["draft_logits"], tensors["chain"] = logits.float().contiguous(), chain.to("cpu").long()
     result["config"].update(block_size=block_size, anchors=list(anchors))
+    result["forward"] = "ok"
+    return tensors
+
+
+def stage_forward_dspark(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors):
+    """Stage 4 for DSPARK: DFLASH's context write and block forward, then the Markov steps at every anchor."""
+    try:
+        REPLACED.extend((KV_NOTE, dspark.STEP_NOTE))
+        cfg = result["config"]
+        logits, chain, confidence = dspark.run_blocks(draft_model, target_model, hidden, ids, next_token, anchors,
+                                                      args.k, cfg["mask_token_id"], cfg["block_size"])
+    except Exception as exc:
+        raise StageError("forward", exc) from exc
+    tensors["draft_logits"], tensors["chain"] = logits.float().contiguous(), chain.to("cpu").long()
+    if confidence is not None:
+        tensors["confidence"] = confidence.float().contiguous()
+    result["config"].update(anchors=list(anchors), confidence_head=draft_model.confidence_head is not None)
     result["forward"] = "ok"
     return tensors
 

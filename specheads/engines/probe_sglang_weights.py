@@ -132,7 +132,7 @@ def synchronous_weight_loading() -> str:
 def share_with_target(kind: str, algo, target_model, draft_model, target_cfg):
     """The draft worker's own init_token_map / init_lm_head, run on the two loaded models. DFLASH's
     worker shares nothing into the draft: it reads the target's embedding and lm_head at run time."""
-    if kind == "dflash":
+    if kind in ("dflash", "dspark"):  # DSPARK: attach_shared_modules at run time (probe_sglang_dspark.py)
         return None
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker

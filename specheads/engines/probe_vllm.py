@@ -38,13 +38,14 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
 import probe_cpu  # noqa: E402
 from probe_vllm_dflash import block_attention, file_context_kv, native_custom_ops, run_blocks  # noqa: E402
+import probe_vllm_dspark as dspark  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-KINDS = ("eagle3", "eagle", "draft", "mtp", "medusa", "dflash", "peagle")
+KINDS = ("eagle3", "eagle", "draft", "mtp", "medusa", "dflash", "peagle", "dspark")
 METHODS = {"eagle3": "eagle3", "eagle": "eagle", "draft": "draft_model", "mtp": "mtp", "medusa": "medusa",
-           "dflash": "dflash", "peagle": "eagle3"}
+           "dflash": "dflash", "peagle": "eagle3", "dspark": "dspark"}
 INT_SENTINEL = -7777
 _ACTIVE = {"probe": None, "distributed": False, "loader_patched": False, "cpu": None}  # process-wide (--jobs)
 REPLACED = ("vllm.model_executor.layers.attention.Attention.forward -> a plain causal softmax over the "
@@ -110,6 +111,7 @@ class Probe:
             pass
         finally:
             _ACTIVE["probe"] = None
+            getattr(self, "_undo_runner", lambda: None)()
             if getattr(self, "_ctx", None) is not None:
                 self._ctx.__exit__(None, None, None)
         self.write()
@@ -126,6 +128,7 @@ class Probe:
     def config_stage(self):
         from vllm.engine.arg_utils import EngineArgs
 
+        self._undo_runner = dspark.v2_runner(self.args.kind, self.result["replaced_kernels"])  # for the whole job
         try:
             engine_args = EngineArgs(
                 model=self.args.target, tokenizer=self.args.target, dtype="float32", enforce_eager=True,
@@ -147,7 +150,7 @@ class Probe:
             "draft_path": sc.draft_model_config.model,
             "aux_layer_ids": None,
         }
-        if sc.method in ("eagle3", "dflash"):  # DFlash taps the target through the same aux-layer machinery
+        if sc.method in ("eagle3", "dflash", "dspark"):  # DFlash (and DSpark) taps the target through the same aux-layer machinery
             from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
             ids = get_eagle3_aux_layers_from_config(sc)
@@ -155,10 +158,12 @@ class Probe:
             cfg["aux_layer_ids_source"] = "draft config" if ids else "target default"
             for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "target_hidden_size"):
                 cfg[key] = getattr(hf, key, None)
-        if sc.method == "dflash":
+        if sc.method in ("dflash", "dspark"):
             from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 
             cfg["mask_token_id"] = get_parallel_drafting_token_id(hf)
+        if sc.method == "dspark":
+            cfg.update(dspark.config_fields(hf))
         if sc.method == "mtp":
             cfg["n_predict"] = getattr(hf, "n_predict", None)
         cfg["parallel_drafting"] = bool(getattr(sc, "parallel_drafting", False))
@@ -210,6 +215,10 @@ class Probe:
             from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
 
             return load_dflash_model(self.target, self.vc)
+        if method == "dspark":  # the V2 runner's DSpark loader (DFlash's attention config, embed / head sharing)
+            from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+
+            return load_dspark_model(self.target, self.vc)
         from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
         return load_eagle_model(self.target, self.vc)
@@ -377,7 +386,7 @@ class Probe:
         ids, _ = self._inputs()
         try:
             self._plain_attention()
-            if method in ("eagle3", "dflash"):
+            if method in ("eagle3", "dflash", "dspark"):
                 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 
                 set_eagle3_aux_hidden_state_layers(self.target, self.vc.speculative_config)
@@ -414,7 +423,7 @@ class Probe:
         try:
             if kind == "draft":
                 self._forward_draft_model()
-            elif kind == "dflash":
+            elif kind in ("dflash", "dspark"):
                 self._forward_dflash()
             else:
                 self._forward_eagle()
@@ -459,8 +468,17 @@ class Probe:
         for note in (native_custom_ops(), file_context_kv(self.draft), block_attention()):
             if note not in self.result["replaced_kernels"]:
                 self.result["replaced_kernels"].append(note)
-        logits, tokens, mask_id = run_blocks(self.vc, self.draft, self.target_hidden, ids, next_token,
-                                             self.anchors, self.args.k)
+        if self.args.kind == "dspark":
+            if dspark.MARKOV_NOTE not in self.result["replaced_kernels"]:
+                self.result["replaced_kernels"].append(dspark.MARKOV_NOTE)
+            logits, tokens, confidence = dspark.run_dspark_blocks(self.vc, self.draft, self.target_hidden, ids,
+                                                                  next_token, self.anchors, self.args.k)
+            self.result["config"]["confidence_head"] = self.draft.model.confidence_head is not None
+            if confidence is not None:
+                self.tensors["confidence"] = confidence
+        else:
+            logits, tokens, _ = run_blocks(self.vc, self.draft, self.target_hidden, ids, next_token,
+                                           self.anchors, self.args.k)
         self.tensors["draft_logits"], self.tensors["chain"] = logits, tokens
         self.result["config"]["anchors"] = list(self.anchors)
 

@@ -94,8 +94,9 @@ def block_attention() -> str:
     return ATTN_NOTE
 
 
-def run_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int):
-    """Block logits [len(anchors) * k, V] and the last block's greedy tokens [k].
+def run_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int, score=None):
+    """Block logits [len(anchors) * k, V] and the last block's greedy tokens [k]; `score(states [k, H],
+    anchor)` -> (logits, tokens) replaces DFlash's compute_logits + argmax (DSpark's Markov steps).
 
     aux [T, n*H]: the target states the engine taps. Anchor a: context rows 0..a-1 stored by the
     engine's precompute at positions 0..a-1, then [x_a (next_token when a = T), mask x k] at
@@ -116,7 +117,10 @@ def run_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int):
         block = torch.tensor([anchor] + [mask_id] * k)
         with set_forward_context(None, vc):
             out = draft(input_ids=block, positions=torch.arange(a, a + k + 1))
-        logits = draft.compute_logits(out[1:])  # [k, V]: -inf off a reduced draft vocabulary
+        if score is None:
+            logits = draft.compute_logits(out[1:])  # [k, V]: -inf off a reduced draft vocabulary
+            tokens = logits.argmax(-1)
+        else:
+            logits, tokens = score(out[1:], anchor)
         rows.append(logits)
-        tokens = logits.argmax(-1)
     return torch.cat(rows), tokens, mask_id

@@ -25,9 +25,9 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
     Violation,
 )
+from specheads.heads.vocab import t2d_from_d2t
 from specheads.export.keys import (
-    REQUIRED, check_decoder, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, t2d_from_d2t,
-    trained_fields,
+    REQUIRED, check_decoder, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, trained_fields,
 )
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
@@ -108,12 +108,17 @@ def speculators_config(config: DFlashConfig, k: int, verifier: str, verifier_arc
 
 def config_json(config: DFlashConfig, fmt: str, k: int, verifier: str, verifier_archs: list[str],
                 dtype: str) -> dict:
-    if k > config.block_size - 1:
-        raise ValueError(f"num_speculative_tokens {k}: this head was trained on blocks of {config.block_size} "
-                         f"(anchor + {config.block_size - 1} drafts); use at most {config.block_size - 1}")
-    if fmt == "vllm":
-        return speculators_config(config, k, verifier, verifier_archs, dtype)
-    return native_config(config, dtype)
+    return block_config(fmt, k, config.block_size - 1, lambda: speculators_config(config, k, verifier, verifier_archs,
+                                                                                  dtype), lambda: native_config(config, dtype))
+
+
+def block_config(fmt: str, k: int, drafts: int, speculators, native) -> dict:
+    """speculators() for the speculators format, else native(); a chain longer than the `drafts`
+    tokens a block was trained to draft is refused."""
+    if k > drafts:
+        raise ValueError(f"num_speculative_tokens {k}: this head was trained on blocks of anchor + {drafts} "
+                         f"drafts; use at most {drafts}")
+    return speculators() if fmt == "vllm" else native()
 
 
 def plan(request: ExportRequest) -> ExportPlan:
@@ -299,10 +304,16 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
 
 def validate(folder: str | Path, fmt: str, expected=None) -> None:
     """Check a DFlash export folder against its engine's loader; raise ContractError listing all."""
+    check_format(folder, fmt, expected, check_keys, check_against_head, check_tensors)
+
+
+def check_format(folder: str | Path, fmt: str, expected, keys, against_head, tensors) -> None:
+    """check_folder with a block-drafter kind's checks, each given the format: keys(cfg, fmt),
+    against_head(cfg, fmt, head), tensors(specs, cfg, fmt) (DFlash's, or DSpark's around them)."""
     check_folder(Path(folder), fmt, WEIGHTS_FILE, expected, files=check_files,
-                 keys=lambda cfg: check_keys(cfg, fmt),
-                 against_head=lambda cfg, head: check_against_head(cfg, fmt, head),
-                 tensors=lambda specs, cfg: check_tensors(specs, cfg, fmt))
+                 keys=lambda cfg: keys(cfg, fmt),
+                 against_head=lambda cfg, head: against_head(cfg, fmt, head),
+                 tensors=lambda specs, cfg: tensors(specs, cfg, fmt))
 
 
 # --- load back ---------------------------------------------------------------------------------
@@ -326,14 +337,19 @@ def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> DFla
     )
 
 
+def with_t2d(config: DFlashConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A reduced vocabulary's t2d [V] rebuilt from d2t when the folder has none (the engines skip it)."""
+    if config.own_lm_head and "t2d" not in tensors:
+        tensors["t2d"] = t2d_from_d2t(tensors["d2t"], config.vocab_size)
+    return tensors
+
+
 def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> tuple[DFlashHead, object]:
     """A DFlash export folder -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format)
     config = config_from_export(read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
-    tensors = read_weights(meta.folder / WEIGHTS_FILE)
-    if config.own_lm_head and "t2d" not in tensors:
-        tensors["t2d"] = t2d_from_d2t(tensors["d2t"], config.vocab_size)
+    tensors = with_t2d(config, read_weights(meta.folder / WEIGHTS_FILE))
     head = DFlashHead(config, attn_implementation=attn_implementation)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))
     return head.eval(), meta

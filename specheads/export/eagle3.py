@@ -23,12 +23,13 @@ from specheads.export.contract_rules import (
     CONFIG_FILE, ENGINE_NAMES, LAYER_KEYS, WEIGHTS_FILE, FormatContract, Violation, contract_for,
 )
 from specheads.export.keys import (
-    REQUIRED, Field, check_decoder, check_rope, llama_layer_keys, read_decoder, speculators_block, t2d_from_d2t,
+    REQUIRED, Field, check_decoder, check_rope, llama_layer_keys, read_decoder, speculators_block,
     trained_fields,
 )
 from specheads.export.load import ExportMeta, read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
+from specheads.heads.vocab import t2d_from_d2t
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import torch
 
 from specheads.export.contract import MISSING, config_rope, found_text
 from specheads.export.contract_rules import CONFIG_FILE, Violation
@@ -126,9 +125,3 @@ def trained_fields(trained: dict | None, names: tuple[str, ...]) -> dict:
     trained = trained or {}
     return {name: trained[name] for name in names if name in trained}
 
-
-def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The target->draft mask t2d [V] bool of the d2t offsets [Vd] (target id = i + d2t[i])."""
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
-    t2d[torch.arange(d2t.numel()) + d2t] = True
-    return t2d

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specheads.engine_facts import REFUSED
+from specheads.export import dspark
 from specheads.export import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.export.contract_rules import META_FILE
 from specheads.export.folder import verify_export
@@ -26,6 +27,7 @@ WRITERS = {
     "mtp": mtp,
     "draft": draft,
     "dflash": dflash,
+    "dspark": dspark,
 }
 LOADERS = WRITERS  # each kind's writer module also reads its folders back (`load`)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specheads.heads.dflash import DFlashHead
 from specheads.heads.draft import DraftHead
+from specheads.heads.dspark import DSparkHead
 from specheads.heads.eagle1 import EagleHead
 from specheads.heads.eagle3 import Eagle3Head
 from specheads.heads.medusa import MedusaHead
@@ -19,6 +20,7 @@ HEADS = {
     "mtp": MtpHead,
     "draft": DraftHead,
     "dflash": DFlashHead,
+    "dspark": DSparkHead,
 }
 
 

@@ -38,3 +38,10 @@ def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.
 def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """Draft-vocab ids -> target ids (same shape)."""
     return draft_ids + d2t[draft_ids]
+
+
+def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The target->draft mask t2d [V] bool of the d2t offsets [Vd] (target id = i + d2t[i])."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+    t2d[torch.arange(d2t.numel()) + d2t] = True
+    return t2d

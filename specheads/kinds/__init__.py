@@ -7,6 +7,7 @@ README tells), its proposers (`verify/<kind>_proposers.py`) and this descriptor.
 
 from __future__ import annotations
 
+from specheads.kinds import dspark
 from specheads.kinds import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.kinds.base import EngineSide, Example, Kind
 
@@ -19,6 +20,7 @@ KINDS: dict[str, Kind] = {
     "mtp": mtp.KIND,
     "draft": draft.KIND,
     "dflash": dflash.KIND,
+    "dspark": dspark.KIND,
 }
 
 __all__ = ["KINDS", "EngineSide", "Example", "Kind", "kind_of"]

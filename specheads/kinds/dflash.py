@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET
-from specheads.heads.dflash import DFlashConfig, DFlashHead, DFlashOptions
+from specheads.heads.dflash import DFlashHead, DFlashOptions
 from specheads.kinds.base import EngineSide, Example, Kind, random_head, tapped_states
 from specheads.verify.dflash_proposers import DFlashProposer
 
@@ -21,7 +21,8 @@ def as_trained(head, ours):
     trained = ours.meta.head_config
     if not trained:
         return head
-    rebuilt = DFlashHead(DFlashConfig(**trained), attn_implementation="eager")
+    cls = type(head)  # DFlashHead, or a kind built on it (DSpark)
+    rebuilt = cls(cls.Config(**trained), attn_implementation="eager")
     rebuilt.load_state_dict(head.state_dict())
     return rebuilt.eval()
 
@@ -33,7 +34,13 @@ def features(ours, ids):
 @torch.no_grad()
 def first_pass(ours, ids, next_token, out, anchors, k):
     """Slots 1..k of the block at each anchor [len(anchors) * k, V], from our proposer."""
-    proposer, T, rows = DFlashProposer(ours.head, ours.target), ids.shape[1], []
+    return blocks_at(DFlashProposer(ours.head, ours.target), ours, ids, next_token, out, anchors, k)
+
+
+def blocks_at(proposer, ours, ids, next_token, out, anchors, k) -> torch.Tensor:
+    """`proposer.block_logits(k)` of the block at each anchor (context x_<a, anchor x_a, or
+    next_token after the prompt), full vocabulary [len(anchors) * k, V]."""
+    T, rows = ids.shape[1], []
     for a in anchors:
         proposer.start(ids[0, :a], next_token if a == T else int(ids[0, a]), out)
         rows.append(ours.full_vocab(proposer.block_logits(k).float()))
@@ -42,7 +49,11 @@ def first_pass(ours, ids, next_token, out, anchors, k):
 
 def expect(ours, engine: str) -> dict:
     """The mask token; vLLM's aux ids count HF hidden states (DFlash id + offset)."""
-    hc = ours.meta.head_config or {}
+    return backbone_expect(ours.meta.head_config or {}, engine)
+
+
+def backbone_expect(hc: dict, engine: str) -> dict:
+    """What the engine derives from a DFlash backbone's trained config `hc` (DSpark's `dflash`)."""
     want = {"mask_token_id": hc.get("mask_token_id")}
     if engine == "vllm":
         want["aux_layer_ids"] = [t + DFLASH_SPECULATORS_OFFSET for t in hc.get("target_layer_ids") or []] or None

@@ -68,6 +68,10 @@ class DFlashProposer:
 
     def block_logits(self, k: int) -> torch.Tensor:
         """Draft logits [k, Vd] of slots 1..k of the block at the anchor; the block is dropped."""
+        return self.head.logits(self.block_states(k), self.target.lm_head.weight)
+
+    def block_states(self, k: int) -> torch.Tensor:
+        """Final-normed states [k, H] of slots 1..k of the block at the anchor; the block is dropped."""
         cfg, device = self.head.config, self.target.device
         ids = torch.tensor([[self.anchor] + [cfg.mask_token_id] * k], device=device)
         embeds = self.target.embed(ids)  # [1, k+1, H]
@@ -76,7 +80,7 @@ class DFlashProposer:
             mask[:, self.rows:] = torch.full((k + 1, k + 1), torch.finfo(self.dtype).min, device=device).triu(1)
         out = self.head.block_forward(embeds, positions(self.rows, k + 1, device), mask[None, None], self.cache)
         trim_cache(self.cache, self.rows)
-        return self.head.logits(out[0, 1:], self.target.lm_head.weight)
+        return out[0, 1:]
 
     @torch.no_grad()
     def propose(self, k: int) -> torch.Tensor:

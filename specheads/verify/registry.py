@@ -8,6 +8,7 @@ from __future__ import annotations
 from specheads.verify import (
     dflash_proposers,
     draft_proposers,
+    dspark_proposers,
     eagle1_proposers,
     eagle3_proposers,
     medusa_proposers,
@@ -23,6 +24,7 @@ PROPOSERS = {
     "mtp": mtp_proposers,
     "draft": draft_proposers,
     "dflash": dflash_proposers,
+    "dspark": dspark_proposers,
 }
 
 
