@@ -10,7 +10,7 @@ ARCTIC ?= arctic-inference==0.3.0
 
 ENGINES ?= vllm,sglang
 
-.PHONY: install suffix test demo engine-check train export eval bench bench-server push clean real-target real
+.PHONY: install suffix lint test demo engine-check train export eval bench bench-server push clean real-target real
 
 install: $(STAMP) $(SUFFIX_STAMP)
 
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+lint: install
+	$(BIN)/ruff check specheads tests bench
 
 # arctic-inference (the suffix tree behind vLLM's `method: suffix`) ships only an sdist whose build
 # isolation pulls a CUDA torch: build its wheel against the venv's CPU torch, with the build-only
@@ -37,6 +40,7 @@ $(SUFFIX_STAMP): $(STAMP)
 	touch $@
 
 test: install
+	$(BIN)/ruff check specheads tests bench
 	$(BIN)/python -m pytest -q -x --timeout 900 tests
 
 demo: install

@@ -26,10 +26,10 @@ import torch
 from specheads.atomic import write_json
 from specheads.config import load_recipe
 from specheads.data.features import capture, read_manifest
+from specheads.data.samples import prepare_samples
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import Checkpoint
 from specheads.target import Target
-from specheads.data.samples import prepare_samples
 from specheads.train import train
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo" / "eagle3.yaml"

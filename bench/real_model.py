@@ -258,7 +258,8 @@ def markdown(r: dict) -> str:
               f"- draft vocabulary: {json.dumps(r['data']['vocab'])}",
               f"- feature cache: {json.dumps(r['data']['capture'])}", ""]
     lines += ["## EAGLE-3 against prompt lookup (greedy)", "",
-              "| prompts | k | tau | n-gram tau | ratio | acceptance per position | greedy equal | predicted speed-up (cost model / seed formula) | measured speed-up | n-gram measured |",
+              "| prompts | k | tau | n-gram tau | ratio | acceptance per position | greedy equal | "
+              "predicted speed-up (cost model / seed formula) | measured speed-up | n-gram measured |",
               "|---|---:|---:|---:|---:|---|:---:|---:|---:|---:|"]
     for name, e in r["evals"].items():
         pm = e["predicted_speedup_cost_model"]
@@ -298,7 +299,8 @@ def run(a, overrides: list[str]) -> dict:
     runs, cap = {}, None
     for fraction in sorted(a.fractions):
         tag = f"{fraction:g}"
-        train_file = data / "train.jsonl" if fraction == 1 else subset(data / "train.jsonl", data / f"train_{tag}.jsonl", fraction)
+        train_file = (data / "train.jsonl" if fraction == 1
+                      else subset(data / "train.jsonl", data / f"train_{tag}.jsonl", fraction))
         c = st.run(f"capture_{tag}", capture, target, train_file, out / f"features_{tag}", common, a.storage)
         cap = c if fraction == 1 else cap
         n = sum(1 for _ in train_file.open())

@@ -17,9 +17,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 TMP_INFIX = ".tmp-"
 

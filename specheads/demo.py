@@ -166,8 +166,9 @@ def print_summary(summary: dict) -> None:
     console = Console(width=140)
     console.print(table)
     ratio = spec["tau"] / ngram["tau"] if ngram["tau"] else float("nan")
+    c_spec, c_ngram = spec.get("cost_ratio_c", float("nan")), ngram.get("cost_ratio_c", float("nan"))
     console.print(f"EAGLE-3 tau / n-gram tau = {ratio:.2f}; draft/target cost ratio c = "
-                  f"{spec.get('cost_ratio_c', float('nan')):.3f} (EAGLE-3), {ngram.get('cost_ratio_c', float('nan')):.3f} (n-gram)")
+                  f"{c_spec:.3f} (EAGLE-3), {c_ngram:.3f} (n-gram)")
     par = summary.get("parity")
     if par:
         verdict = "ok" if par["ok"] else "GAP: " + "; ".join(par["likely_causes"][:2])

@@ -26,7 +26,11 @@ import time
 from pathlib import Path
 
 from specheads.cli_options import (
-    add_fingerprint_argument, add_sampling_arguments, add_tree_arguments, sampling_from_args, spec_from_args,
+    add_fingerprint_argument,
+    add_sampling_arguments,
+    add_tree_arguments,
+    sampling_from_args,
+    spec_from_args,
 )
 from specheads.data.messages import FieldError, check_text
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text, user_turn

@@ -6,7 +6,7 @@ import functools
 import inspect
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_arg_name() -> str:
     """transformers >= 5.24 names the KV cache `cache`; older 5.x only know `past_key_values`."""
     from transformers.models.llama.modeling_llama import LlamaAttention

@@ -61,7 +61,7 @@ class Progress:
         elif not self.quiet and self.shown != self.done:
             self._line()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from specheads.cli_options import add_fingerprint_argument
 from specheads.data.openai_client import Endpoint
-from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenOptions, RegenerateError, one_by_one
 from specheads.data.regenerate_run import read_rows, run_regenerate
+from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, one_by_one
 from specheads.data.resume import check_resumable
 from specheads.session import Session, load_draft
 from specheads.target import Target

@@ -40,7 +40,7 @@ class BatchPlan:
     def batches_per_epoch(self) -> int:
         return max(1, len(self.lengths) // self.global_batch)
 
-    @functools.lru_cache(maxsize=2)
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - bounded (2 epochs); the plan lives as long as the run
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         perm = torch.randperm(len(self.lengths), generator=gen).tolist()

@@ -111,7 +111,7 @@ class Session:
     @classmethod
     def open(cls, target_path: str, draft_dir: str | Path | None, spec: TreeSpec = TreeSpec("chain"),
              k: int | None = None, device: str = "auto", dtype: str | None = None,
-             allow_missing_fingerprint: bool = False) -> "Session":
+             allow_missing_fingerprint: bool = False) -> Session:
         """Load the target (`dtype` None: bfloat16 on a GPU, float32 elsewhere) and the draft once."""
         target = Target.load(target_path, dtype=dtype, device=device)
         draft = load_draft(draft_dir, target, allow_missing_fingerprint) if draft_dir else None

@@ -110,7 +110,7 @@ class Target:
 
     @classmethod
     def load(cls, path: str, dtype: str | None = "float32", device: str = "auto",
-             attn_implementation: str = "sdpa") -> "Target":
+             attn_implementation: str = "sdpa") -> Target:
         """A frozen target from a folder (or builtin:...); `dtype` None: the device's default
         (bfloat16 on a GPU, float32 elsewhere, as the CLI's --dtype)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -39,7 +39,13 @@ from specheads.engine_facts import REFUSED_OPTIONS
 from specheads.errors import first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
-    Checkpoint, latest_checkpoint, load_strict, mark_run, resume_hint, run_dir_refusal, save_checkpoint,
+    Checkpoint,
+    latest_checkpoint,
+    load_strict,
+    mark_run,
+    resume_hint,
+    run_dir_refusal,
+    save_checkpoint,
 )
 from specheads.heads import head_class
 from specheads.heads.losses import COUNT_KEYS

@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from refusals import LATIN1, RECIPE, refused, write_data
 
 

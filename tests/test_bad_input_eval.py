@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
+import pytest
 from refusals import BINARY, LATIN1, refused, write_prompts
 
 ROLES = "expected one of system, developer, user, assistant, tool"

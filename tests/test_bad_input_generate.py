@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from refusals import env, refused
 
 

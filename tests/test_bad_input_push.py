@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 from refusals import BINARY, LATIN1, refused
 
 

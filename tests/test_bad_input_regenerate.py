@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from refusals import BINARY, LATIN1, refused, write_data
 
 ROLES = "expected one of system, developer, user, assistant, tool"

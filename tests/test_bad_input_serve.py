@@ -9,14 +9,13 @@ refuse to (NaN literals, a non-integer Content-Length, a body that never arrives
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
-import os
 from urllib.parse import urlparse
 
 import pytest
-
 from servers import launch, wait_listening
 
 READ_TIMEOUT = 2  # seconds the server waits for a body or headers (--read-timeout)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from refusals import BINARY, LATIN1, RECIPE, refused, write_data
 
 

@@ -9,10 +9,10 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from servers import launch, wait_listening
 
 from specheads.eval.bench import main as bench_main
 from specheads.eval.bench import parse_prometheus, percentile, run_bench
-from servers import launch, wait_listening
 
 PROMPTS = ["def add(a, b):", "class Stack:", "def read_config(path):", "import os\n\ndef walk(root):",
            "def fib(n):", "def parse(line):"]

@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
+from test_integrity import cli
 
 from specheads.data.prompts import encode_chat
 from specheads.session import eos_ids
 from specheads.verify.loop import greedy_decode
-from test_integrity import cli
 
 PROMPTS = ["def add(a, b):", "class Stack:"]
 NEW_TOKENS = 24  # per prompt: at least 20 drafts in all, the warning's threshold

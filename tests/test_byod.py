@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_models import VOCAB, make_target
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
@@ -23,7 +24,6 @@ from specheads.heads.eagle3 import ttt_attention_mask
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import make_tree_spec
-from random_models import VOCAB, make_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ["speculators_eagle3", "speculators_eagle3_fcnorm"]

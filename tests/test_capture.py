@@ -31,9 +31,9 @@ from specheads.data.features import (
     read_manifest,
     sample_key,
 )
+from specheads.data.samples import prepare_samples
 from specheads.data.tokenize import collate
 from specheads.target import Target
-from specheads.data.samples import prepare_samples
 from specheads.train import build_head, head_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,9 +206,10 @@ def test_a_duplicated_shard_is_refused_when_merging(setup, captures, tmp_path):
 
 
 LAUNCH = {  # real 2-process gloo groups on a CPU, the two ways users launch them
-    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"],  # free ports:
+    # free ports: concurrent sessions never collide
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"],
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "0"],  # concurrent sessions never collide
+                   str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "--main_process_port", "0"],
 }
 
 

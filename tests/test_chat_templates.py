@@ -12,8 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specheads.config import DataConfig, from_dict
 from specheads.data.conversations import Conversation, DataError, Message, read_conversations
-from specheads.data.tokenize import (TemplateError, assistant_mask_from_generation_markers, mask_messages,
-                                     tokenize_conversation)
+from specheads.data.tokenize import TemplateError, assistant_mask_from_generation_markers, mask_messages, tokenize_conversation
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 SPECIAL = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",

@@ -5,14 +5,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_export import make_head, save
 
 from specheads.export import ContractError, export, load, validate
 from specheads.export.contract import expected_shape
-from specheads.export.foreign import detect_eagle3_format
 from specheads.export.contract_rules import CONTRACTS
 from specheads.export.folder import SHA_KEY
+from specheads.export.foreign import detect_eagle3_format
 from specheads.integrity import IntegrityError
-from test_export import make_head, save
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,9 @@ def test_extra_bias_and_nested_lm_head(folder):
 
 @pytest.mark.parametrize("folder", ["sglang"], indirect=True)
 def test_mixed_layer_spellings(folder):
-    copy = lambda t: t.__setitem__("layers.0.hidden_norm.weight", t["midlayer.hidden_norm.weight"].clone())
+    def copy(t):
+        t["layers.0.hidden_norm.weight"] = t["midlayer.hidden_norm.weight"].clone()
+
     edit_tensors(folder, copy)
     assert "layers.0.* and midlayer.*: expected one spelling" in violations(folder, "sglang")
 

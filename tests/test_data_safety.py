@@ -8,12 +8,12 @@ import json
 import shutil
 
 import pytest
-
-from specheads.atomic import OutputRefused
-from specheads.export import export
 from test_atomic import tree_state, user_tree
 from test_export import make_head, save
 from test_integrity import cli
+
+from specheads.atomic import OutputRefused
+from specheads.export import export
 
 
 def refused(args: list[str], root, *names: str) -> str:

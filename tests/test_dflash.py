@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from random_models import make_target
+
 from specheads.heads.dflash import (
-    DFlashHead, DFlashOptions, block_attention_mask, default_target_layer_ids, sample_anchors,
+    DFlashHead,
+    DFlashOptions,
+    block_attention_mask,
+    default_target_layer_ids,
+    sample_anchors,
 )
 from specheads.verify.dflash_proposers import DFlashProposer, SampledDFlashProposer
 from specheads.verify.loop import decode, greedy_decode

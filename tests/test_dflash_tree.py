@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_dflash import random_head, target  # noqa: F401 - the module's target fixture
 
 from specheads.heads.dflash import DFlashHead, DFlashOptions
 from specheads.verify.dflash_proposers import DFlashProposer, DFlashStaticTreeProposer
@@ -13,7 +14,6 @@ from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import TreeSpec
 from specheads.verify.trees import SettingsError, TreeError
-from test_dflash import random_head, target  # noqa: F401 - the module's target fixture
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
 

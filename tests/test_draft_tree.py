@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from random_models import make_target
 
 from specheads.cli import main as cli
 from specheads.export import export
 from specheads.export.checkpoint import save_checkpoint
-from random_models import make_target
 from specheads.heads.draft import DraftHead, DraftOptions
 from specheads.heads.losses import shift
 from specheads.heads.mtp import MtpHead, MtpOptions, causal_padding_mask

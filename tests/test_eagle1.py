@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+from random_models import make_target
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from random_models import make_target
 from specheads.export import ContractError, ExportRefused, export, load_with_meta
 from specheads.export import eagle1 as eagle1_export
 from specheads.export.checkpoint import save_checkpoint

@@ -142,8 +142,8 @@ def vllm_export(tmp_path_factory):
     """An EAGLE-3 head with a scattered reduced vocabulary, exported in vLLM's native format."""
     from specheads.builtin.tiny_target import cached_tiny_target
     from specheads.engines.matrix import fingerprint_provenance, save_example
-    from specheads.kinds import KINDS
     from specheads.export import export
+    from specheads.kinds import KINDS
     from specheads.target import Target
 
     tiny = cached_tiny_target("test", progress=False)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.engines import check, matrix
-from specheads.engines import probe_cpu
+from specheads.engines import check, matrix, probe_cpu
 
 ENGINE_DIR = Path(check.__file__).parent
 FORCED = [name for name in probe_cpu.PROFILES if name != "native"]

@@ -34,8 +34,8 @@ def example_exports(kind: str, root: Path) -> tuple[dict[str, Path], Path]:
     under `root`, and the target folder."""
     from specheads.builtin.tiny_target import cached_tiny_target
     from specheads.engines.matrix import fingerprint_provenance, save_example
-    from specheads.kinds import KINDS
     from specheads.export import export
+    from specheads.kinds import KINDS
     from specheads.target import Target
 
     tiny = cached_tiny_target("test", progress=False)

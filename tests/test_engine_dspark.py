@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_engine_dflash import example_exports
 
 from specheads.engines import check
-from test_engine_dflash import example_exports
 
 FORMATS = {"vllm": ("vllm", "vllm-native"), "sglang": ("sglang",)}
 

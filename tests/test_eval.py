@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
+from specheads.cli import main as cli
 from specheads.data.prompts import encode_chat
 from specheads.eval.offline import samples_from_outputs
 from specheads.eval.online import alpha_from_tau, evaluate
-from specheads.cli import main as cli
 from specheads.target import Target, TargetError
 
 

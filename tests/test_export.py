@@ -9,8 +9,8 @@ from safetensors import safe_open
 from transformers import LlamaConfig
 
 from specheads.export import CheckpointError, ExportRefused, export, load, load_with_meta, read_export_meta, validate
-from specheads.export.eagle3 import FORMATS_WRITTEN as FORMATS
 from specheads.export.checkpoint import save_checkpoint
+from specheads.export.eagle3 import FORMATS_WRITTEN as FORMATS
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.heads.vocab import build_vocab_map
 
@@ -236,6 +236,9 @@ def test_load_names_a_folder_that_is_no_export(tmp_path):
         load(tmp_path)
 
 
+SPECULATORS_TITLED = {("eagle3", "vllm"), ("dflash", "vllm"), ("dspark", "vllm")}  # the speculators formats
+
+
 def test_readme_title_names_each_kind_s_own_format():
     """Only EAGLE-3 and DFlash in `vllm` are speculators formats; every (kind, format) pair has its title."""
     from specheads.export import WRITERS
@@ -244,7 +247,7 @@ def test_readme_title_names_each_kind_s_own_format():
     for kind, writer in WRITERS.items():
         for fmt in writer.FORMATS_WRITTEN:
             title = readme_title(fmt, kind)
-            assert ("speculators" in title) == ((kind, fmt) in {("eagle3", "vllm"), ("dflash", "vllm"), ("dspark", "vllm")}), (kind, fmt, title)
+            assert ("speculators" in title) == ((kind, fmt) in SPECULATORS_TITLED), (kind, fmt, title)
     assert readme_title("sglang", "mtp") == "SGLang 0.5.23, NEXTN"
 
 

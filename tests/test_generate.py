@@ -17,10 +17,10 @@ import pytest
 from specheads.cli import main as cli
 from specheads.data.prompts import encode_chat
 from specheads.session import Session, eos_ids, load_draft
-from specheads.verify.settings import TreeSpec, make_tree_spec
-from specheads.verify.text import TextStream, writer
 from specheads.target import Target
 from specheads.verify.loop import greedy_decode
+from specheads.verify.settings import TreeSpec, make_tree_spec
+from specheads.verify.text import TextStream, writer
 
 PROMPT = "def add(a, b):"
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_export import make_head, save
 
 from specheads.export import CheckpointError, export, load_with_meta
 from specheads.export.checkpoint import Checkpoint
 from specheads.integrity import IntegrityError, sha256_file
 from specheads.metrics import broken_draft_warning, chain_summary
-from test_export import make_head, save
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from random_models import make_target
 from safetensors.torch import load_file, save_file
 
-from random_models import make_target
 from specheads.export import ContractError, ExportRefused, export, load_with_meta
 from specheads.export import medusa as medusa_export
 from specheads.export.checkpoint import save_checkpoint
@@ -51,7 +51,7 @@ def test_blocks_are_distinct_and_output_layers_start_as_target_head(target):
     assert head.blocks[0].layers[0].weight.data_ptr() != head.blocks[0].layers[1].weight.data_ptr()
     for lm in head.lm_heads:
         assert torch.equal(lm.weight.double(), target.lm_head.weight)
-    assert all(float(l.weight.detach().abs().sum()) == 0 for b in head.blocks for l in b.layers)
+    assert all(float(layer.weight.detach().abs().sum()) == 0 for b in head.blocks for layer in b.layers)
     assert sorted(head.state_dict())[:3] == ["blocks.0.layers.0.bias", "blocks.0.layers.0.weight",
                                              "blocks.0.layers.1.bias"]
 

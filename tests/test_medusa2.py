@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("peft")
 
 from random_models import make_target  # noqa: E402
+
 from specheads.config import load_recipe  # noqa: E402
 from specheads.export import export, load_with_meta  # noqa: E402
 from specheads.export.checkpoint import Checkpoint, save_checkpoint  # noqa: E402

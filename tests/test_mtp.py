@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from specheads.export import export, load_with_meta
 from specheads.export.checkpoint import save_checkpoint
 from specheads.export.contract_rules import ContractError
-from specheads.export.plan import ExportRefused
 from specheads.export.mtp import INDEX_FILE, MTP_FILE, validate
+from specheads.export.plan import ExportRefused
 from specheads.heads.losses import shift
 from specheads.heads.mtp import MtpHead, MtpOptions, causal_padding_mask
 from specheads.provenance import provenance

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_models import VOCAB, make_head, make_target
 
 from specheads.data.tokenize import TokenizedSample, collate
 from specheads.eval.offline import offline_acceptance, parity
 from specheads.metrics import ttt_summary
-from random_models import VOCAB, make_head, make_target
 
 
 class _Tok:

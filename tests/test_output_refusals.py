@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 import torch
-
-from specheads.atomic import OutputRefused
-from specheads.export.checkpoint import save_checkpoint
 from test_atomic import tree_state, user_tree
 from test_data_safety import refused
 from test_export import make_head
+
+from specheads.atomic import OutputRefused
+from specheads.export.checkpoint import save_checkpoint
 
 
 def test_pruning_and_best_spare_a_users_copy_of_a_checkpoint(tmp_path):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from random_models import make_target
+
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.heads.peagle import depth_anchors, parallel_mask, parallel_rows
 from specheads.verify.eagle3_proposers import Eagle3Proposer
@@ -127,7 +127,8 @@ def test_sampled_parallel_decoding_keeps_the_target_distribution(warping):
     counts = torch.zeros(V_SMALL ** 3, dtype=torch.long)
     accepted = rejected = 0
     for seed in range(300):
-        res = decode(target, SampledPEagleProposer(Eagle3Proposer(head, target)), prompt, 5, k=3, seed=seed, **warping, rule="exact")
+        proposer = SampledPEagleProposer(Eagle3Proposer(head, target))
+        res = decode(target, proposer, prompt, 5, k=3, seed=seed, **warping, rule="exact")
         counts[flat_index(torch.tensor([res.tokens[:3]]), V_SMALL)] += 1
         first = res.step_tokens[0] - 1
         accepted += first

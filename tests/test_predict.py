@@ -8,8 +8,17 @@ import math
 import pytest
 
 from specheads.eval.predict import (
-    PredictError, StepCosts, advice, best_tree, expected_tokens_chain, expected_tokens_tree,
-    measure_costs, monotone, predict, rank_acceptance, simulated_tau,
+    PredictError,
+    StepCosts,
+    advice,
+    best_tree,
+    expected_tokens_chain,
+    expected_tokens_tree,
+    measure_costs,
+    monotone,
+    predict,
+    rank_acceptance,
+    simulated_tau,
 )
 from specheads.metrics import predicted_speedup
 
@@ -198,13 +207,13 @@ def test_rank_acceptance_is_measured_by_the_offline_pass():
     """The EAGLE-3 head counts, per draft step, the rank of the target's token among its
     candidates; rank 0 is exactly the chain's conditional acceptance, ranks sum to at most 1,
     and the counts equal a direct recount from the head's own step logits."""
+    import types
+
     import torch
     from random_models import make_head, make_target
 
     from specheads.data.tokenize import TokenizedSample
     from specheads.eval.offline import offline_acceptance
-
-    import types
 
     target = make_target()
     target.tokenizer = types.SimpleNamespace(pad_token_id=0)  # the random target has ids only

@@ -15,10 +15,15 @@ from servers import start_server
 
 from specheads.data.conversations import Conversation, Message
 from specheads.data.prompts import encode_chat
-from specheads.data.regenerate_turns import (
-    LocalBackend, RegenerateError, RegenOptions, generate_batch, regenerate_local, shape_answer,
-)
 from specheads.data.regenerate_run import read_rows, run_regenerate
+from specheads.data.regenerate_turns import (
+    LocalBackend,
+    RegenerateError,
+    RegenOptions,
+    generate_batch,
+    regenerate_local,
+    shape_answer,
+)
 from specheads.data.resume import RowWriter, read_index
 from specheads.target import Target
 from specheads.verify.loop import greedy_decode

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from specheads.export import LOADERS, WRITERS, ExportRefused, load_with_meta
-from specheads.export.registry import writer_for
 from specheads.export.readme import Readme
+from specheads.export.registry import writer_for
 from specheads.heads import HEADS, head_class
 from specheads.kinds import KINDS, Kind, kind_of
 from specheads.verify.registry import PROPOSERS, make_proposer

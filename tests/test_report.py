@@ -8,8 +8,13 @@ import pytest
 
 from specheads.eval.predict import StepCosts, advice, predict
 from specheads.eval.report import (
-    RECOMMENDED, ReportError, attach_to_export, concurrency_series, tau_by_category,
-    with_recommendations, write_report,
+    RECOMMENDED,
+    ReportError,
+    attach_to_export,
+    concurrency_series,
+    tau_by_category,
+    with_recommendations,
+    write_report,
 )
 
 

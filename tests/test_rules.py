@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_models import make_target
 
 from specheads.verify.loop import ChainShape, TreeShape, decode, run_loop
 from specheads.verify.ngram_proposers import NO_DRAFT
@@ -28,7 +29,6 @@ from specheads.verify.rules import (
 from specheads.verify.sampling import make_generator, sample
 from specheads.verify.steps import DecodeError
 from specheads.verify.trees import chain_tree, tree_from_parents
-from random_models import make_target
 
 V = 6
 VERIFY = Path(__file__).resolve().parent.parent / "specheads" / "verify"

@@ -11,15 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_atomic import tree_state, user_tree
+from test_export import make_head
+from test_integrity import cli
+from test_train import RECIPE, ROOT, _overrides
 
 from specheads.atomic import OutputRefused
 from specheads.config import load_recipe
 from specheads.export.checkpoint import RUN_FILE, check_run_dir, is_training_run, latest_checkpoint, save_checkpoint
 from specheads.train import train
-from test_atomic import tree_state, user_tree
-from test_export import make_head
-from test_integrity import cli
-from test_train import RECIPE, ROOT, _overrides
 
 
 def users_run_like_folder(root: Path) -> Path:

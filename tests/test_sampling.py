@@ -19,15 +19,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_models import VOCAB, make_head, make_target
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.target import Target
-from specheads.verify.eagle3_proposers import Eagle3Proposer, SampledEagle3Proposer
+from specheads.verify.eagle3_proposers import (
+    Eagle3DynamicTreeProposer,
+    Eagle3Proposer,
+    Eagle3StaticTreeProposer,
+    SampledEagle3Proposer,
+)
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.ngram_proposers import NO_DRAFT, NgramProposer
-from specheads.verify.rules import accepted_prefix
-from specheads.verify.steps import causal_mask
+from specheads.verify.rules import accepted_prefix, greedy_tree_accept
 from specheads.verify.sampling import (
     accept_chain,
     accept_chain_batch,
@@ -39,10 +44,8 @@ from specheads.verify.sampling import (
     typical_accept,
     warp,
 )
-from specheads.verify.eagle3_proposers import Eagle3DynamicTreeProposer, Eagle3StaticTreeProposer
-from specheads.verify.rules import greedy_tree_accept
+from specheads.verify.steps import causal_mask
 from specheads.verify.trees import tree_from_choices, tree_from_parents
-from random_models import VOCAB, make_head, make_target
 
 MEDUSA_LIKE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 P_MIN = 1e-3  # chi-square p-value every distribution check must exceed

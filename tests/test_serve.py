@@ -7,13 +7,13 @@ import urllib.error
 import urllib.request
 
 import pytest
+from servers import start_server
 
 from specheads.data.prompts import encode_chat
-from specheads.session import eos_ids
 from specheads.serve.metrics import parse_metrics
+from specheads.session import eos_ids
 from specheads.target import Target
 from specheads.verify.loop import greedy_decode
-from servers import start_server
 
 PROMPTS = ["def add(a, b):\n    \"\"\"Sum.\"\"\"", "def read_config(path):", "class Stack:"]
 PREFIX = 'vllm:spec_decode_num_'

@@ -12,9 +12,9 @@ import time
 from urllib.parse import urlparse
 
 import pytest
+from servers import launch, wait_listening
 
 from specheads.serve.metrics import parse_metrics
-from servers import launch, wait_listening
 
 CLIENTS = 64
 MAX_TOKENS = 8

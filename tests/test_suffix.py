@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 from arctic_inference.suffix_decoding import SuffixDecodingCache
+from random_models import make_target
 
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.suffix_proposers import SuffixProposer, SuffixSettings, SuffixTreeProposer
 from specheads.verify.trees import SettingsError
-from random_models import make_target
 
 
 def stream(n: int, seed: int = 0) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_models import CTX, VOCAB, make_head, make_target
 from transformers import DynamicCache
 
 from specheads.target import Target
@@ -36,7 +37,6 @@ from specheads.verify.trees import (
     tree_from_choices,
     tree_from_parents,
 )
-from random_models import CTX, VOCAB, make_head, make_target
 
 CHOICES = [(1, 0), (0,), (0, 0, 0), (1,), (0, 1), (0, 0)]  # unsorted on purpose
 MEDUSA_LIKE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]

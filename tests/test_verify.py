@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_models import CTX, VOCAB, make_head, make_target
 from transformers import DynamicCache, LlamaConfig
 
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
@@ -17,7 +18,6 @@ from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.ngram_proposers import NgramProposer, lookup_continuation
 from specheads.verify.rules import accepted_prefix
 from specheads.verify.steps import DecodeError, causal_mask, trim_cache
-from random_models import CTX, VOCAB, make_head, make_target
 
 
 def random_prompts(n: int, seed: int, max_len: int = 24) -> list[torch.Tensor]:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specheads.config import load_recipe
+from specheads.data.samples import prepare_samples
 from specheads.data.vocab_stats import VocabStatsError, load_vocab_stats, read_vocab_stats, vocab_stats
 from specheads.heads.vocab import count_tokens
 from specheads.target import Target
-from specheads.data.samples import prepare_samples
 from specheads.train import build_head
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo" / "eagle3.yaml"

@@ -11,9 +11,9 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from specheads.atomic import atomic_file
 

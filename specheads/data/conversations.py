@@ -8,9 +8,10 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from specheads.data.messages import FieldError, Message, check_message, check_strings, check_text
 

@@ -7,8 +7,9 @@ from OPENAI_ROLES, and text a tokenizer can encode (no lone surrogate). Each cal
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 # OpenAI's chat roles: the one list of roles accepted, by the server and every conversation reader
 OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -15,7 +15,7 @@ from pathlib import Path
 from specheads.atomic import write_json
 from specheads.data.conversations import read_conversations
 from specheads.data.messages import OPENAI_ROLES, FieldError, check_message, check_strings
-from specheads.data.regenerate_turns import LocalBackend, RegenOptions, RegenerateError, Row, count_turns
+from specheads.data.regenerate_turns import LocalBackend, RegenerateError, RegenOptions, Row, count_turns
 from specheads.data.resume import RowWriter, check_resumable
 from specheads.errors import read_user_text
 from specheads.progress import Progress

@@ -19,8 +19,8 @@ run (files in, rows out append-only with an index of finished ids, data/resume.p
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from specheads.data.conversations import Conversation, Message
 from specheads.data.openai_client import chat, served_model
@@ -252,7 +252,7 @@ def regenerate_local(target, convs: list[Conversation], max_new_tokens: int = 12
             out += backend.run(rows[b:b + max(batch_size, 1) * 8], bar)
     stats = RegenerateStats(settings={"max_new_tokens": max_new_tokens, "temperature": temperature,
                                       "backend": "local", "target": target.fingerprint()})
-    for c, r in zip(convs, out):
+    for r in out:
         stats.turns += r["regenerated"]["turns"]
         stats.truncated += r["regenerated"]["truncated_turns"]
     stats.conversations = sum(1 for r in out if r["messages"])

@@ -48,9 +48,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-import torch
 
 from specheads.atomic import write_json
 from specheads.engine_facts import DRAFT_CLASSES, ENGINE_IGNORES, ENGINE_REFUSES, ENGINE_UNUSED, SERVING
@@ -60,8 +60,6 @@ from specheads.kinds import kind_of
 from specheads.target import Target
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import TreeSpec
-
-
 
 PROBES = {"vllm": "probe_vllm.py", "sglang": "probe_sglang.py"}
 BATCH_PROBES = {"vllm"}  # probes that also take `--jobs FILE.json` (many exports, one engine import)

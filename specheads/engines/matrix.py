@@ -25,7 +25,7 @@ from specheads.atomic import write_json, write_text
 from specheads.builtin.family_targets import save_family_target
 from specheads.builtin.tiny_target import cached_tiny_target
 from specheads.engine_facts import FORMAT_ENGINES
-from specheads.engines.check import EngineCheck, FAIL, PROBES, format_report, prepare, run_jobs
+from specheads.engines.check import FAIL, PROBES, EngineCheck, format_report, prepare, run_jobs
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint, save_checkpoint
 from specheads.export.contract_rules import META_FILE

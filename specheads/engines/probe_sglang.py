@@ -28,14 +28,23 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
 import probe_cpu  # noqa: E402
-from probe_sglang_dflash import KV_NOTE, mask_token_id, run_blocks  # noqa: E402
 import probe_sglang_dspark as dspark  # noqa: E402
+from probe_sglang_dflash import KV_NOTE, mask_token_id, run_blocks  # noqa: E402
 from probe_sglang_forward import (  # noqa: E402
-    STANDALONE_NOTE, replace_attention_kernel, run_draft, run_target, standalone_chain_as_served,
+    STANDALONE_NOTE,
+    replace_attention_kernel,
+    run_draft,
+    run_target,
+    standalone_chain_as_served,
 )
 from probe_sglang_weights import (  # noqa: E402
-    draft_vocab, load_draft_recorded, load_model, share_with_target, synchronous_weight_loading,
-    vocab_warnings, weights_report,
+    draft_vocab,
+    load_draft_recorded,
+    load_model,
+    share_with_target,
+    synchronous_weight_loading,
+    vocab_warnings,
+    weights_report,
 )
 
 ENGINE = "sglang"
@@ -232,8 +241,9 @@ def allow_dflash_on_cpu() -> str:
                 setattr(current_platform, n, v)
 
     speculative_hook._handle_dflash = handle_dflash_declaring_support
-    return ("SGLang's DFLASH argument handler runs with the CPU platform declaring DFLASH support and the torch_native draft "
-            "attention backend (SGLang serves DFLASH only on CUDA/NPU/XPU); config parsing and the weight loader are SGLang's own code")
+    return ("SGLang's DFLASH argument handler runs with the CPU platform declaring DFLASH support and the "
+            "torch_native draft attention backend (SGLang serves DFLASH only on CUDA/NPU/XPU); config parsing "
+            "and the weight loader are SGLang's own code")
 
 
 def new_result() -> dict:

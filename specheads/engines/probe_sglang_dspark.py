@@ -65,7 +65,9 @@ def allow_dspark_on_cpu() -> str:
 def runtime(draft_cfg, target_cfg, num_draft_tokens: int) -> dict:
     """gamma and the mask token as the DSPARK worker resolves them, and the Markov fields it parsed."""
     from sglang.srt.speculative.dspark_components.dspark_config import (
-        get_dspark_sample_from_anchor, parse_dspark_draft_config, resolve_runtime_config,
+        get_dspark_sample_from_anchor,
+        parse_dspark_draft_config,
+        resolve_runtime_config,
     )
 
     hf = draft_cfg.hf_config

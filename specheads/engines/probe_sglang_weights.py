@@ -34,7 +34,9 @@ class LoadRecorder:
         out = []
         for n, p in self.params.items():
             old = self.snap[n]
-            if old.shape != p.shape or not torch.equal(torch.nan_to_num(old, nan=1.5e38), torch.nan_to_num(p.detach(), nan=1.5e38)):
+            same = old.shape == p.shape and torch.equal(torch.nan_to_num(old, nan=1.5e38),
+                                                        torch.nan_to_num(p.detach(), nan=1.5e38))
+            if not same:
                 out.append(n)
                 self.snap[n] = p.detach().clone()
         return out

@@ -37,8 +37,8 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
 import probe_cpu  # noqa: E402
-from probe_vllm_dflash import block_attention, file_context_kv, native_custom_ops, run_blocks  # noqa: E402
 import probe_vllm_dspark as dspark  # noqa: E402
+from probe_vllm_dflash import block_attention, file_context_kv, native_custom_ops, run_blocks  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -150,7 +150,7 @@ class Probe:
             "draft_path": sc.draft_model_config.model,
             "aux_layer_ids": None,
         }
-        if sc.method in ("eagle3", "dflash", "dspark"):  # DFlash (and DSpark) taps the target through the same aux-layer machinery
+        if sc.method in ("eagle3", "dflash", "dspark"):  # DFlash and DSpark tap the target as EAGLE-3 does
             from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
             ids = get_eagle3_aux_layers_from_config(sc)
@@ -171,10 +171,11 @@ class Probe:
 
     def weights_stage(self):
         import torch
-
         from vllm.config import set_current_vllm_config
         from vllm.distributed.parallel_state import (
-            destroy_model_parallel, ensure_model_parallel_initialized, init_distributed_environment,
+            destroy_model_parallel,
+            ensure_model_parallel_initialized,
+            init_distributed_environment,
             model_parallel_is_initialized,
         )
 
@@ -207,7 +208,6 @@ class Probe:
         method = self.vc.speculative_config.method
         if method == "draft_model":
             import torch
-
             from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
             return StandaloneARSpeculator(self.vc, torch.device("cpu")).load_draft_model(self.target, set())
@@ -342,7 +342,6 @@ class Probe:
 
     def _plain_attention(self):
         import torch
-
         from vllm.model_executor.layers.attention.attention import Attention
 
         def forward(layer, query, key, value, output_shape=None, output_dtype=None):
@@ -365,7 +364,6 @@ class Probe:
 
     def _target_forward(self, ids):
         import torch
-
         from vllm.forward_context import set_forward_context
 
         positions = torch.arange(ids.numel())
@@ -484,7 +482,6 @@ class Probe:
 
     def _forward_draft_model(self):
         import torch
-
         from vllm.forward_context import set_forward_context
 
         ids, next_token = self._inputs()

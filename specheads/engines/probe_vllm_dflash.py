@@ -69,7 +69,6 @@ def file_context_kv(draft) -> str:
 def block_attention() -> str:
     """Attention.forward for the draft: block queries over [context ; block] keys."""
     import torch
-
     from vllm.model_executor.layers.attention.attention import Attention
 
     def forward(layer, query, key, value, output_shape=None, output_dtype=None):
@@ -102,7 +101,6 @@ def run_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int, score=None
     engine's precompute at positions 0..a-1, then [x_a (next_token when a = T), mask x k] at
     positions a..a+k; slots 1..k are the drafts (the engine samples them at their own positions)."""
     import torch
-
     from vllm.forward_context import set_forward_context
     from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 

@@ -378,7 +378,7 @@ def _check_url(flag: str, url: str) -> None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BenchError(f"{flag} '{url}' is not an http(s) URL: pass e.g. http://127.0.0.1:8000")
     try:
-        parts.port
+        _ = parts.port  # parsing it raises on a bad port
     except ValueError:
         raise BenchError(f"{flag} '{url}' has an invalid port: pass 1..65535") from None
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
-from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.data.prompts import NoChatTemplate, PromptRow, PromptsError, encode_chat, read_prompts, user_turn
+from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
@@ -31,10 +31,10 @@ from specheads.progress import Progress
 from specheads.provenance import provenance
 from specheads.session import Session, run
 from specheads.verify.ngram_proposers import NgramProposer
-from specheads.verify.suffix_proposers import SuffixProposer
-from specheads.verify.trees import SettingsError
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
 from specheads.verify.steps import DecodeStats
+from specheads.verify.suffix_proposers import SuffixProposer
+from specheads.verify.trees import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     check_acceptance(sampling or Sampling())
     check_report_folder(out_dir)
     rows = read_prompts(prompts_file, limit)
-    verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")  # broken inputs fail before decoding
+    # broken inputs fail before decoding
+    verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
                                 "written by `specheads export`")

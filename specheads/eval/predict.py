@@ -82,7 +82,7 @@ class StepCosts:
         return {**asdict(self), "target_s": {str(n): s for n, s in sorted(self.target_s.items())}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StepCosts":
+    def from_dict(cls, d: dict) -> StepCosts:
         return cls(**{**d, "target_s": {int(n): s for n, s in d["target_s"].items()}})
 
 

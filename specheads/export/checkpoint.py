@@ -3,7 +3,8 @@
 Layout of OUTPUT_DIR:  checkpoint-000100/{head.safetensors, head_config.json, recipe.json,
 provenance.json, trainer_state.json, scheduler.pt, optimizer[-rank{r}].pt, rng-rank{r}.pt},
 `latest` (a file naming the newest complete checkpoint), `best` (the one with the highest
-validation tau), metrics.jsonl and specheads_run.json (marks the folder as a run we write into). The last `keep_last` checkpoints plus the best are kept. Every checkpoint is
+validation tau), metrics.jsonl and specheads_run.json (marks the folder as a run we write into).
+The last `keep_last` checkpoints plus the best are kept. Every checkpoint is
 written to a temp folder and renamed; trainer_state.json, written last, records the sha256 of every
 other file, checked when the checkpoint is exported or resumed.
 """

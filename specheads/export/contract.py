@@ -17,8 +17,17 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from specheads.export.contract_rules import (
-    CONFIG_FILE, DTYPE_NAMES, ENGINE_NAMES, FLOAT_DTYPES, FORBIDDEN_TENSORS, META_FILE, VOCAB_MAP_FIX, WEIGHTS_FILE,
-    ContractError, FormatContract, Violation,
+    CONFIG_FILE,
+    DTYPE_NAMES,
+    ENGINE_NAMES,
+    FLOAT_DTYPES,
+    FORBIDDEN_TENSORS,
+    META_FILE,
+    VOCAB_MAP_FIX,
+    WEIGHTS_FILE,
+    ContractError,
+    FormatContract,
+    Violation,
 )
 
 # --- reading ---------------------------------------------------------------------------------

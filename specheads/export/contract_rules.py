@@ -22,7 +22,7 @@ DTYPE_NAMES = {"float": "floating (F32/BF16/F16)", "int64": "I64 (int64)", "bool
 class ContractError(ValueError):
     """An export folder that an engine would reject or load wrongly; lists every violation."""
 
-    def __init__(self, folder: Path, fmt: str, violations: list["Violation"]):
+    def __init__(self, folder: Path, fmt: str, violations: list[Violation]):
         self.folder, self.format, self.violations = Path(folder), fmt, list(violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
         super().__init__(

@@ -19,21 +19,43 @@ import torch
 from specheads.engine_facts import DFLASH_SPECULATORS_OFFSET, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    KEY_CHECKS, MISSING, check_files, check_folder, check_key_rules, expected_shape, found_text, get_key, is_int,
+    KEY_CHECKS,
+    MISSING,
+    check_files,
+    check_folder,
+    check_key_rules,
+    expected_shape,
+    found_text,
+    get_key,
+    is_int,
 )
 from specheads.export.contract_rules import (
-    CONFIG_FILE, DECODER_DIM_KEYS, DTYPE_NAMES, FLOAT_DTYPES, ROPE_KEY, WEIGHTS_FILE, KeyRule, TensorRule,
+    CONFIG_FILE,
+    DECODER_DIM_KEYS,
+    DTYPE_NAMES,
+    FLOAT_DTYPES,
+    ROPE_KEY,
+    WEIGHTS_FILE,
+    KeyRule,
+    TensorRule,
     Violation,
 )
-from specheads.heads.vocab import t2d_from_d2t
 from specheads.export.keys import (
-    REQUIRED, check_decoder, check_rope, decoder_fields, decoder_keys, read_decoder, speculators_block, trained_fields,
+    REQUIRED,
+    check_decoder,
+    check_rope,
+    decoder_fields,
+    decoder_keys,
+    read_decoder,
+    speculators_block,
+    trained_fields,
 )
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
-from specheads.heads.dflash import DFlashConfig, DFlashHead
-from specheads.protocols import ExportPlan, ExportRequest
 from specheads.export.readme import Readme
+from specheads.heads.dflash import DFlashConfig, DFlashHead
+from specheads.heads.vocab import t2d_from_d2t
+from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS_WRITTEN = ("vllm", "vllm-native", "sglang")
 ARCHITECTURE = "DFlashDraftModel"

@@ -14,14 +14,19 @@ import torch
 
 from specheads.export.contract import check_key_rules, read_config, read_tensor_specs
 from specheads.export.contract_rules import (
-    CONFIG_FILE, DRAFT_KEYS, META_FILE, WEIGHTS_FILE, ContractError, Violation,
+    CONFIG_FILE,
+    DRAFT_KEYS,
+    META_FILE,
+    WEIGHTS_FILE,
+    ContractError,
+    Violation,
 )
 from specheads.export.keys import trained_fields
 from specheads.export.plan import cast, float_dtype, target_folder
+from specheads.export.readme import Readme
 from specheads.heads.draft import DraftConfig, DraftHead
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.target import tokenizer_hash
-from specheads.export.readme import Readme
 
 FORMATS_WRITTEN = ("vllm", "sglang")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -19,7 +19,7 @@ import torch
 from specheads.engine_facts import DSPARK_REFUSED, SGLANG, VLLM
 from specheads.export import dflash
 from specheads.export.checkpoint import load_strict
-from specheads.export.contract import MISSING, found_text, is_int, check_key_rules, get_key
+from specheads.export.contract import MISSING, check_key_rules, found_text, get_key, is_int
 from specheads.export.contract_rules import CONFIG_FILE, FLOAT_DTYPES, WEIGHTS_FILE, KeyRule, Violation
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, float_dtype

@@ -18,14 +18,19 @@ from specheads.engine_facts import REFUSED_OPTIONS
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import check_files, check_folder, check_key_rules, check_tensors, config_dims
 from specheads.export.contract_rules import (
-    CONFIG_FILE, EAGLE1_FORBIDDEN, LAYER_KEYS, WEIGHTS_FILE, Violation, contract_for,
+    CONFIG_FILE,
+    EAGLE1_FORBIDDEN,
+    LAYER_KEYS,
+    WEIGHTS_FILE,
+    Violation,
+    contract_for,
 )
 from specheads.export.keys import check_decoder, check_rope, llama_layer_keys, read_decoder, trained_fields
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
+from specheads.export.readme import Readme
 from specheads.heads.eagle1 import EagleConfig, EagleHead
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.export.readme import Readme
 
 FORMATS_WRITTEN = ("vllm", "sglang")
 ARCHITECTURES = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}

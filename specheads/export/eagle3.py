@@ -16,22 +16,44 @@ import torch
 from specheads.engine_facts import AUX_LAYER_OFFSET, REFUSED_OPTIONS, RESIDUAL_DEFAULT, SGLANG
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
-    MISSING, aux_ids, check_files, check_folder, check_key_rules, check_tensors, config_dims, found_text, get_key,
-    is_int, is_parallel, layer_config,
+    MISSING,
+    aux_ids,
+    check_files,
+    check_folder,
+    check_key_rules,
+    check_tensors,
+    config_dims,
+    found_text,
+    get_key,
+    is_int,
+    is_parallel,
+    layer_config,
 )
 from specheads.export.contract_rules import (
-    CONFIG_FILE, ENGINE_NAMES, LAYER_KEYS, WEIGHTS_FILE, FormatContract, Violation, contract_for,
+    CONFIG_FILE,
+    ENGINE_NAMES,
+    LAYER_KEYS,
+    WEIGHTS_FILE,
+    FormatContract,
+    Violation,
+    contract_for,
 )
 from specheads.export.keys import (
-    REQUIRED, Field, check_decoder, check_rope, llama_layer_keys, read_decoder, speculators_block,
+    REQUIRED,
+    Field,
+    check_decoder,
+    check_rope,
+    llama_layer_keys,
+    read_decoder,
+    speculators_block,
     trained_fields,
 )
 from specheads.export.load import ExportMeta, read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, head_plan
+from specheads.export.readme import Readme
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
 from specheads.heads.vocab import t2d_from_d2t
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.export.readme import Readme
 
 KIND = "eagle3"
 FORMATS_WRITTEN = ("vllm", "vllm-native", "sglang")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from specheads.engine_facts import RESIDUAL_DEFAULT
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract_rules import CONFIG_FILE, WEIGHTS_FILE, ContractError, contract_for
-from specheads.engine_facts import RESIDUAL_DEFAULT
 from specheads.export.eagle3 import KIND, head_weights
 from specheads.export.keys import DEFAULT_ROPE, speculative_tokens
 from specheads.export.load import ExportMeta, read_json, read_weights

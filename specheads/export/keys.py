@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-
 from specheads.export.contract import MISSING, config_rope, found_text
 from specheads.export.contract_rules import CONFIG_FILE, Violation
 

@@ -16,18 +16,22 @@ from pathlib import Path
 
 import torch
 
+from specheads.engine_facts import LEGACY_VLLM, SGLANG, VLLM
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import check_float_dtypes, check_folder, check_key_rules, found_text
 from specheads.export.contract_rules import (
-    CONFIG_FILE, WEIGHTS_FILE, TensorRule, Violation, contract_for,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    TensorRule,
+    Violation,
+    contract_for,
 )
 from specheads.export.keys import trained_fields
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import cast, head_plan
+from specheads.export.readme import Readme
 from specheads.heads.medusa import MedusaConfig, MedusaHead
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.engine_facts import LEGACY_VLLM, SGLANG, VLLM
-from specheads.export.readme import Readme
 
 FORMATS_WRITTEN = ("medusa", "vllm-0.32")
 ORIGINAL_FILE = "medusa_lm_head.safetensors"
@@ -72,11 +76,11 @@ def from_original(tensors: dict[str, torch.Tensor], num_layers: int, bias: bool)
         m = ORIGINAL_NAME.match(name)
         if m is None:
             raise ValueError(f"{ORIGINAL_FILE}: tensor '{name}' is not a Medusa head tensor")
-        k, l, what = m.groups()
-        if int(l) == num_layers:
+        k, layer, what = m.groups()
+        if int(layer) == num_layers:
             out[f"lm_heads.{k}.weight"] = t
         elif what == "weight" or bias:
-            out[f"blocks.{k}.layers.{l}.{what}"] = t
+            out[f"blocks.{k}.layers.{layer}.{what}"] = t
     return out
 
 
@@ -111,8 +115,8 @@ def tensor_rules(fmt: str, K: int, L: int, bias: bool) -> list[TensorRule]:
     """Every tensor the format needs for K heads of L blocks (shapes over H and V)."""
     rules = []
     for k in range(K):
-        for l in range(L):
-            stem = f"{k}.{l}.linear." if fmt == "medusa" else f"blocks.{k}.layers.{l}."
+        for j in range(L):
+            stem = f"{k}.{j}.linear." if fmt == "medusa" else f"blocks.{k}.layers.{j}."
             rules.append(TensorRule(stem + "weight", ("H", "H")))
             if bias:
                 rules.append(TensorRule(stem + "bias", ("H",)))

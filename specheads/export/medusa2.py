@@ -16,9 +16,9 @@ import torch
 
 from specheads.export import medusa
 from specheads.export.plan import DTYPES, ExportRefused, float_dtype, target_folder
+from specheads.export.readme import Readme
 from specheads.heads.medusa2 import ADAPTER
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.export.readme import Readme
 
 FORMATS_WRITTEN = medusa.FORMATS_WRITTEN
 WEIGHTS_FILES = medusa.WEIGHTS_FILES

@@ -21,18 +21,30 @@ from safetensors.torch import save_file
 
 from specheads.engine_facts import SGLANG, VLLM
 from specheads.export.contract_rules import (
-    CONFIG_FILE, META_FILE, MTP_SGLANG_MAX_LAYERS, MTP_SHAPES, ContractError, Violation,
+    CONFIG_FILE,
+    META_FILE,
+    MTP_SGLANG_MAX_LAYERS,
+    MTP_SHAPES,
+    ContractError,
+    Violation,
 )
 from specheads.export.keys import trained_fields
 from specheads.export.plan import DTYPES, ExportRefused, target_folder
-from specheads.export.readme import target_ref
+from specheads.export.readme import Readme, target_ref
 from specheads.heads.mtp import ZERO_FIRST_EMBEDDING, MtpConfig, MtpHead, target_config_dict
 from specheads.heads.mtp_checkpoint import (
-    INDEX_FILE, MTP_LAYOUTS, block_prefix, layout_of, load_modules, meta_model, mtp_names, own_names, read_tensors,
+    INDEX_FILE,
+    MTP_LAYOUTS,
+    block_prefix,
+    layout_of,
+    load_modules,
+    meta_model,
+    mtp_names,
+    own_names,
+    read_tensors,
     weight_map,
 )
 from specheads.protocols import ExportPlan, ExportRequest
-from specheads.export.readme import Readme
 
 FORMATS_WRITTEN = ("vllm", "sglang")
 MTP_FILE = "model-mtp.safetensors"
@@ -94,7 +106,7 @@ def checkpoint_files(src: Path, tensors: dict[str, torch.Tensor], config: dict, 
     links = {path.name: path for path in sorted(src.iterdir()) if path.is_file() and path.name not in ours}
     rewrite = {shard: _without(src, [n for n, f in wm.items() if f == shard and n not in stale])
                for shard in sorted(dirty)}
-    new_map = {n: f for n, f in wm.items() if n not in stale} | {n: MTP_FILE for n in tensors}
+    new_map = {n: f for n, f in wm.items() if n not in stale} | dict.fromkeys(tensors, MTP_FILE)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": size + _size_without(src, wm, stale)},
              "weight_map": dict(sorted(new_map.items()))}

@@ -10,12 +10,19 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from specheads.engine_facts import (
-    FORMATS, LAUNCHERS, SERVING, SGLANG_DRAFT, VLLM, VLLM_SERVE_DIR, Serving, sglang_chain_flags,
+    FORMATS,
+    LAUNCHERS,
+    SERVING,
+    SGLANG_DRAFT,
+    VLLM,
+    VLLM_SERVE_DIR,
+    Serving,
+    sglang_chain_flags,
 )
 
 RECOMMENDED = "## Recommended settings"  # the README section `specheads eval --attach` adds

@@ -12,6 +12,7 @@ from specheads.export.checkpoint import Checkpoint
 from specheads.export.readme import TargetRef
 from specheads.provenance import provenance
 
+
 def export_record(ckpt: Checkpoint, config, fmt: str, k: int, target: TargetRef, dtype: str) -> dict:
     """specheads.json: format, engine versions, the checkpoint's provenance (target fingerprint incl.)."""
     engine = FORMATS[fmt].engine

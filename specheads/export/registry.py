@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specheads.engine_facts import REFUSED
-from specheads.export import dspark
-from specheads.export import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
+from specheads.export import dflash, draft, dspark, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.export.contract_rules import META_FILE
 from specheads.export.folder import verify_export
 from specheads.export.foreign import load_foreign, read_foreign_meta

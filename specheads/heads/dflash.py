@@ -185,7 +185,7 @@ class DFlashHead(nn.Module):
         self._target_head = None  # the target's head rows seed a reduced lm_head (set_vocab_map)
 
     @classmethod
-    def for_target(cls, options: DFlashOptions, target_config, **kw) -> "DFlashHead":
+    def for_target(cls, options: DFlashOptions, target_config, **kw) -> DFlashHead:
         return cls(build_config(options, target_config), **kw)
 
     def required_layers(self) -> list[int]:

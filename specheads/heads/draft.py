@@ -96,7 +96,7 @@ class DraftHead(nn.Module):
         self.model = model if model is not None else LlamaForCausalLM(config.llama_config(attn_implementation))
 
     @classmethod
-    def for_target(cls, options: DraftOptions, target_config, **kw) -> "DraftHead":
+    def for_target(cls, options: DraftOptions, target_config, **kw) -> DraftHead:
         return cls(build_config(options, target_config), **kw)
 
     def required_layers(self) -> list[int]:

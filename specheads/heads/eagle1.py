@@ -118,7 +118,7 @@ class EagleHead(nn.Module):
         self._lm_head = None  # the target's output head, bound by `bind_lm_head` (not a parameter)
 
     @classmethod
-    def for_target(cls, options: EagleOptions, target_config, **kw) -> "EagleHead":
+    def for_target(cls, options: EagleOptions, target_config, **kw) -> EagleHead:
         return cls(build_config(options, target_config), **kw)
 
     def required_layers(self) -> list[int]:

@@ -197,7 +197,7 @@ class Eagle3Head(nn.Module):
             self.mask_hidden = nn.Parameter(torch.randn(n_aux * config.target_hidden_size) * 0.02)
 
     @classmethod
-    def for_target(cls, options: Eagle3Options, target_config, **kw) -> "Eagle3Head":
+    def for_target(cls, options: Eagle3Options, target_config, **kw) -> Eagle3Head:
         return cls(build_config(options, target_config), **kw)
 
     def required_layers(self) -> list[int]:
@@ -264,7 +264,7 @@ class Eagle3Head(nn.Module):
             inputs["mask_embed"] = target.embed(mask_id)[0]  # [H]
         return inputs
 
-    def forward(self, **inputs) -> "HeadOutput":
+    def forward(self, **inputs) -> HeadOutput:
         """Training forward (what DDP/FSDP wrappers call): see `train_forward`."""
         return self.train_forward(**inputs)
 

@@ -92,7 +92,7 @@ class MedusaHead(nn.Module):
                 nn.init.zeros_(linear.weight)
 
     @classmethod
-    def for_target(cls, options: MedusaOptions, target_config, **kw) -> "MedusaHead":
+    def for_target(cls, options: MedusaOptions, target_config, **kw) -> MedusaHead:
         cfg = MedusaConfig(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
                            num_heads=options.num_heads, num_layers=options.num_layers,
                            bias=options.bias, step_decay=options.step_decay)

@@ -143,7 +143,7 @@ class Medusa2Head(nn.Module):
         return pair
 
     @classmethod
-    def for_target(cls, options: Medusa2Options, target_config, **kw) -> "Medusa2Head":
+    def for_target(cls, options: Medusa2Options, target_config, **kw) -> Medusa2Head:
         cfg = Medusa2Config(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
                             lora_modules=lora_layout(target_config, list(options.lora_targets)),
                             num_heads=options.num_heads, num_layers=options.num_layers, bias=options.bias,

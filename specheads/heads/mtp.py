@@ -148,7 +148,7 @@ class MtpHead(nn.Module):
         self.rotary_emb = family_classes(hf)[2](hf)
 
     @classmethod
-    def for_target(cls, options: MtpOptions, target_config, **kw) -> "MtpHead":
+    def for_target(cls, options: MtpOptions, target_config, **kw) -> MtpHead:
         return cls(build_config(options, target_config), **kw)
 
     def required_layers(self) -> list[int]:

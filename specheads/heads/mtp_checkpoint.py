@@ -81,7 +81,7 @@ def weight_map(folder: Path) -> dict[str, str]:
     if not single.is_file():
         raise MtpCheckpointError(f"{folder}: no {INDEX_FILE} and no model.safetensors; pass the target's HF folder")
     with safe_open(str(single), "pt") as fh:
-        return {n: single.name for n in fh.keys()}
+        return dict.fromkeys(fh.keys(), single.name)
 
 
 def read_tensors(folder: Path, names) -> dict[str, torch.Tensor]:

@@ -7,8 +7,7 @@ README tells), its proposers (`verify/<kind>_proposers.py`) and this descriptor.
 
 from __future__ import annotations
 
-from specheads.kinds import dspark
-from specheads.kinds import dflash, draft, eagle1, eagle3, medusa, medusa2, mtp
+from specheads.kinds import dflash, draft, dspark, eagle1, eagle3, medusa, medusa2, mtp
 from specheads.kinds.base import EngineSide, Example, Kind
 
 # kind -> descriptor, in heads.HEADS order; one line per kind

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text
 from specheads.session import Session
-from specheads.verify.steps import DecodeStats
 from specheads.verify.settings import Sampling
+from specheads.verify.steps import DecodeStats
 from specheads.verify.text import TextStream, find_stop
 
 

@@ -34,8 +34,14 @@ from specheads.cli_options import add_fingerprint_argument, add_tree_arguments, 
 from specheads.serve.engine import Cancelled, Completion, Engine, Params, RequestError
 from specheads.serve.metrics import CONTENT_TYPE, Metrics
 from specheads.serve.protocol import (
-    Responder, error_body, include_usage, parse_messages, parse_params, parse_prompt,
-    parse_template_kwargs, parse_tools,
+    Responder,
+    error_body,
+    include_usage,
+    parse_messages,
+    parse_params,
+    parse_prompt,
+    parse_template_kwargs,
+    parse_tools,
 )
 from specheads.serve.transport import ServeError, bind, protocol_class, url_of
 from specheads.session import Session

@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from specheads.hf_compat import cache_kwargs
-from specheads.verify.steps import causal_mask, check_tree_attention, check_vocab_fits, positions, trim_cache
 from specheads.verify.settings import chain_or_static
+from specheads.verify.steps import causal_mask, check_tree_attention, check_vocab_fits, positions, trim_cache
 from specheads.verify.trees import Tree, tree_from_choices
 
 

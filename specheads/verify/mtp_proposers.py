@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specheads.target import TargetOutput
-from specheads.verify.steps import causal_mask, check_vocab_fits, positions, tree_attention_mask, trim_cache
 from specheads.verify.settings import chain_or_static
+from specheads.verify.steps import causal_mask, check_vocab_fits, positions, tree_attention_mask, trim_cache
 from specheads.verify.trees import Tree, tree_from_choices
 
 

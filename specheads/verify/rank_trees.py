@@ -8,7 +8,7 @@ state; this class only shapes its rankings into a tree (`protocols.TreeProposer`
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

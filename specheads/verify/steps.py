@@ -45,7 +45,7 @@ class DecodeStats:
     proposer_start_s: float = 0.0  # the proposer's own prefill (once per prompt)
     proposer_s: float = 0.0  # propose + accept during decode steps
 
-    def add(self, other: "DecodeStats") -> "DecodeStats":
+    def add(self, other: DecodeStats) -> DecodeStats:
         """Sum of two stats (accepted_per_pos padded to the longer one)."""
         out = DecodeStats()
         for name, value in asdict(self).items():
@@ -205,7 +205,7 @@ def new_cache(target):
     return DynamicCache(config=target.config)
 
 
-def prefill(target, ids: torch.Tensor, layers, stats: DecodeStats, clock: "Clock"):
+def prefill(target, ids: torch.Tensor, layers, stats: DecodeStats, clock: Clock):
     """The prompt's one target forward into a new cache, timed and counted -> (cache, output)."""
     cache = new_cache(target)
     with clock:

@@ -8,7 +8,7 @@ cut at stop strings).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int:
