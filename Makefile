@@ -29,7 +29,7 @@ lint: install
 # tools (nanobind, protobuf 5, grpcio-tools) in a side folder, and install just the wheel (~1 min)
 suffix: $(SUFFIX_STAMP)
 
-$(SUFFIX_STAMP): $(STAMP)
+$(SUFFIX_STAMP): | $(STAMP)
 	rm -rf $(VENV)/suffix-build
 	$(BIN)/pip install -q --target $(VENV)/suffix-build nanobind==2.9.2 protobuf==5.29.6 grpcio-tools "cmake>=3.18"
 	PATH="$(abspath $(VENV))/suffix-build/bin:$(abspath $(BIN)):$$PATH" PYTHONPATH="$(abspath $(VENV))/suffix-build" \
