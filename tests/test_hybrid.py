@@ -268,7 +268,8 @@ def test_sampled_hybrid_output_matches_the_target(small, mode):
     exact = exact_first_tokens(target, prompt, n, **warping)
     counts = torch.zeros(V_SMALL ** n, dtype=torch.long)
     steps: dict = {}
-    for seed in range(300):
+    for seed in range(600 if mode == "choose" else 300):  # 600: a choice that reads the model's
+        # sampled first token (even -> free draft) fails at p ~ 1e-7; 300 would not catch it
         hybrid = hybrid_proposer(SampledEagle3Proposer(head, target), ContextFree(), mode, k=3)
         if mode == "choose":
             assert isinstance(hybrid, SampledHybridProposer)
