@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_models import make_head, make_target
+from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
 from specheads.verify.eagle3_proposers import Eagle3Proposer, SampledEagle3Proposer
 from specheads.verify.hybrid_proposers import (
@@ -20,8 +22,6 @@ from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.ngram_proposers import NgramProposer
 from specheads.verify.suffix_proposers import SuffixProposer, SuffixTreeProposer
 from specheads.verify.trees import SettingsError, chain_tree, tree_from_parents
-from random_models import make_head, make_target
-from test_sampling import P_MIN, V_SMALL, build_small, chi2_pvalue, exact_first_tokens, flat_index
 
 
 def stream(n: int, seed: int, vocab: int = 60) -> list[int]:
@@ -201,6 +201,18 @@ class Spy:
         self.inner.accept(inputs, following, out, start)
 
 
+class Recording(HybridProposer):
+    """Keeps every step's choice."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.history: list[str] = []
+
+    def record(self, model: list[int], free: list[int]) -> str:
+        self.history.append(super().record(model, free))
+        return self.history[-1]
+
+
 def test_an_unused_model_proposer_drafts_as_a_fresh_one_fed_the_same_tokens(big):
     """Steps after a free draft was verified: the EAGLE-3 proposer (whose draft forwards were
     discarded) drafts what a fresh proposer fed only start + the same accepts drafts."""
@@ -208,10 +220,8 @@ def test_an_unused_model_proposer_drafts_as_a_fresh_one_fed_the_same_tokens(big)
     k, checked = 4, 0
     for seed in range(3):
         spy = Spy(Eagle3Proposer(head, target))
-        hybrid = HybridProposer(spy, SuffixProposer(), model_k=2)
-        chosen = []
-        orig = hybrid.record
-        hybrid.record = lambda m, f: chosen.append(orig(m, f)) or chosen[-1]
+        hybrid = Recording(spy, SuffixProposer(), model_k=2)
+        chosen = hybrid.history
         prompt = torch.tensor(stream(40, seed=seed))
         assert decode(target, hybrid, prompt, 40, k).tokens == greedy_decode(target, prompt, 40).tokens
         fresh = Eagle3Proposer(head, target)
