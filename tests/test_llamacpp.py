@@ -91,6 +91,10 @@ def test_refusals_name_what_to_pass(tmp_path):
         lc.draft_spec(fake_export(tmp_path / "sg", fmt="sglang"))
     with pytest.raises(lc.RefusedExport, match="a dflash export"):
         lc.draft_spec(fake_export(tmp_path / "df", kind="dflash"))
+    peagle = fake_export(tmp_path / "pe")
+    (peagle / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+    with pytest.raises(lc.RefusedExport, match="has no P-EAGLE"):
+        lc.draft_spec(peagle)
     with pytest.raises(lc.RefusedExport, match=r"taps 4 target layers .* takes exactly 3"):
         lc.draft_spec(fake_export(tmp_path / "four", layers=(1, 2, 3, 4)))
 

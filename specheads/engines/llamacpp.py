@@ -280,6 +280,9 @@ def draft_spec(export_dir: Path) -> tuple[str, dict]:
         served = ", ".join(f"{k} (--format {f})" for k, f in LLAMA_CPP_SPEC)
         raise RefusedExport(f"{export_dir}: a {kind} export in format {fmt}; llama.cpp {LLAMA_CPP.series} runs "
                             f"{served} from specheads")
+    if cfg.get("speculators_model_type") == "peagle" or cfg.get("parallel_drafting"):
+        raise RefusedExport(f"{export_dir}: a P-EAGLE head (parallel drafting); llama.cpp {LLAMA_CPP.series} has no "
+                            "P-EAGLE: --spec-type draft-eagle3 drafts one token per step")
     layers = cfg.get("eagle_aux_hidden_state_layer_ids") or []
     if spec == "draft-eagle3" and len(layers) != LLAMA_CPP_EAGLE3_LAYERS:
         raise RefusedExport(f"{export_dir}: EAGLE-3 taps {len(layers)} target layers {layers}; llama.cpp's EAGLE-3 "
