@@ -60,8 +60,13 @@ class LlamaCppBuild:
 
 LLAMA_CPP_BUILD = LlamaCppBuild()
 # (kind, export format) llama.cpp's converter reads -> the `--spec-type` that runs it (EAGLE-3: never
-# auto-detected; llama.cpp takes exactly 3 target layers, src/models/eagle3.cpp)
-LLAMA_CPP_SPEC = {("eagle3", "vllm"): "draft-eagle3"}
+# auto-detected; llama.cpp takes exactly 3 target layers, src/models/eagle3.cpp). DFlash / DSpark: the
+# converter's DFlashModel / DSparkModel (conversion/qwen.py) read our Qwen3-layer drafts (on any target
+# whose tokenizer it reads); measured on the tiny Llama target: they convert, draft and decode greedy-
+# equal. DFlash's speculators format (DFlashSpeculator) is not registered there: "Model DFlashSpeculator
+# is not supported"
+LLAMA_CPP_SPEC = {("eagle3", "vllm"): "draft-eagle3", ("dflash", "vllm-native"): "draft-dflash",
+                  ("dspark", "vllm-native"): "draft-dspark", ("dspark", "vllm"): "draft-dspark"}
 LLAMA_CPP_EAGLE3_LAYERS = 3
 # the draftless `--spec-type`s (common/speculative.cpp); mixed with a draft model they take precedence
 LLAMA_CPP_DRAFTLESS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")

@@ -85,11 +85,13 @@ def fake_export(folder: Path, kind: str = "eagle3", fmt: str = "vllm", layers=(2
 
 def test_refusals_name_what_to_pass(tmp_path):
     assert lc.draft_spec(fake_export(tmp_path / "ok"))[0] == "draft-eagle3"
+    assert lc.draft_spec(fake_export(tmp_path / "dfl", "dflash", "vllm-native", ()))[0] == "draft-dflash"
+    assert lc.draft_spec(fake_export(tmp_path / "dsp", "dspark", "vllm", ()))[0] == "draft-dspark"
     with pytest.raises(lc.RefusedExport, match="no config.json / specheads.json; pass a folder written by"):
         lc.draft_spec(tmp_path)
     with pytest.raises(lc.RefusedExport, match=r"a eagle3 export in format sglang; .* eagle3 \(--format vllm\)"):
         lc.draft_spec(fake_export(tmp_path / "sg", fmt="sglang"))
-    with pytest.raises(lc.RefusedExport, match="a dflash export"):
+    with pytest.raises(lc.RefusedExport, match="a dflash export in format vllm"):  # DFlashSpeculator: unsupported
         lc.draft_spec(fake_export(tmp_path / "df", kind="dflash"))
     peagle = fake_export(tmp_path / "pe")
     (peagle / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))

@@ -280,6 +280,8 @@ def draft_spec(export_dir: Path) -> tuple[str, dict]:
         served = ", ".join(f"{k} (--format {f})" for k, f in LLAMA_CPP_SPEC)
         raise RefusedExport(f"{export_dir}: a {kind} export in format {fmt}; llama.cpp {LLAMA_CPP.series} runs "
                             f"{served} from specheads")
+    if spec != "draft-eagle3":
+        return spec, cfg
     if cfg.get("speculators_model_type") == "peagle" or cfg.get("parallel_drafting"):
         raise RefusedExport(f"{export_dir}: a P-EAGLE head (parallel drafting); llama.cpp {LLAMA_CPP.series} has no "
                             "P-EAGLE: --spec-type draft-eagle3 drafts one token per step")
@@ -291,7 +293,7 @@ def draft_spec(export_dir: Path) -> tuple[str, dict]:
 
 
 def convert_draft(export_dir: Path, target_dir: Path, out_gguf: Path, outtype: str = "f32") -> dict:
-    """A specheads export (EAGLE-3, speculators format) as a llama.cpp draft GGUF."""
+    """A specheads export (engine_facts.LLAMA_CPP_SPEC) as a llama.cpp draft GGUF."""
     spec, _ = draft_spec(export_dir)
     record = _convert(ensure(), Path(export_dir), out_gguf, Path(target_dir), outtype, Path(target_dir))
     record["spec_type"] = spec
@@ -483,7 +485,9 @@ def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | N
     progress(f"[llama.cpp] converting the draft {export_dir} -> {draft_gguf}")
     draft_rec = convert_draft(export_dir, target_dir, draft_gguf)
     prompts = prompt_ids(Path(target_dir), prompts_file, limit)
-    k = n_max or json.loads((Path(export_dir) / "specheads.json").read_text()).get("num_speculative_tokens")
+    # EAGLE-3 drafts a chain of k; DFlash / DSpark a block, sized by llama.cpp from the GGUF (block_size)
+    k = n_max or (json.loads((Path(export_dir) / "specheads.json").read_text()).get("num_speculative_tokens")
+                  if spec_type == "draft-eagle3" else None)
     load0 = load_average()
     plain, plain_s = decode_all(b, target_gguf, SpecSettings(), prompts, n_predict, threads, work / "server-plain.log")
     spec_settings = SpecSettings((spec_type,), draft_gguf, n_max=k)
@@ -520,7 +524,7 @@ def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | N
 def format_check(r: dict) -> str:
     rate = f"{r['accepted_per_drafted']:.3f}" if r["accepted_per_drafted"] is not None else "-"
     lines = [f"llama.cpp check: {r['verdict']}  ({r['version']})",
-             f"  {r['prompts']} prompts x {r['n_predict']} tokens, {r['spec_type']} k={r['spec_draft_n_max']}, "
+             f"  {r['prompts']} prompts x {r['n_predict']} tokens, {r['spec_type']} k={r['spec_draft_n_max'] or 'default'}, "
              f"threads {r['threads']}, OMP_WAIT_POLICY {r['omp_wait_policy']}, load {r['load_average']}",
              f"  greedy-equal: {sum(x['equal'] for x in r['rows'])}/{len(r['rows'])}; accepted/drafted "
              f"{r['accepted']}/{r['drafted']} = {rate}"]
