@@ -459,6 +459,28 @@ def decode_all(b: LlamaCpp, model: Path, spec: SpecSettings, prompts, n_predict:
         return outs, time.time() - started
 
 
+def ours(target_dir: Path, export_dir: Path, prompts, n_predict: int, k: int | None) -> dict:
+    """Our verifier on the same prompt ids (greedy chain of k, CPU float32): accepted / drafted, and
+    where its tokens first differ from llama.cpp's (filled in by the caller)."""
+    from specheads.session import Session, eos_ids
+    from specheads.verify.loop import decode
+    from specheads.verify.registry import make_proposer
+    from specheads.verify.settings import TreeSpec
+
+    session = Session.open(str(target_dir), export_dir, k=k, device="cpu", dtype="float32")
+    target, head, eos = session.target, session.head, eos_ids(session.target)
+    drafted = accepted = 0
+    tokens = []
+    for _, ids in prompts:
+        spec = TreeSpec("chain", k=session.k)
+        r = decode(target, make_proposer(spec, head, target), ids, n_predict, session.k, eos)
+        drafted += r.stats.proposed_tokens
+        accepted += sum(r.stats.accepted_per_pos)
+        tokens.append([int(t) for t in r.tokens])
+    return {"k": session.k, "drafted": drafted, "accepted": accepted,
+            "accepted_per_drafted": accepted / drafted if drafted else None, "tokens": tokens}
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -472,7 +494,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | None = None, limit: int = 8,
           n_predict: int = 64, threads: int = 2, n_max: int | None = None, require_accepted: bool = True,
-          progress=print) -> dict:
+          compare_ours: bool = False, progress=print) -> dict:
     """Plain vs speculative llama.cpp on the same prompts: PASS when every speculative output equals
     the plain one token for token and (require_accepted) some draft tokens were accepted."""
     spec_type, cfg = draft_spec(export_dir)
@@ -501,6 +523,13 @@ def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | N
                      "spec_tok_s": s.timings.get("predicted_per_second")})
     drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
     equal = all(r["equal"] for r in rows)
+    mine = None
+    if compare_ours and spec_type == "draft-eagle3":
+        progress("[llama.cpp] our verifier on the same prompt ids")
+        mine = ours(Path(target_dir), Path(export_dir), prompts, n_predict, k)
+        # llama.cpp returns the tokens it generated, an end-of-generation token included when it stops on one
+        same = [m == p.tokens[:len(m)] or p.tokens == m[:len(p.tokens)] for m, p in zip(mine.pop("tokens"), plain)]
+        mine["same_tokens_as_llama_cpp_plain"] = f"{sum(same)}/{len(same)}"
     problems = [f"{r['id']}: speculative output differs from plain at token {r['first_difference']}"
                 for r in rows if not r["equal"]]
     if drafted == 0:
@@ -513,7 +542,7 @@ def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | N
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"), "n_predict": n_predict,
             "prompts": len(rows), "greedy_equal": equal, "drafted": drafted, "accepted": accepted,
             "accepted_per_drafted": accepted / drafted if drafted else None,
-            "decode_seconds": {"plain": plain_s, "spec": spec_s}, "load_average": {"before": load0,
+            "ours": mine, "decode_seconds": {"plain": plain_s, "spec": spec_s}, "load_average": {"before": load0,
                                                                                   "after": load_average()},
             "conversions": {"target": target_rec, "draft": draft_rec},
             "server_commands": {"plain": shlex.join(server_command(b, target_gguf, SpecSettings(), 0, threads, 2048)),
@@ -528,6 +557,11 @@ def format_check(r: dict) -> str:
              f"threads {r['threads']}, OMP_WAIT_POLICY {r['omp_wait_policy']}, load {r['load_average']}",
              f"  greedy-equal: {sum(x['equal'] for x in r['rows'])}/{len(r['rows'])}; accepted/drafted "
              f"{r['accepted']}/{r['drafted']} = {rate}"]
+    if r.get("ours"):
+        o = r["ours"]
+        lines.append(f"  our verifier, same prompt ids, k={o['k']}: accepted/drafted {o['accepted']}/{o['drafted']} = "
+                     f"{o['accepted_per_drafted'] or 0:.3f}; same greedy tokens as llama.cpp plain: "
+                     f"{o['same_tokens_as_llama_cpp_plain']}")
     if r["conversions"]["target"]["pre_tokenizer"]["fallback_applied"]:
         lines.append(f"  pre-tokenizer: {r['conversions']['target']['pre_tokenizer']['note']}")
     lines += [f"  {p}" for p in r["problems"]]
@@ -547,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--threads", type=int, default=2)
     c.add_argument("--k", type=int, default=None, help="--spec-draft-n-max (default: the export's speculative_tokens)")
     c.add_argument("--work", default=None, help="folder for the GGUFs, logs and llamacpp-check.json")
+    c.add_argument("--ours", action="store_true", help="also run our verifier on the same prompt ids (acceptance)")
     c.add_argument("--no-require-accepted", action="store_true",
                    help="pass on greedy equality alone (random-weight test heads draft but are never accepted)")
     v = sub.add_parser("convert", help="an HF target or (with --target) a specheads export as GGUF")
@@ -566,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         work = Path(a.work or Path(a.export).resolve().parent / "llamacpp-check")
         r = check(Path(a.export), Path(a.target), work, Path(a.prompts) if a.prompts else None, a.limit,
-                  a.n_predict, a.threads, a.k, not a.no_require_accepted)
+                  a.n_predict, a.threads, a.k, not a.no_require_accepted, a.ours)
         write_json(work / "llamacpp-check.json", r)
         print(format_check(r))
         print(f"  report: {work / 'llamacpp-check.json'}")
