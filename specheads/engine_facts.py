@@ -38,7 +38,7 @@ LEGACY_VLLM = "vLLM <= 0.32"  # the last vLLM with Medusa
 
 # llama.cpp decodes on a CPU; it has no export format of its own (so it is not in ENGINES, whose keys
 # are specheads.json's "engine_versions"): `specheads.engines.llamacpp` converts our exports to GGUF
-# with llama.cpp's converter and runs `llama-server` (docs: the sdist's vendor/llama.cpp/docs/speculative.md)
+# with llama.cpp's converter and runs `llama-server` (docs/engines.md §5; upstream: speculative.md in llama.cpp's docs)
 LLAMA_CPP = Engine("llama.cpp", "0c1e570", "0.3.36")  # series: the vendored llama.cpp commit
 
 
