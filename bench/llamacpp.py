@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ def rows_to_run(spec_type: str, draft: Path, k: int, mix: str) -> list[lc.SpecSe
 
 
 def summarize(label: str, spec: lc.SpecSettings, outs: list[lc.Completion], plain: list[lc.Completion] | None,
-              load: dict, threads: int) -> dict:
+              load: dict, threads: int, omp: str | None = None) -> dict:
     n = sum(int(o.timings.get("predicted_n") or len(o.tokens)) for o in outs)
     ms = sum(float(o.timings.get("predicted_ms") or 0.0) for o in outs)
     drafted, accepted = sum(o.drafted for o in outs), sum(o.accepted for o in outs)
@@ -43,7 +42,7 @@ def summarize(label: str, spec: lc.SpecSettings, outs: list[lc.Completion], plai
             "drafted": drafted, "accepted": accepted, "accepted_per_drafted": accepted / drafted if drafted else None,
             "greedy_equal": None if equal is None else all(equal),
             "greedy_equal_prompts": None if equal is None else f"{sum(equal)}/{len(equal)}",
-            "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"), "load_average": load,
+            "threads": threads, "omp_wait_policy": lc.omp_label(omp), "load_average": load,
             "per_prompt": [{k: o.timings.get(k) for k in ("predicted_n", "predicted_ms", "draft_n", "draft_n_accepted")}
                            for o in outs]}
 
@@ -75,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-predict", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=None, help="--spec-draft-n-max for the draft rows (default: the export's)")
+    p.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
+                   help="the servers' OMP_WAIT_POLICY (default: inherited; recorded per row)")
     p.add_argument("--mix", default="ngram-mod", help="the draftless type mixed with the draft in the last row")
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             before = lc.load_average()
             print(f"[bench] {spec.label} ... (load {before})", flush=True)
             outs, _ = lc.decode_all(b, target_gguf, spec, prompts, a.n_predict, a.threads,
-                                    out / f"server-{spec.label}.log")
-            row = summarize(spec.label, spec, outs, plain, {"before": before, "after": lc.load_average()}, a.threads)
+                                    out / f"server-{spec.label}.log", omp=a.omp_wait_policy)
+            row = summarize(spec.label, spec, outs, plain, {"before": before, "after": lc.load_average()}, a.threads,
+                            a.omp_wait_policy)
             plain = plain or outs
             rows.append(row)
             print(f"        {row['tok_s']:.1f} tok/s, accepted {row['accepted']}/{row['drafted']}, "
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"version": b.version(), "target": a.target, "draft": a.draft, "prompts_file": a.prompts,
               "prompts": len(prompts), "n_predict": a.n_predict, "threads": a.threads,
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"), "spec_draft_n_max": k,
+              "omp_wait_policy": lc.omp_label(a.omp_wait_policy), "spec_draft_n_max": k,
               "mix": a.mix, "conversions": conv, "rows": rows}
     write_json(out / "llamacpp.json", result)
     write_text(out / "llamacpp.md", markdown(result))

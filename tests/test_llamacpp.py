@@ -239,3 +239,14 @@ def test_bad_exports_are_refused_with_the_reason(tiny_export, tmp_path):
     (sg / "specheads.json").write_text(json.dumps({**meta, "format": "sglang"}))
     with pytest.raises(lc.RefusedExport, match="format sglang"):
         lc.convert_draft(sg, tiny, tmp_path / "sg.gguf")
+
+
+def test_omp_wait_policy_is_passed_and_recorded(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert lc.omp_env(None) == {} and lc.omp_label(None) == "(unset)"
+    assert lc.omp_env("PASSIVE") == {"OMP_WAIT_POLICY": "PASSIVE"} and lc.omp_label("PASSIVE") == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert lc.omp_label(None) == "ACTIVE"
+    server = lc.Server(FAKE, Path("/m.gguf"), env=lc.omp_env("PASSIVE"))
+    assert server.env == {"OMP_WAIT_POLICY": "PASSIVE"} and FAKE.env(**server.env)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert FAKE.env()["LD_LIBRARY_PATH"].split(":")[0] == "/opt/llama.cpp/build/bin"
