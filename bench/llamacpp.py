@@ -8,7 +8,8 @@ The target and the export are converted to f32 GGUFs with llama.cpp's own conver
 (specheads.engines.llamacpp). Each row is one `llama-server` process decoding every prompt (chat-
 rendered ids, greedy, no prompt cache); tok/s is generated tokens over generation seconds summed over
 prompts (llama.cpp's `predicted_n` / `predicted_ms`), accepted/drafted its `draft_n_accepted` /
-`draft_n`; every row's outputs are compared token for token with the plain row's. Threads, the
+`draft_n`; each server first answers two untimed warm-up requests; every row's outputs are compared
+token for token with the plain row's, and plain runs again last to show how far the machine drifted. Threads, the
 OMP_WAIT_POLICY and the load average before and after each row are recorded: on a shared machine the
 speeds are only comparable within one run. Writes DIR/llamacpp.json and DIR/llamacpp.md.
 """
@@ -27,8 +28,10 @@ DRAFTLESS_ROWS = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
 
 def rows_to_run(spec_type: str, draft: Path, k: int, mix: str) -> list[lc.SpecSettings]:
+    """plain first (the reference) and again last (how far the machine drifted during the run)."""
     return [lc.SpecSettings(), *(lc.SpecSettings((t,)) for t in DRAFTLESS_ROWS),
-            lc.SpecSettings((spec_type,), draft, n_max=k), lc.SpecSettings((spec_type, mix), draft, n_max=k)]
+            lc.SpecSettings((spec_type,), draft, n_max=k), lc.SpecSettings((spec_type, mix), draft, n_max=k),
+            lc.SpecSettings()]
 
 
 def summarize(label: str, spec: lc.SpecSettings, outs: list[lc.Completion], plain: list[lc.Completion] | None,
@@ -93,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             before = lc.load_average()
             print(f"[bench] {spec.label} ... (load {before})", flush=True)
             outs, _ = lc.decode_all(b, target_gguf, spec, prompts, a.n_predict, a.threads,
-                                    out / f"server-{spec.label}.log", omp=a.omp_wait_policy)
-            row = summarize(spec.label, spec, outs, plain, {"before": before, "after": lc.load_average()}, a.threads,
+                                    out / f"server-{spec.label}.log", omp=a.omp_wait_policy, warmup=2)
+            label = spec.label if plain is None or spec.types else "plain (again)"
+            row = summarize(label, spec, outs, plain, {"before": before, "after": lc.load_average()}, a.threads,
                             a.omp_wait_policy)
             plain = plain or outs
             rows.append(row)

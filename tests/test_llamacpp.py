@@ -121,7 +121,7 @@ def test_bench_rows_and_table():
     from bench.llamacpp import DRAFTLESS_ROWS, markdown, rows_to_run, summarize
 
     rows = rows_to_run("draft-eagle3", Path("d.gguf"), 3, "ngram-mod")
-    assert [r.label for r in rows] == ["plain", *DRAFTLESS_ROWS, "draft-eagle3", "draft-eagle3+ngram-mod"]
+    assert [r.label for r in rows] == ["plain", *DRAFTLESS_ROWS, "draft-eagle3", "draft-eagle3+ngram-mod", "plain"]
     plain = [lc.Completion("", [1, 2], {"predicted_n": 2, "predicted_ms": 100.0})]
     spec = [lc.Completion("", [1, 3], {"predicted_n": 2, "predicted_ms": 50.0, "draft_n": 4, "draft_n_accepted": 1})]
     load = {"before": [1.0, 1.0, 1.0], "after": [2.0, 1.0, 1.0]}

@@ -462,9 +462,12 @@ def omp_label(policy: str | None) -> str:
 
 
 def decode_all(b: LlamaCpp, model: Path, spec: SpecSettings, prompts, n_predict: int, threads: int,
-               log: Path, ctx: int = 2048, omp: str | None = None) -> tuple[list[Completion], float]:
-    """Every prompt through one server; (completions, wall seconds of the decoding requests)."""
+               log: Path, ctx: int = 2048, omp: str | None = None, warmup: int = 0) -> tuple[list[Completion], float]:
+    """Every prompt through one server, after `warmup` untimed requests (the first prompt, 16 tokens);
+    (completions, wall seconds of the decoding requests)."""
     with Server(b, model, spec, threads=threads, ctx=ctx, log=log, env=omp_env(omp)) as server:
+        for _ in range(warmup):
+            server.complete(prompts[0][1], 16)
         started = time.time()
         outs = [server.complete(ids, n_predict) for _, ids in prompts]
         return outs, time.time() - started
