@@ -36,6 +36,45 @@ VLLM = ENGINES["vllm"].label  # "vLLM 0.33", as messages name it
 SGLANG = ENGINES["sglang"].label  # "SGLang 0.5.23"
 LEGACY_VLLM = "vLLM <= 0.32"  # the last vLLM with Medusa
 
+# llama.cpp decodes on a CPU; it has no export format of its own (so it is not in ENGINES, whose keys
+# are specheads.json's "engine_versions"): `specheads.engines.llamacpp` converts our exports to GGUF
+# with llama.cpp's converter and runs `llama-server` (docs/engines.md §5; upstream: speculative.md in llama.cpp's docs)
+LLAMA_CPP = Engine("llama.cpp", "0c1e570", "0.3.36")  # series: the vendored llama.cpp commit
+
+
+@dataclass(frozen=True)
+class LlamaCppBuild:
+    """Where specheads' llama.cpp comes from and how it is built (measured: ~12 min on 2 cores)."""
+
+    package: str = "llama-cpp-python"  # the PyPI sdist that vendors llama.cpp (vendor/llama.cpp)
+    version: str = LLAMA_CPP.release
+    commit: str = LLAMA_CPP.series
+    # GGML_NATIVE=OFF: the binaries and their results do not depend on the CPU the build ran on
+    configure: tuple[str, ...] = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON",
+                                  "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF")
+    targets: tuple[str, ...] = ("llama-server", "llama-cli")
+    minutes: int = 12
+    # the converter imports sentencepiece before it falls back to tokenizer.json (conversion/llama.py)
+    converter_extras: tuple[str, ...] = ("sentencepiece==0.2.3",)
+
+
+LLAMA_CPP_BUILD = LlamaCppBuild()
+# (kind, export format) llama.cpp's converter reads -> the `--spec-type` that runs it (EAGLE-3: never
+# auto-detected; llama.cpp takes exactly 3 target layers, src/models/eagle3.cpp). DFlash / DSpark: the
+# converter's DFlashModel / DSparkModel (conversion/qwen.py) read our Qwen3-layer drafts (on any target
+# whose tokenizer it reads); measured on the tiny Llama target: they convert, draft and decode greedy-
+# equal. DFlash's speculators format (DFlashSpeculator) is not registered there: "Model DFlashSpeculator
+# is not supported"
+LLAMA_CPP_SPEC = {("eagle3", "vllm"): "draft-eagle3", ("dflash", "vllm-native"): "draft-dflash",
+                  ("dspark", "vllm-native"): "draft-dspark", ("dspark", "vllm"): "draft-dspark"}
+LLAMA_CPP_EAGLE3_LAYERS = 3
+# the draftless `--spec-type`s (common/speculative.cpp); mixed with a draft model they take precedence
+LLAMA_CPP_DRAFTLESS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+# tokenizer.json pre_tokenizer -> the llama.cpp pre-tokenizer (tokenizer.ggml.pre) that splits text the same
+# way, used only when the converter does not know the tokenizer's hash (get_vocab_base_pre): HF's
+# ByteLevel with use_regex is GPT-2's split regex, llama.cpp's "gpt-2" (src/llama-vocab.cpp)
+LLAMA_CPP_PRE_TOKENIZERS = {("ByteLevel", True, False): "gpt-2"}  # (type, use_regex, add_prefix_space)
+
 
 @dataclass(frozen=True)
 class Format:

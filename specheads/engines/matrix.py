@@ -8,6 +8,11 @@ and `OUT/engine-check.md` (kind x format x engine -> config / weights / layers /
 Exits non-zero when any check fails.
 
     python -m specheads.engines.matrix --out runs/engine-check [--run runs/demo[:TARGET]] [--runs-only] [--engines vllm,sglang]
+
+`--engines llama.cpp` (opt-in, not in the default) also decodes every export llama.cpp runs
+(engine_facts.LLAMA_CPP_SPEC) plain and speculatively in `llama-server` on the CPU
+(specheads.engines.llamacpp.check): config = converted to GGUF, forward = every speculative output
+equal to plain, and for a trained run's export drafts accepted (random-weight heads are rarely accepted).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from transformers import AutoModelForCausalLM
 from specheads.atomic import write_json, write_text
 from specheads.builtin.family_targets import save_family_target
 from specheads.builtin.tiny_target import cached_tiny_target
-from specheads.engine_facts import FORMAT_ENGINES
-from specheads.engines.check import FAIL, PROBES, EngineCheck, format_report, prepare, run_jobs
+from specheads.engine_facts import FORMAT_ENGINES, LLAMA_CPP, LLAMA_CPP_SPEC
+from specheads.engines.check import FAIL, PASS, PROBES, EngineCheck, Stage, format_report, prepare, run_jobs
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint, save_checkpoint
 from specheads.export.contract_rules import META_FILE
@@ -34,6 +39,7 @@ from specheads.provenance import provenance
 from specheads.target import Target
 
 STAGES = ("config", "weights", "layers", "forward")
+LLAMA_CPP_KEY = "llama.cpp"  # --engines name of the decoding check (not a probe)
 
 
 @dataclass
@@ -47,6 +53,7 @@ class Row:
     target: Path | None
     engines: tuple[str, ...] = ()
     note: str = ""
+    trained: bool = False  # a trained run's export (llama.cpp: its drafts must be accepted)
 
 
 # --- building the small exports ----------------------------------------------------------------------
@@ -111,7 +118,7 @@ def run_rows(run: Path, target: Path | None = None) -> list[Row]:
         if (folder / "config.json").is_file():
             kind = json.loads((folder / META_FILE).read_text())["kind"]  # the head trained in that run
             rows.append(Row(f"{label}-{fmt}", kind, fmt, folder, target, FORMAT_ENGINES[fmt],
-                            f"the trained head of {label}"))
+                            f"the trained head of {label}", trained=True))
     if not rows:
         raise FileNotFoundError(f"{run / 'export'}: no export; run `make demo RUN={run}` (or `make real`) first")
     if not (target / "config.json").is_file():
@@ -141,6 +148,32 @@ def run_checks(rows: list[Row], engines: list[str], work: Path, log=print) -> li
     return [(row, report) for (row, _), report in zip(pairs, reports)]
 
 
+def llamacpp_checks(rows: list[Row], work: Path, log=print) -> list[tuple[Row, EngineCheck]]:
+    """Every row llama.cpp runs, decoded plain and speculatively (specheads.engines.llamacpp.check)."""
+    from specheads.engines import llamacpp as lc
+
+    out = []
+    for row in (r for r in rows if (r.kind, r.format) in LLAMA_CPP_SPEC and r.target is not None):
+        log(f"== llama.cpp: {row.name} ({row.kind}, {row.format})")
+        report = EngineCheck(str(row.export), LLAMA_CPP_KEY, row.kind, row.format, engine_version=LLAMA_CPP.series)
+        started = time.time()
+        try:
+            r = lc.check(row.export, row.target, work / row.name / LLAMA_CPP_KEY, limit=3, n_predict=48,
+                         require_accepted=row.trained, progress=log)
+        except lc.LlamaCppError as e:
+            report.stages["config"] = Stage(FAIL, str(e)[-1500:])
+        else:
+            pre = r["conversions"]["target"]["pre_tokenizer"]["fallback_applied"]
+            report.stages["config"] = Stage(PASS, "converted to GGUF" + (f" (pre-tokenizer {pre})" if pre else ""))
+            report.stages["forward"] = Stage(PASS if r["verdict"] == "PASS" else FAIL, "; ".join(r["problems"]))
+            report.numbers = {k: r[k] for k in ("prompts", "drafted", "accepted", "accepted_per_drafted", "greedy_equal",
+                                                "threads", "load_average")}
+        report.seconds = time.time() - started
+        log(f"   {report.stages.get('forward', report.stages['config']).status}")
+        out.append((row, report))
+    return out
+
+
 def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
     lines = ["| kind | format | engine | export | config | weights | layers | forward | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -155,6 +188,9 @@ def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
             if c and c.status in (FAIL, "NOT RUN", "REFUSED") and c.detail:
                 notes.append(" ".join(c.detail.split())[:160].replace("|", "/"))
                 break
+        if "accepted_per_drafted" in r.numbers:
+            n = r.numbers
+            notes.append(f"decoded: greedy-equal {n['greedy_equal']}, accepted/drafted {n['accepted']}/{n['drafted']}")
         if row.note:
             notes.append(row.note)
         lines.append(f"| {row.kind} | {row.format} | {r.engine} {r.engine_version or ''} | {row.name} | "
@@ -175,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="check only rows whose name contains this")
     a = p.parse_args(argv)
     engines = [e for e in a.engines.split(",") if e]
-    missing = [e for e in engines if not (Path(__file__).with_name(PROBES.get(e, "?"))).is_file()]
-    if missing or any(e not in PROBES for e in engines):
-        print(f"engine-check: no probe for {missing or engines}; engines with one: {', '.join(PROBES)}", file=sys.stderr)
+    probed = [e for e in engines if e != LLAMA_CPP_KEY]
+    missing = [e for e in probed if not (Path(__file__).with_name(PROBES.get(e, "?"))).is_file()]
+    if missing or any(e not in PROBES for e in probed):
+        print(f"engine-check: no probe for {missing or probed}; engines with one: {', '.join(PROBES)} "
+              f"(and {LLAMA_CPP_KEY}, decoding)", file=sys.stderr)
         return 2
     out, started = Path(a.out).resolve(), time.time()  # absolute: each probe runs in its own folder
     try:
@@ -189,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += build_exports(out / "exports")
     if a.only:
         rows = [r for r in rows if a.only in r.name]
-    results = run_checks(rows, engines, out / "work")
+    results = run_checks(rows, probed, out / "work") if probed else []
+    if LLAMA_CPP_KEY in engines:
+        results += llamacpp_checks(rows, out / "work")
     seconds = time.time() - started
 
     write_json(out / "engine-check.json", {"seconds": seconds, "engines": engines, "checks": [

@@ -1,0 +1,252 @@
+"""llama.cpp: the command lines built (no binaries needed), the refusals, and (engine-marked: with
+SPECHEADS_ENGINE_TESTS=1 and llama.cpp built under the user cache) conversion of a tiny EAGLE-3 export,
+speculative output equal to plain in llama.cpp with drafts accepted, and bad exports refused."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from specheads.engine_facts import LLAMA_CPP_BUILD
+from specheads.engines import llamacpp as lc
+
+FAKE = lc.LlamaCpp(Path("/opt/llama.cpp"))
+
+
+# --- command lines (no binaries) ---------------------------------------------------------------------
+def test_plain_server_command_has_no_speculative_flags():
+    cmd = lc.server_command(FAKE, Path("t.gguf"), lc.SpecSettings(), 8123, 2, 1024)
+    assert cmd[:3] == ["/opt/llama.cpp/build/bin/llama-server", "-m", "t.gguf"]
+    assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("-t") + 1] == "2"
+    assert cmd[cmd.index("-c") + 1] == "1024" and cmd[cmd.index("-np") + 1] == "1"
+    assert not [a for a in cmd if a.startswith("--spec") or a == "-md"]
+
+
+def test_eagle3_server_command_names_draft_type_and_k():
+    spec = lc.SpecSettings(("draft-eagle3", "ngram-mod"), Path("d.gguf"), n_max=5)
+    cmd = lc.server_command(FAKE, Path("t.gguf"), spec, 1, 4, 2048)
+    assert cmd[cmd.index("-md") + 1] == "d.gguf" and cmd[cmd.index("-td") + 1] == "4"
+    assert cmd[cmd.index("--spec-type") + 1] == "draft-eagle3,ngram-mod"
+    assert cmd[cmd.index("--spec-draft-n-max") + 1] == "5"
+    assert spec.label == "draft-eagle3+ngram-mod" and lc.SpecSettings().label == "plain"
+
+
+def test_completion_is_greedy_uncached_and_returns_tokens():
+    body = lc.completion_body([1, 2, 3], 16)
+    assert body == {"prompt": [1, 2, 3], "n_predict": 16, "temperature": 0, "cache_prompt": False,
+                    "return_tokens": True, "stream": False}
+
+
+def test_build_commands_come_from_the_facts():
+    cfg = lc.configure_command(Path("/s"), ninja=True)
+    assert cfg[:5] == ["cmake", "-S", "/s", "-B", "/s/build"] and cfg[5:7] == ["-G", "Ninja"]
+    assert "-DGGML_NATIVE=OFF" in cfg and "-DLLAMA_CURL=OFF" in cfg and tuple(cfg[7:]) == LLAMA_CPP_BUILD.configure
+    assert "-G" not in lc.configure_command(Path("/s"), ninja=False)
+    assert lc.build_command(Path("/s"), 2)[-3:] == ["--target", "llama-server", "llama-cli"]
+    dl = lc.download_command(Path("/d"))
+    assert "llama-cpp-python==0.3.36" in dl and dl[dl.index("--no-binary") + 1] == ":all:" and "--no-deps" in dl
+
+
+def test_convert_command_runs_the_vendored_converter_through_the_shim():
+    cmd = lc.convert_command(FAKE, Path("/e"), Path("/o.gguf"), "f16", Path("/t"))
+    assert cmd[1] == str(lc.CONVERT_SHIM) and cmd[2] == "/opt/llama.cpp" and cmd[3] == "/e"
+    assert cmd[cmd.index("--outtype") + 1] == "f16" and cmd[cmd.index("--target-model-dir") + 1] == "/t"
+    assert "--target-model-dir" not in lc.convert_command(FAKE, Path("/t"), Path("/o.gguf"))
+
+
+def test_the_shim_never_imports_specheads():
+    """It runs the converter, under any Python: no specheads imports."""
+    tree = ast.parse(lc.CONVERT_SHIM.read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] == "specheads"]
+
+
+def test_pre_tokenizer_rule_matches_only_gpt2_byte_level(tmp_path, tiny_target_dir):
+    name, why = lc.pre_tokenizer(tiny_target_dir)
+    assert name == "gpt-2" and "ByteLevel(use_regex=True, add_prefix_space=False)" in why
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": {"type": "Metaspace"}}))
+    assert lc.pre_tokenizer(tmp_path) is None
+    assert lc.pre_tokenizer(tmp_path / "nowhere") is None
+
+
+# --- refusals (no binaries) ------------------------------------------------------------------------------
+def fake_export(folder: Path, kind: str = "eagle3", fmt: str = "vllm", layers=(2, 4, 5)) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "specheads.json").write_text(json.dumps({"kind": kind, "format": fmt, "num_speculative_tokens": 3}))
+    (folder / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": list(layers)}))
+    return folder
+
+
+def test_refusals_name_what_to_pass(tmp_path):
+    assert lc.draft_spec(fake_export(tmp_path / "ok"))[0] == "draft-eagle3"
+    assert lc.draft_spec(fake_export(tmp_path / "dfl", "dflash", "vllm-native", ()))[0] == "draft-dflash"
+    assert lc.draft_spec(fake_export(tmp_path / "dsp", "dspark", "vllm", ()))[0] == "draft-dspark"
+    with pytest.raises(lc.RefusedExport, match="no config.json / specheads.json; pass a folder written by"):
+        lc.draft_spec(tmp_path)
+    with pytest.raises(lc.RefusedExport, match=r"a eagle3 export in format sglang; .* eagle3 \(--format vllm\)"):
+        lc.draft_spec(fake_export(tmp_path / "sg", fmt="sglang"))
+    with pytest.raises(lc.RefusedExport, match="a dflash export in format vllm"):  # DFlashSpeculator: unsupported
+        lc.draft_spec(fake_export(tmp_path / "df", kind="dflash"))
+    peagle = fake_export(tmp_path / "pe")
+    (peagle / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+    with pytest.raises(lc.RefusedExport, match="has no P-EAGLE"):
+        lc.draft_spec(peagle)
+    with pytest.raises(lc.RefusedExport, match=r"taps 4 target layers .* takes exactly 3"):
+        lc.draft_spec(fake_export(tmp_path / "four", layers=(1, 2, 3, 4)))
+
+
+def test_cli_refuses_a_bad_export_before_building_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    assert lc.main(["check", str(fake_export(tmp_path / "sg", fmt="sglang")), "--target", str(tmp_path)]) == 2
+    assert "llama.cpp: " in capsys.readouterr().err and not (tmp_path / "cache").exists()
+
+
+def test_missing_build_and_missing_tools_say_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    with pytest.raises(lc.LlamaCppError, match="is not built under .*specheads.engines.llamacpp ensure"):
+        lc.ensure(build=False)
+    monkeypatch.setattr(lc.shutil, "which", lambda name: None)
+    with pytest.raises(lc.LlamaCppError, match=r"needs cmake, a C compiler .*apt-get install cmake build-essential"):
+        lc.ensure(progress=lambda m: None)
+    assert not (tmp_path / "engines").exists()  # nothing downloaded
+
+
+def test_bench_rows_and_table():
+    from bench.llamacpp import DRAFTLESS_ROWS, markdown, rows_to_run, summarize
+
+    rows = rows_to_run("draft-eagle3", Path("d.gguf"), 3, "ngram-mod")
+    assert [r.label for r in rows] == ["plain", *DRAFTLESS_ROWS, "draft-eagle3", "draft-eagle3+ngram-mod", "plain"]
+    plain = [lc.Completion("", [1, 2], {"predicted_n": 2, "predicted_ms": 100.0})]
+    spec = [lc.Completion("", [1, 3], {"predicted_n": 2, "predicted_ms": 50.0, "draft_n": 4, "draft_n_accepted": 1})]
+    load = {"before": [1.0, 1.0, 1.0], "after": [2.0, 1.0, 1.0]}
+    a, b = summarize("plain", rows[0], plain, None, load, 2), summarize("x", rows[-1], spec, plain, load, 2)
+    assert a["tok_s"] == 20.0 and b["tok_s"] == 40.0 and b["greedy_equal"] is False and b["accepted_per_drafted"] == 0.25
+    table = markdown({"version": "v", "prompts": 1, "n_predict": 2, "threads": 2, "omp_wait_policy": "(unset)",
+                      "rows": [a, b]})
+    assert "| plain | 20.0 | 1.00x | - | reference | 1.0 / 2.0 |" in table and "| x | 40.0 | 2.00x | 1/4 = 0.250 | 0/1 |" in table
+
+
+# --- with llama.cpp (SPECHEADS_ENGINE_TESTS=1 and the build under the user cache) ----------------------------
+needs_build = pytest.mark.skipif(not lc.built(lc.home() / "sdist" / "vendor" / "llama.cpp"),
+                                 reason="llama.cpp is not built: python -m specheads.engines.llamacpp ensure")
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    """A random-weight EAGLE-3 head (scattered draft vocabulary of V / 2) on the tiny test target,
+    exported in the speculators format."""
+    from specheads.builtin.tiny_target import cached_tiny_target
+    from specheads.engines.matrix import fingerprint_provenance, save_example
+    from specheads.export import export
+    from specheads.kinds import KINDS
+    from specheads.target import Target
+
+    tiny = cached_tiny_target("test", progress=False)
+    target = Target.load(str(tiny), device="cpu")
+    root = tmp_path_factory.mktemp("llamacpp")
+    example = KINDS["eagle3"].example
+    ckpt = save_example(root, example.build(target, example.seed), tiny, fingerprint_provenance(target))
+    return export(ckpt, "vllm", root / "export"), tiny
+
+
+def always_drafting(export_dir: Path, dest: Path, token: int) -> Path:
+    """The export with weights that make the draft propose `token` at every step, with no tie: the MLP
+    with gate = up (silu(g) * g >= 0) and a positive down_proj row 0 drives feature 0 of the final
+    state above zero (fc and o_proj write nothing there), norm keeps only feature 0, lm_head row 0
+    reads it, and d2t maps draft id 0 to `token`. Accepted only if llama.cpp runs the layer, the norm,
+    the lm_head and the d2t map as we do."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(export_dir, dest)
+    t = load_file(export_dir / "model.safetensors")
+    targets = torch.arange(len(t["d2t"])) + t["d2t"]
+    hit = (targets == token).nonzero().flatten()
+    if len(hit):
+        targets[int(hit[0])] = targets[0]
+    targets[0] = token
+    t["d2t"] = targets - torch.arange(len(targets))
+    p = "layers.0."
+    t[p + "mlp.up_proj.weight"] = t[p + "mlp.gate_proj.weight"].clone()
+    t[p + "mlp.down_proj.weight"][0] = t[p + "mlp.down_proj.weight"][0].abs() + 0.1
+    t["fc.weight"][0] = 0
+    t[p + "self_attn.o_proj.weight"][0] = 0
+    t["norm.weight"] = torch.zeros_like(t["norm.weight"])
+    t["norm.weight"][0] = 1
+    t["lm_head.weight"] = torch.zeros_like(t["lm_head.weight"])
+    t["lm_head.weight"][0, 0] = 1
+    save_file(t, dest / "model.safetensors")
+    return dest
+
+
+@pytest.mark.engine
+@needs_build
+def test_tiny_eagle3_export_converts(tiny_export, tmp_path):
+    import gguf
+
+    export_dir, tiny = tiny_export
+    rec = lc.convert_draft(export_dir, tiny, tmp_path / "draft.gguf")
+    assert rec["spec_type"] == "draft-eagle3" and rec["pre_tokenizer"]["fallback_applied"] == "gpt-2"
+    assert json.loads((tmp_path / "draft.gguf.json").read_text())["command"] == rec["command"]
+    reader = gguf.GGUFReader(tmp_path / "draft.gguf")
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    assert arch == "eagle3"
+    layers = reader.fields["eagle3.target_layers"]
+    assert [int(layers.parts[i][0]) for i in layers.data] == [2, 4, 5]
+    names = {t.name for t in reader.tensors}
+    assert "d2t" in names and "t2d" not in names
+
+
+@pytest.mark.engine
+@needs_build
+def test_speculative_equals_plain_and_drafts_are_accepted(tiny_export, tmp_path):
+    export_dir, tiny = tiny_export
+    random = lc.check(export_dir, tiny, tmp_path / "random", n_predict=24, limit=2, require_accepted=False,
+                      progress=lambda m: None)
+    assert random["verdict"] == "PASS" and random["greedy_equal"] and random["drafted"] > 0
+    # the tiny target's greedy continuation of these prompts: draft its most frequent token
+    plain, _ = lc.decode_all(lc.ensure(progress=lambda m: None), tmp_path / "random" / "target-f32.gguf",
+                             lc.SpecSettings(), lc.prompt_ids(tiny, None, 2), 24, 2, tmp_path / "plain.log")
+    tokens = [t for o in plain for t in o.tokens]
+    token = max(set(tokens), key=tokens.count)
+    accepting = always_drafting(export_dir, tmp_path / "accepting", token)
+    r = lc.check(accepting, tiny, tmp_path / "accept", n_predict=24, limit=2, progress=lambda m: None)
+    assert r["verdict"] == "PASS", r["problems"]
+    assert r["greedy_equal"] and r["accepted"] > 0 and r["accepted_per_drafted"] > 0.5
+
+
+@pytest.mark.engine
+@needs_build
+def test_bad_exports_are_refused_with_the_reason(tiny_export, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    export_dir, tiny = tiny_export
+    bad = tmp_path / "bad"
+    shutil.copytree(export_dir, bad)
+    t = load_file(bad / "model.safetensors")
+    t["d2t"][-1] = 10_000  # a draft id mapped past the target vocabulary: the converter's own check
+    save_file(t, bad / "model.safetensors")
+    with pytest.raises(lc.LlamaCppError, match="d2t target ids out of range"):
+        lc.convert_draft(bad, tiny, tmp_path / "bad.gguf")
+    meta = json.loads((export_dir / "specheads.json").read_text())
+    sg = tmp_path / "sglang"
+    shutil.copytree(export_dir, sg)
+    (sg / "specheads.json").write_text(json.dumps({**meta, "format": "sglang"}))
+    with pytest.raises(lc.RefusedExport, match="format sglang"):
+        lc.convert_draft(sg, tiny, tmp_path / "sg.gguf")
+
+
+def test_omp_wait_policy_is_passed_and_recorded(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert lc.omp_env(None) == {} and lc.omp_label(None) == "(unset)"
+    assert lc.omp_env("PASSIVE") == {"OMP_WAIT_POLICY": "PASSIVE"} and lc.omp_label("PASSIVE") == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert lc.omp_label(None) == "ACTIVE"
+    server = lc.Server(FAKE, Path("/m.gguf"), env=lc.omp_env("PASSIVE"))
+    assert server.env == {"OMP_WAIT_POLICY": "PASSIVE"} and FAKE.env(**server.env)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert FAKE.env()["LD_LIBRARY_PATH"].split(":")[0] == "/opt/llama.cpp/build/bin"
