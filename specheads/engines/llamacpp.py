@@ -37,7 +37,12 @@ from pathlib import Path
 
 from specheads.atomic import write_json, write_text
 from specheads.builtin.tiny_target import cache_dir
+from specheads.data.prompts import encode_chat, read_prompts, user_turn
 from specheads.engine_facts import LLAMA_CPP, LLAMA_CPP_BUILD, LLAMA_CPP_EAGLE3_LAYERS, LLAMA_CPP_PRE_TOKENIZERS, LLAMA_CPP_SPEC
+from specheads.session import Session, eos_ids
+from specheads.verify.loop import decode
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
 
 CONVERT_SHIM = Path(__file__).with_name("llamacpp_convert.py")
 MARKER = "SPECHEADS_PRE_FALLBACK="  # printed by llamacpp_convert.py
@@ -439,7 +444,6 @@ def prompt_ids(target_dir: Path, prompts_file: Path | None, limit: int) -> list[
     ids go to llama.cpp as they are, so both engines see the same tokens."""
     from transformers import AutoTokenizer
 
-    from specheads.data.prompts import encode_chat, read_prompts, user_turn
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     if prompts_file is None:
@@ -476,10 +480,6 @@ def decode_all(b: LlamaCpp, model: Path, spec: SpecSettings, prompts, n_predict:
 def ours(target_dir: Path, export_dir: Path, prompts, n_predict: int, k: int | None) -> dict:
     """Our verifier on the same prompt ids (greedy chain of k, CPU float32): accepted / drafted, and
     where its tokens first differ from llama.cpp's (filled in by the caller)."""
-    from specheads.session import Session, eos_ids
-    from specheads.verify.loop import decode
-    from specheads.verify.registry import make_proposer
-    from specheads.verify.settings import TreeSpec
 
     session = Session.open(str(target_dir), export_dir, k=k, device="cpu", dtype="float32")
     target, head, eos = session.target, session.head, eos_ids(session.target)

@@ -30,6 +30,7 @@ from specheads.atomic import write_json, write_text
 from specheads.builtin.family_targets import save_family_target
 from specheads.builtin.tiny_target import cached_tiny_target
 from specheads.engine_facts import FORMAT_ENGINES, LLAMA_CPP, LLAMA_CPP_SPEC
+from specheads.engines import llamacpp as lc
 from specheads.engines.check import FAIL, PASS, PROBES, EngineCheck, Stage, format_report, prepare, run_jobs
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint, save_checkpoint
@@ -150,7 +151,6 @@ def run_checks(rows: list[Row], engines: list[str], work: Path, log=print) -> li
 
 def llamacpp_checks(rows: list[Row], work: Path, log=print) -> list[tuple[Row, EngineCheck]]:
     """Every row llama.cpp runs, decoded plain and speculatively (specheads.engines.llamacpp.check)."""
-    from specheads.engines import llamacpp as lc
 
     out = []
     for row in (r for r in rows if (r.kind, r.format) in LLAMA_CPP_SPEC and r.target is not None):
