@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "heads.py"
+from bench_scripts import load_bench
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_heads", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("heads.py")
 
 
 def test_side_by_side_table(tiny_target_dir, demo_data_dir, tmp_path):

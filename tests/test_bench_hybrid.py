@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "hybrid.py"
+from bench_scripts import load_bench, unload_bench
 
 
 @pytest.fixture(scope="module")
 def hybrid_bench():
     """The benchmark script loaded as a module (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_hybrid", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("hybrid.py")
     yield module
-    sys.modules.pop(spec.name, None)
+    unload_bench(module)
 
 
 def test_bench_writes_every_method(hybrid_bench, tiny_target_dir, random_export_dir, tmp_path, capsys):

@@ -4,26 +4,18 @@ evaluated on MT-bench-style first turns and held-out prompts, and reported with 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 pytest.importorskip("gguf")
 
 from gguf_files import write_tiny_gguf  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "real_model.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_real_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("real_model.py")
 
 
 def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
@@ -67,9 +59,7 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     # bench/real_model_scaling.py on that run: 2 more regenerated prompts and raw text, one epoch
     raw = tmp_path / "wiki.txt"
     raw.write_text(" ".join(f"Sentence number {i} says something about topic {i % 7}." for i in range(400)))
-    spec = importlib.util.spec_from_file_location("bench_real_model_scaling", SCRIPT.with_name("real_model_scaling.py"))
-    scaling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scaling)
+    scaling = load_bench("real_model_scaling.py")
     more = tmp_path / "more"
     assert scaling.main(["--run", str(out), "--target", str(out / "target"), "--prompts", str(prompts),
                          "--out", str(more), "--results", str(results / "scaling.json"), "--train-prompts", "14",

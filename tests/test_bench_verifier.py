@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "verifier.py"
+from bench_scripts import load_bench, unload_bench
 
 
 @pytest.fixture(scope="module")
 def verifier():
     """The benchmark script loaded as a module (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_verifier", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
+    module = load_bench("verifier.py")
     yield module
-    sys.modules.pop(spec.name, None)
+    unload_bench(module)
 
 
 @pytest.fixture(scope="module")

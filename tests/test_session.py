@@ -3,14 +3,13 @@ default draft length chosen once, and decodes through it equal to plain greedy d
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_bench, unload_bench
 
 from specheads.cli import main as cli
 from specheads.data.prompts import encode_chat
@@ -25,7 +24,6 @@ from specheads.verify.loop import greedy_decode
 from specheads.verify.settings import Sampling, TreeSpec, make_tree_spec
 from specheads.verify.text import TextStream
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "verifier.py"
 PROMPT = "def add(a, b):"
 FLAG = "--allow-missing-fingerprint"
 
@@ -33,12 +31,9 @@ FLAG = "--allow-missing-fingerprint"
 @pytest.fixture(scope="module")
 def verifier():
     """bench/verifier.py loaded as a module (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_verifier_session", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("verifier.py", "bench_verifier_session")
     yield module
-    sys.modules.pop(spec.name, None)
+    unload_bench(module)
 
 
 @pytest.fixture(scope="module")
