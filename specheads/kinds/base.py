@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from specheads.engine_facts import FORMAT_ENGINES
 from specheads.verify.steps import causal_mask, positions
 
 
@@ -23,9 +22,6 @@ class Example:
     note: str = ""
     family: str = ""  # built on this tiny target family (builtin.family_targets), not the test target
     matrix: bool = True  # a row of `make engine-check` (False: the export tests only)
-
-    def engines(self, fmt: str) -> tuple[str, ...]:
-        return FORMAT_ENGINES[fmt]
 
 
 @dataclass(frozen=True)
