@@ -74,3 +74,19 @@ def test_validate_without_kind_reads_it_from_the_record(tmp_path):
     (tmp_path / "specheads.json").write_text(json.dumps({"kind": "nope", "format": "vllm"}))
     with pytest.raises(ValueError, match="head kind 'nope' cannot be loaded"):
         validate(tmp_path, "vllm")
+
+
+def test_every_kind_has_a_row_in_the_engine_probes_naming_the_engines_own_methods():
+    """The probes run in the engines' venvs with their own table (engines/probe_kinds.py); it must agree
+    with engine_facts.SERVING on each engine's name for the kind, and cover every probe name a kind uses."""
+    from specheads.engine_facts import SERVING
+    from specheads.engines.probe_kinds import KINDS as PROBE_KINDS
+
+    configs = ({}, {"parallel_drafting": True})  # P-EAGLE is EAGLE-3 with parallel drafting
+    for kind, spec in KINDS.items():
+        assert {spec.probe_name(hc) for hc in configs} <= set(PROBE_KINDS), kind
+    field = {"vllm": "vllm_method", "sglang": "sglang_algorithm"}
+    for (kind, fmt), serving in SERVING.items():
+        if serving.launcher in field:
+            row = PROBE_KINDS[KINDS[kind].probe_name({})]
+            assert getattr(row, field[serving.launcher]) == serving.method, (kind, fmt)

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
 import probe_cpu  # noqa: E402
 import probe_sglang_dspark as dspark  # noqa: E402
+from probe_kinds import KINDS  # noqa: E402
 from probe_sglang_dflash import KV_NOTE, mask_token_id, run_blocks  # noqa: E402
 from probe_sglang_forward import (  # noqa: E402
     STANDALONE_NOTE,
@@ -48,9 +49,6 @@ from probe_sglang_weights import (  # noqa: E402
 )
 
 ENGINE = "sglang"
-ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft": "STANDALONE", "mtp": "NEXTN",
-              "medusa": "MEDUSA", "medusa2": "MEDUSA", "dflash": "DFLASH", "peagle": "PEAGLE",
-              "dspark": "DSPARK"}
 SGL_KERNEL_NOTE = ("run in sgl_kernel ops; the installed sgl_kernel is the CUDA build (stubbed here), so "
                    "they have no CPU path and the forward is not attempted")
 MTP_FORWARD_SKIP = {  # target model_type -> why the MTP module's forward is not run on a CPU
@@ -132,7 +130,7 @@ def server_args(args, algorithm: str):
     """The ServerArgs `launch_server` would build for this export (float32, CPU, no CUDA graphs)."""
     from sglang.srt.server_args import ServerArgs
 
-    mtp = args.kind == "mtp"
+    mtp = KINDS[args.kind].inside_target  # served as the target folder itself, its MTP layers the draft
     # hybrid (Mamba-style) targets: the default extra_buffer cache needs a GPU platform's snapshots
     platform = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True} if mtp else {}
     return ServerArgs(**platform,
@@ -168,7 +166,7 @@ def load_configs(args, sa):
 
     algo = SpeculativeAlgorithm.from_string(sa.speculative_algorithm)
     target = ModelConfig.from_server_args(sa)
-    draft_path = None if args.kind == "mtp" else str(args.draft)
+    draft_path = None if KINDS[args.kind].inside_target else str(args.draft)
     draft = ModelConfig.from_server_args(sa, model_path=draft_path, is_draft_model=True,
                                          context_length=target.context_len)
     aux = resolve_spec_aux_hidden_state_config(server_args=sa, model_config=target, spec_algorithm=algo,
@@ -256,13 +254,18 @@ def stage_config(args, result: dict):
     """Stage 1: SGLang parses the folder; returns what later stages need."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    algorithm = ALGORITHMS[args.kind] if args.kind != "peagle" else "EAGLE3"
+    kind = KINDS[args.kind]
+    algorithm = kind.sglang_algorithm
     try:
         SpeculativeAlgorithm.from_string(algorithm)  # the engine's own refusal for unknown methods
+    except Exception as exc:
+        why = f" ({kind.sglang_refusal})" if kind.sglang_refusal else ""
+        raise StageError("config", exc, message=f"{engine_message(exc)}{why}") from exc
+    try:
         REPLACED.append(replace_attention_kernel())
-        if algorithm == "DFLASH":
+        if kind.drafts == "block":
             REPLACED.append(allow_dflash_on_cpu())
-        if algorithm == "DSPARK":
+        if kind.drafts == "markov":
             REPLACED.extend(n for n in (dspark.allow_dspark_on_cpu(), dspark.confidence_mode(args.draft)) if n)
         sa = server_args(args, algorithm)
         init_runtime(sa)
@@ -273,12 +276,12 @@ def stage_config(args, result: dict):
     except Exception as exc:
         raise StageError("config", exc) from exc
     result["config"] = config_report(sa, algo, draft_cfg, aux)
-    if algorithm == "DFLASH":
+    if kind.drafts == "block":
         try:
             result["config"]["mask_token_id"] = mask_token_id(draft_cfg, target_cfg)
         except Exception as exc:
             raise StageError("config", exc) from exc
-    if algorithm == "DSPARK":
+    if kind.drafts == "markov":
         try:
             result["config"].update(dspark.runtime(draft_cfg, target_cfg, result["config"]["num_draft_tokens"]))
         except Exception as exc:
@@ -303,7 +306,7 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
         text, name = engine_message(exc), getattr(exc, "failed_on", None)
         raise StageError("weights", exc, message=f"{text} (while loading '{name}')" if name else text) from exc
     try:
-        hot = share_with_target(args.kind, algo, target_model, draft_model, target_cfg)
+        hot = share_with_target(KINDS[args.kind], algo, target_model, draft_model, target_cfg)
         configure_aux_hidden_state_capture(
             model=target_model, eagle_use_aux_hidden_state=aux.eagle_use_aux_hidden_state,
             eagle_aux_hidden_state_layer_ids=aux.eagle_aux_hidden_state_layer_ids,
@@ -311,14 +314,14 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
             dflash_target_layer_ids=aux.dflash_target_layer_ids, is_dspark=aux.is_dspark)
     except Exception as exc:
         raise StageError("weights", exc) from exc
-    report = weights_report(args.kind, rec, late, draft_model, target_cfg.hf_config)
+    report = weights_report(KINDS[args.kind], rec, late, draft_model, target_cfg.hf_config)
     result["weights"] = report
     cfg = result["config"]
     cfg["draft_vocab_size"] = draft_vocab(draft_model, hot) or int(target_cfg.vocab_size)  # None: target's head
-    ours = aux_layer_ids(args.kind, target_model, target_cfg)
+    ours = aux_layer_ids(KINDS[args.kind], target_model, target_cfg)
     cfg["aux_layer_ids_specheads"] = ours
     # SGLang's numbering (eagle_config ids): it captures the input of layer id + 1
-    cfg["aux_layer_ids"] = [a - 1 for a in ours] if args.kind == "eagle3" else None
+    cfg["aux_layer_ids"] = [a - 1 for a in ours] if eagle_taps(KINDS[args.kind]) else None
     result["warnings"] = vocab_warnings(hot, cfg["draft_vocab_size"], int(target_cfg.vocab_size))
     failure = weights_failure(report)
     if failure is not None:
@@ -326,22 +329,28 @@ def stage_weights(args, result: dict, algo, target_cfg, draft_cfg, aux):
     return target_model, draft_model, hot
 
 
-def aux_layer_ids(kind: str, target_model, target_cfg):
+def eagle_taps(kind) -> bool:
+    """EAGLE-3's taps (the target's `layers_to_capture`); block drafters tap through DFLASH's own config."""
+    return kind.reads == "aux" and not kind.block
+
+
+def aux_layer_ids(kind, target_model, target_cfg):
     """The target states the draft reads, in specheads numbering (k = after k decoder layers = HF
     output_hidden_states[k]). SGLang captures the input of layer i, i.e. id + 1 of its own ids."""
-    if kind == "draft":
+    if kind.standalone:
         return []
-    if kind == "eagle3":
+    if eagle_taps(kind):
         return [int(i) for i in getattr(target_model.model, "layers_to_capture", [])]
     return [int(target_cfg.num_hidden_layers)]  # EAGLE-1 / NextN: the final (normed) state
 
 
 def forward_skip_reason(args, target_cfg) -> str | None:
-    if args.kind == "mtp":
+    kind = KINDS[args.kind]
+    if kind.inside_target:
         mt = getattr(target_cfg.hf_config, "model_type", "?")
         return MTP_FORWARD_SKIP.get(mt, f"no CPU path for the '{mt}' MTP module")
-    if args.kind == "peagle":
-        return "the peagle draft forward is not probed on a CPU"
+    if kind.drafts == "parallel":
+        return f"the {args.kind} draft forward (parallel drafting) is not probed on a CPU"
     return None
 
 
@@ -360,30 +369,29 @@ def stage_forward(args, result: dict, target_model, draft_model, hot, target_cfg
     """Stages 3 and 4: the hidden states SGLang hands the draft, then the draft's logits and chain.
     The chain starts from the given next_token (else SGLang's own target's greedy token)."""
     ids, given_next, anchors = read_inputs(args.inputs)
-    tensors = {}
+    kind, tensors = KINDS[args.kind], {}
     try:
         hidden, engine_next = run_target(target_model, ids)
     except Exception as exc:
         raise StageError("layers", exc) from exc
-    if args.kind == "draft":
+    if kind.standalone:
         result["layers"] = "not_run: a STANDALONE draft reads no target hidden states"
     else:
         tensors["aux_hidden"] = hidden.float().contiguous()  # [T, n_aux*H] (EAGLE-1: [T, H])
         result["layers"] = "ok"
     result["config"]["target_next_token"] = engine_next  # SGLang's target, greedy after the prompt
     next_token = engine_next if given_next is None else given_next
-    if args.kind == "dspark":
-        return stage_forward_dspark(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors)
-    if args.kind == "dflash":
-        return stage_forward_dflash(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors)
+    block_forward = BLOCK_FORWARDS.get(kind.drafts)
+    if block_forward is not None:
+        return block_forward(args, result, tensors, target_model, draft_model, hidden, ids, next_token, anchors)
     try:
-        logits, chain = run_draft(args.kind, draft_model, ids, hidden, next_token, hot,
+        logits, chain = run_draft(kind.standalone, draft_model, ids, hidden, next_token, hot,
                                   int(target_cfg.vocab_size), args.k)
     except Exception as exc:
         raise StageError("forward", exc) from exc
     tensors["draft_logits"] = logits.float().contiguous()  # [T, V]
     tensors["chain"] = chain  # [k]
-    if args.kind == "draft":
+    if kind.standalone:
         tensors["chain_as_served"] = standalone_chain_as_served(draft_model, ids, next_token, args.k)
         result["config"]["standalone_prefill"] = STANDALONE_NOTE
     result["forward"] = "ok"
@@ -422,18 +430,14 @@ def stage_forward_dspark(args, result, tensors, target_model, draft_model, hidde
     return tensors
 
 
+BLOCK_FORWARDS = {"block": stage_forward_dflash, "markov": stage_forward_dspark}  # by ProbeKind.drafts
+
+
 def probe(args) -> tuple[dict, dict]:
     result, tensors = new_result(), {}
     try:
         result["cpu"] = probe_cpu.apply()  # before SGLang reads the CPU's features at import
         setup_cpu_engine()
-        if args.kind == "medusa":
-            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-            try:
-                SpeculativeAlgorithm.from_string("MEDUSA")
-            except Exception as exc:
-                raise StageError("config", exc, message=f"{exc} (SGLang 0.5.23 has no Medusa loader)") from exc
         algo, target_cfg, draft_cfg, aux = stage_config(args, result)
         target_model, draft_model, hot = stage_weights(args, result, algo, target_cfg, draft_cfg, aux)
         skip = forward_skip_reason(args, target_cfg)
@@ -465,7 +469,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
-    ap.add_argument("--kind", required=True, choices=sorted(ALGORITHMS))
+    ap.add_argument("--kind", required=True, choices=sorted(KINDS))
     ap.add_argument("--inputs", type=Path, required=True,
                     help="safetensors with input_ids [1, T] int64 (and optionally next_token [1])")
     ap.add_argument("--out", type=Path, required=True)

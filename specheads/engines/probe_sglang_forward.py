@@ -126,7 +126,7 @@ def greedy_token(logits, hot):
     return hot[idx] if hot is not None else idx
 
 
-def run_draft(kind, draft_model, ids, hidden, next_token, hot, vocab: int, k: int):
+def run_draft(standalone: bool, draft_model, ids, hidden, next_token, hot, vocab: int, k: int):
     """Draft logits at every prompt position [T, V] and the greedy chain [k] after the prompt.
 
     EAGLE drafts read token x_{t+1} and the target state at t (SGLang's draft extend shifts the ids
@@ -137,7 +137,7 @@ def run_draft(kind, draft_model, ids, hidden, next_token, hot, vocab: int, k: in
 
     KV.reset()
     t = ids.shape[0]
-    if kind == "draft":
+    if standalone:
         logits, _ = draft_step(draft_model, ids, torch.arange(t), None)
         chain, carried, tok = [], None, torch.tensor(next_token)
     else:
@@ -147,7 +147,7 @@ def run_draft(kind, draft_model, ids, hidden, next_token, hot, vocab: int, k: in
         tok = chain[-1]
     prompt_logits, pos = logits, t
     while len(chain) < k:
-        state = None if kind == "draft" else carried[-1:]
+        state = None if standalone else carried[-1:]
         step_logits, carried = draft_step(draft_model, tok.reshape(1), torch.tensor([pos]), state)
         chain.append(greedy_token(step_logits, hot))
         tok, pos = chain[-1], pos + 1

@@ -131,16 +131,16 @@ def synchronous_weight_loading() -> str:
             "attributed to the tensor name being loaded")
 
 
-def share_with_target(kind: str, algo, target_model, draft_model, target_cfg):
+def share_with_target(kind, algo, target_model, draft_model, target_cfg):
     """The draft worker's own init_token_map / init_lm_head, run on the two loaded models. DFLASH's
     worker shares nothing into the draft: it reads the target's embedding and lm_head at run time."""
-    if kind in ("dflash", "dspark"):  # DSPARK: attach_shared_modules at run time (probe_sglang_dspark.py)
+    if kind.block:  # DSPARK: attach_shared_modules at run time (probe_sglang_dspark.py)
         return None
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
     from sglang.srt.speculative.standalone_worker_v2 import StandaloneDraftWorker
 
-    worker_cls = StandaloneDraftWorker if kind == "draft" else EagleDraftWorker
+    worker_cls = StandaloneDraftWorker if kind.standalone else EagleDraftWorker
     runner = SimpleNamespace(model=target_model, model_config=target_cfg, load_config=LoadConfig(load_format="auto"))
     worker = SimpleNamespace(speculative_algorithm=algo, hot_token_id=None,
                              target_worker=SimpleNamespace(model_runner=runner),
@@ -151,9 +151,9 @@ def share_with_target(kind: str, algo, target_model, draft_model, target_cfg):
     return worker.hot_token_id
 
 
-def module_names(kind: str, name: str, target_hf) -> bool:
+def module_names(kind, name: str, target_hf) -> bool:
     """Whether a checkpoint name belongs to the draft (MTP folders also hold the whole target)."""
-    if kind != "mtp":
+    if not kind.inside_target:
         return True
     first = getattr(target_hf, "num_hidden_layers", 0)
     return name.startswith(("mtp.", f"model.layers.{first}.")) or any(
@@ -170,13 +170,13 @@ def weights_report(kind, rec: LoadRecorder, late: list[str], draft_model, target
     for name, _ in rec.received:
         if rec.stored.get(name):
             continue
-        if kind == "eagle3" and "d2t" in name and getattr(draft_model, "hot_token_id", None) is not None:
+        if kind.vocab_map and "d2t" in name and getattr(draft_model, "hot_token_id", None) is not None:
             consumed[name] = "hot_token_id (d2t + arange)"
         elif not module_names(kind, name, target_hf):
             skipped += 1  # a target tensor in an MTP folder: the NextN loader reads only its layer
-        elif kind == "eagle3" and "t2d" in name:
+        elif kind.vocab_map and "t2d" in name:
             ignored.append(name)  # LlamaForCausalLMEagle3.load_weights skips t2d by design
-        elif kind == "mtp" and ("shared_head.head" in name or "embed_tokens" in name):
+        elif kind.inside_target and ("shared_head.head" in name or "embed_tokens" in name):
             ignored.append(name)  # the NextN loader skips these and shares the target's
         else:
             dropped.append(name)

@@ -38,14 +38,12 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent))  # the probe's sibling modules (never specheads)
 import probe_cpu  # noqa: E402
 import probe_vllm_dspark as dspark  # noqa: E402
+from probe_kinds import KINDS  # noqa: E402
 from probe_vllm_dflash import block_attention, file_context_kv, native_custom_ops, run_blocks  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-KINDS = ("eagle3", "eagle", "draft", "mtp", "medusa", "dflash", "peagle", "dspark")
-METHODS = {"eagle3": "eagle3", "eagle": "eagle", "draft": "draft_model", "mtp": "mtp", "medusa": "medusa",
-           "dflash": "dflash", "peagle": "eagle3", "dspark": "dspark"}
 INT_SENTINEL = -7777
 _ACTIVE = {"probe": None, "distributed": False, "loader_patched": False, "cpu": None}  # process-wide (--jobs)
 REPLACED = ("vllm.model_executor.layers.attention.Attention.forward -> a plain causal softmax over the "
@@ -59,7 +57,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
-    p.add_argument("--kind", required=True, choices=KINDS)
+    p.add_argument("--kind", required=True, choices=sorted(KINDS))
     p.add_argument("--inputs", required=True, help="safetensors with input_ids [1, T], next_token [1]")
     p.add_argument("--out", required=True)
     p.add_argument("--k", type=int, default=3)
@@ -73,6 +71,7 @@ class Stop(Exception):
 class Probe:
     def __init__(self, args):
         self.args = args
+        self.kind = KINDS[args.kind]  # what the kind asks of the engine (probe_kinds.py)
         self.result = {
             "engine": "vllm", "version": None, "config": {},
             "weights": {"created": [], "loaded": [], "never_written": [], "dropped": [], "shape_mismatch": []},
@@ -117,18 +116,18 @@ class Probe:
         self.write()
 
     def spec_config(self) -> dict:
-        kind, args = self.args.kind, self.args
-        spec = {"method": METHODS[kind], "model": args.draft, "num_speculative_tokens": args.k}
-        if kind == "mtp":
+        args = self.args
+        spec = {"method": self.kind.vllm_method, "model": args.draft, "num_speculative_tokens": args.k}
+        if self.kind.inside_target:
             spec.pop("model")  # `vllm serve EXPORT --speculative-config '{"method": "mtp", ...}'`
-        if kind == "peagle":  # P-EAGLE: EAGLE-3 drafting all k tokens in one forward
+        if self.kind.drafts == "parallel":  # P-EAGLE: EAGLE-3 drafting all k tokens in one forward
             spec["parallel_drafting"] = True
         return spec
 
     def config_stage(self):
         from vllm.engine.arg_utils import EngineArgs
 
-        self._undo_runner = dspark.v2_runner(self.args.kind, self.result["replaced_kernels"])  # for the whole job
+        self._undo_runner = dspark.v2_runner(self.kind.drafts == "markov", self.result["replaced_kernels"])  # for the whole job
         try:
             engine_args = EngineArgs(
                 model=self.args.target, tokenizer=self.args.target, dtype="float32", enforce_eager=True,
@@ -150,7 +149,7 @@ class Probe:
             "draft_path": sc.draft_model_config.model,
             "aux_layer_ids": None,
         }
-        if sc.method in ("eagle3", "dflash", "dspark"):  # DFlash and DSpark tap the target as EAGLE-3 does
+        if self.kind.reads == "aux":  # DFlash and DSpark tap the target as EAGLE-3 does
             from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
             ids = get_eagle3_aux_layers_from_config(sc)
@@ -158,13 +157,13 @@ class Probe:
             cfg["aux_layer_ids_source"] = "draft config" if ids else "target default"
             for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "target_hidden_size"):
                 cfg[key] = getattr(hf, key, None)
-        if sc.method in ("dflash", "dspark"):
+        if self.kind.block:
             from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 
             cfg["mask_token_id"] = get_parallel_drafting_token_id(hf)
-        if sc.method == "dspark":
+        if self.kind.drafts == "markov":
             cfg.update(dspark.config_fields(hf))
-        if sc.method == "mtp":
+        if self.kind.inside_target:
             cfg["n_predict"] = getattr(hf, "n_predict", None)
         cfg["parallel_drafting"] = bool(getattr(sc, "parallel_drafting", False))
         self.result["config"] = cfg
@@ -181,7 +180,7 @@ class Probe:
 
         self.draft_config = self.vc.speculative_config.draft_model_config
         self._instrument_loader()
-        if self.args.kind == "mtp":
+        if self.kind.inside_target:  # MTP targets: MoE and MLA layers without a CPU packing path
             self._skip_moe_prepack()
             self._skip_amx_mla_packing()
         try:
@@ -205,23 +204,8 @@ class Probe:
         torch.set_grad_enabled(False)
 
     def _load_draft(self):
-        method = self.vc.speculative_config.method
-        if method == "draft_model":
-            import torch
-            from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
-
-            return StandaloneARSpeculator(self.vc, torch.device("cpu")).load_draft_model(self.target, set())
-        if method == "dflash":  # the V2 runner's DFlash loader (its own attention config, embed / head sharing)
-            from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
-
-            return load_dflash_model(self.target, self.vc)
-        if method == "dspark":  # the V2 runner's DSpark loader (DFlash's attention config, embed / head sharing)
-            from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
-
-            return load_dspark_model(self.target, self.vc)
-        from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
-
-        return load_eagle_model(self.target, self.vc)
+        loader = DRAFT_LOADERS.get(self.vc.speculative_config.method, load_eagle)
+        return loader(self.vc, self.target)
 
     def _instrument_loader(self):
         """Sentinel-fill the draft's parameters and record what its loader receives and consumes."""
@@ -374,17 +358,16 @@ class Probe:
     def layers_stage(self):
         import torch
 
-        method = self.vc.speculative_config.method
-        if method == "draft_model":
+        if self.kind.standalone:
             self.result["layers"] = "not_run: a draft model reads no target hidden states"
             return
-        if self.args.kind == "mtp":
+        if self.kind.inside_target:
             self.result["layers"] = f"not_run: {self._mtp_reason()}"
             return
         ids, _ = self._inputs()
         try:
             self._plain_attention()
-            if method in ("eagle3", "dflash", "dspark"):
+            if self.kind.reads == "aux":
                 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 
                 set_eagle3_aux_hidden_state_layers(self.target, self.vc.speculative_config)
@@ -414,17 +397,13 @@ class Probe:
         return ()
 
     def forward_stage(self):
-        kind = self.args.kind
-        if kind == "mtp":
+        if self.kind.inside_target:
             self.result["forward"] = f"not_run: {self._mtp_reason()}"
             return
+        forward = (self._forward_draft_model if self.kind.standalone
+                   else self._forward_dflash if self.kind.block else self._forward_eagle)
         try:
-            if kind == "draft":
-                self._forward_draft_model()
-            elif kind in ("dflash", "dspark"):
-                self._forward_dflash()
-            else:
-                self._forward_eagle()
+            forward()
         except Exception as err:  # noqa: BLE001
             self.result["forward"] = f"failed: {type(err).__name__}: {err}"
             self.fail("forward", err)
@@ -445,11 +424,11 @@ class Probe:
         T = ids.numel()
         shifted = torch.cat([ids[1:], ids.new_tensor([next_token])])  # x_1 .. x_T
         states = self.target_hidden
-        if self.vc.speculative_config.method == "eagle3":
+        if self.kind.reads == "aux":
             states = self.draft.combine_hidden_states(states)  # [T, Hd]: fc over the aux states
         out, carried = self._draft_pass(shifted, torch.arange(T), states)
         self.tensors["draft_logits"] = self.draft.compute_logits(out)  # [T, V]
-        if self.args.kind == "peagle":  # later depths read mask rows in one forward: no sequential chain
+        if self.kind.drafts == "parallel":  # later depths read mask rows in one forward: no sequential chain
             return
         tokens, seq, hid = [], shifted, states
         for _ in range(self.args.k):
@@ -466,7 +445,7 @@ class Probe:
         for note in (native_custom_ops(), file_context_kv(self.draft), block_attention()):
             if note not in self.result["replaced_kernels"]:
                 self.result["replaced_kernels"].append(note)
-        if self.args.kind == "dspark":
+        if self.kind.drafts == "markov":
             if dspark.MARKOV_NOTE not in self.result["replaced_kernels"]:
                 self.result["replaced_kernels"].append(dspark.MARKOV_NOTE)
             logits, tokens, confidence = dspark.run_dspark_blocks(self.vc, self.draft, self.target_hidden, ids,
@@ -504,6 +483,37 @@ class Probe:
 AMX_MLA_NOTE = ("AMXMLAImpl.process_weights_after_loading (VNNI-packing W_UK / W_UV for the AMX MLA prefill "
                 "kernel with torch.ops._C.convert_weight_packed, absent from the PyPI wheel; vLLM picks this "
                 "backend only on CPUs with AMX) -> a no-op: the packed copies are not made; the MLA forward is not run")
+# --- the engine's own draft loaders, by its method name ------------------------------------------
+def load_standalone(vc, target):
+    import torch
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
+
+    return StandaloneARSpeculator(vc, torch.device("cpu")).load_draft_model(target, set())
+
+
+def load_dflash(vc, target):
+    """The V2 runner's DFlash loader (its own attention config, embed / head sharing)."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
+
+    return load_dflash_model(target, vc)
+
+
+def load_dspark(vc, target):
+    """The V2 runner's DSpark loader (DFlash's attention config, embed / head sharing)."""
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+
+    return load_dspark_model(target, vc)
+
+
+def load_eagle(vc, target):
+    """EAGLE-1 / EAGLE-3 / P-EAGLE / MTP: the EAGLE loader."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+    return load_eagle_model(target, vc)
+
+
+DRAFT_LOADERS = {"draft_model": load_standalone, "dflash": load_dflash, "dspark": load_dspark}
+
 MTP_NO_CPU = {  # target model_type -> why the MTP target / module cannot run forward here
     "deepseek_v3": "DeepSeek-V3 runs MLA attention and fused-MoE kernels that vLLM 0.33 has only for CUDA "
                    "(its CPU MoE kernel is not in the PyPI wheel)",

@@ -23,11 +23,11 @@ V2_NOTE = ("VLLM_USE_V2_MODEL_RUNNER=1 while vLLM builds the config: DSpark runs
            "installed; the probe loads and runs the draft with the V2 runner's own DSpark loader")
 
 
-def v2_runner(kind: str, notes: list):
-    """For DSpark, select Model Runner V2 while the config is built; returns the undo."""
+def v2_runner(markov: bool, notes: list):
+    """For DSpark (a Markov block drafter), select Model Runner V2 while the config is built; returns the undo."""
     import os
 
-    if kind != "dspark":
+    if not markov:
         return lambda: None
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
