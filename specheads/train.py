@@ -35,7 +35,7 @@ from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
 from specheads.data.tokenize import collate
 from specheads.data.vocab_stats import load_vocab_stats
-from specheads.engine_facts import REFUSED_OPTIONS
+from specheads.engine_facts import PEAGLE_SPECULATORS_DROPS, REFUSED_OPTIONS
 from specheads.errors import first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
@@ -63,7 +63,10 @@ class TrainError(ValueError):
 
 def check_export_compat(recipe: Recipe) -> None:
     """Refuse to train a variant that a chosen export format would silently run differently."""
-    for (fmt, option), reason in REFUSED_OPTIONS.items():
+    refused = dict(REFUSED_OPTIONS)
+    if getattr(recipe.head, "parallel_drafting", False):  # P-EAGLE: the speculators reader drops some flags
+        refused.update({("vllm", o): why + "; --format vllm-native carries it" for o, why in PEAGLE_SPECULATORS_DROPS.items()})
+    for (fmt, option), reason in refused.items():
         if fmt in recipe.export.formats and getattr(recipe.head, option, False):
             raise TrainError(
                 f"head.{option}: true cannot be exported to {fmt} ({reason}). Set head.{option}: "

@@ -3,6 +3,9 @@
 Semantics follow what vLLM and SGLang run (docs/algorithms.md §5): residual = fc output
 (or hidden_norm(fc output) with norm_before_residual), qkv read [input_layernorm(emb);
 hidden_norm(h)], logits = lm_head(norm(out)), and the pre-norm `out` is carried to the next step.
+EAGLE 3.1 options (arXiv 2605.09992): an RMSNorm over the fused features before fc
+(`norm_before_fc`) or one per feature (`fc_norm`), and the post-norm state carried instead
+(`norm_output`). `qk_norm` makes the layer Qwen3-style (per-head q/k RMSNorm, vLLM's qwen3_eagle3).
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from specheads.bounds import bounded
+from specheads.bounds import ConfigError, bounded
 from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
 from specheads.heads.peagle import parallel_train_forward
 from specheads.heads.vocab import draft_to_target
@@ -36,12 +40,22 @@ class Eagle3Options:
     step_decay: float = bounded(0.8, gt=0, le=1)
     draft_vocab_size: int | None = bounded(None, ge=1)  # None -> min(V, 32000)
     norm_before_residual: bool = False
+    # EAGLE 3.1: at most one of norm_before_fc / fc_norm; norm_output carries norm(out) across steps
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head); vLLM only
     intermediate_size: int | None = None  # None -> the target's
     # P-EAGLE (heads/peagle.py): all ttt_steps drafts in one forward from a learned mask_hidden
     parallel_drafting: bool = False
     mask_token_id: int | None = bounded(None, ge=0)  # parallel drafting: None -> vocab_size - 1
     cod_ratio: float = bounded(0.7, gt=0, le=1)  # depth d trains on ~max(cod_ratio^d, cod_min_ratio) of rows
     cod_min_ratio: float = bounded(0.2, gt=0, le=1)
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ConfigError("head.norm_before_fc and head.fc_norm exclude each other (one norm over the "
+                              "concatenated features, or one per feature): set one of them to false")
 
 
 @dataclass
@@ -66,10 +80,11 @@ class Eagle3Config:
     hidden_act: str = "silu"
     attention_bias: bool = False
     kind: str = "eagle3"
-    # options of heads trained elsewhere (speculators / SpecForge "EAGLE 3.1"); loaded, not trained here
+    # EAGLE 3.1 (speculators / SpecForge "EAGLE3.1"), trained here or loaded from elsewhere
     norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
     fc_norm: bool = False  # one RMSNorm per feature before the concatenation
     norm_output: bool = False  # carry norm(out) to the next step instead of the pre-norm out
+    qk_norm: bool = False  # Qwen3-style attention: RMSNorm over each q / k head before RoPE
     parallel_drafting: bool = False  # P-EAGLE
     mask_token_id: int | None = None
     cod_ratio: float = 0.7
@@ -84,6 +99,19 @@ class Eagle3Config:
             max_position_embeddings=self.max_position_embeddings, num_hidden_layers=1,
             rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
             attention_bias=self.attention_bias, mlp_bias=False,
+        )
+        cfg._attn_implementation = attn_implementation
+        return cfg
+
+    def qwen3_config(self, attn_implementation: str = "sdpa") -> Qwen3Config:
+        """The Qwen3Config of a Qwen3-style layer (qk_norm): its attention brings the q/k norms."""
+        cfg = Qwen3Config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, num_hidden_layers=1,
+            rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
+            attention_bias=self.attention_bias, use_sliding_window=False,
         )
         cfg._attn_implementation = attn_implementation
         return cfg
@@ -118,8 +146,14 @@ def build_config(options: Eagle3Options, target_config) -> Eagle3Config:
         aux_layers=aux, max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5), rope_parameters=dict(rope),
         norm_before_residual=options.norm_before_residual, ttt_steps=options.ttt_steps,
-        step_decay=options.step_decay, **parallel_fields(options, V),
+        step_decay=options.step_decay, **eagle31_fields(options), **parallel_fields(options, V),
     )
+
+
+def eagle31_fields(options: Eagle3Options) -> dict:
+    """The EAGLE 3.1 and Qwen3-layer options, as the head config carries them."""
+    return {"norm_before_fc": options.norm_before_fc, "fc_norm": options.fc_norm,
+            "norm_output": options.norm_output, "qk_norm": options.qk_norm}
 
 
 def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
@@ -136,15 +170,16 @@ def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
 
 
 class Eagle3Layer(nn.Module):
-    """One draft decoder layer whose attention reads [norm(embedding); norm(hidden)] (2H wide)."""
+    """One draft decoder layer whose attention reads [norm(embedding); norm(hidden)] (2H wide);
+    `qwen3` (a Qwen3Config) swaps in Qwen3's attention, whose q/k heads are RMS-normed."""
 
-    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool):
+    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool, qwen3: Qwen3Config | None = None):
         super().__init__()
         H = cfg.hidden_size
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx=0)
+        self.self_attn = Qwen3Attention(qwen3, layer_idx=0) if qwen3 is not None else LlamaAttention(cfg, layer_idx=0)
         for name in ("q_proj", "k_proj", "v_proj"):
             out_features = getattr(self.self_attn, name).out_features
             setattr(self.self_attn, name, nn.Linear(2 * H, out_features, bias=cfg.attention_bias))
@@ -186,7 +221,8 @@ class Eagle3Head(nn.Module):
         if config.fc_norm:
             self.fc_norm = nn.ModuleList(
                 LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(n_aux))
-        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual)])
+        qwen3 = config.qwen3_config(attn_implementation) if config.qk_norm else None
+        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual, qwen3)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(lc)
