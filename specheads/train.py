@@ -50,6 +50,7 @@ from specheads.export.checkpoint import (
 from specheads.heads import head_class
 from specheads.heads.losses import COUNT_KEYS
 from specheads.heads.vocab import build_vocab_map, count_tokens
+from specheads.optim import build_optimizer
 from specheads.protocols import InitFromTarget, ReducedVocab
 from specheads.provenance import provenance
 from specheads.runlog import RunLog, new_window, window_record
@@ -166,12 +167,15 @@ def strategy(accelerator) -> str:
 def wrap(accelerator, head, t: TrainConfig):
     """(model, optimizer, the torch optimizer inside) for the launch's strategy; only the drafter
     is ever wrapped. The LR scheduler drives the inner torch optimizer's param groups."""
+    if t.optimizer == "muon" and strategy(accelerator).startswith(("fsdp", "deepspeed")):
+        raise TrainError(f"train.optimizer: muon needs each weight matrix whole on every process (Newton-Schulz "
+                         f"over the full matrix), which a {strategy(accelerator)} launch shards; launch with DDP "
+                         "(recipes/accelerate/ddp.yaml) or one process, or use train.optimizer: adamw")
     if cpu_fsdp(accelerator):
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(head)  # before the optimizer: parameters become sharded DTensors
-    base = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=t.lr,
-                             weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    base = build_optimizer(head, t.optimizer, t.lr, t.weight_decay)
     if cpu_fsdp(accelerator):
         return head, accelerator.prepare(base), base
     return *accelerator.prepare(head, base), base

@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from specheads.bounds import ConfigError, bounded
-from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
+from specheads.heads.losses import LOSSES, NOISES, ChainCounts, HeadOutput, add_feature_noise, decayed_output, shift
 from specheads.heads.peagle import parallel_train_forward
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
@@ -51,8 +51,16 @@ class Eagle3Options:
     mask_token_id: int | None = bounded(None, ge=0)  # parallel drafting: None -> vocab_size - 1
     cod_ratio: float = bounded(0.7, gt=0, le=1)  # depth d trains on ~max(cod_ratio^d, cod_min_ratio) of rows
     cod_min_ratio: float = bounded(0.2, gt=0, le=1)
+    # training only (never exported): the per-step loss, noise on the target features, draft-layer dropout
+    loss: str = "kl"  # kl | tv | nla | lk (heads/losses.py LOSSES)
+    feature_noise: str = "none"  # none | uniform | gaussian, on the target features fed to fc
+    feature_noise_scale: float = bounded(0.1, ge=0, hint="uniform half-width or gaussian std")
+    dropout: float = bounded(0.0, ge=0, le=0.9, hint="dropout on the draft layer's attention and MLP outputs")
 
     def __post_init__(self):
+        for key, table in (("loss", LOSSES), ("feature_noise", NOISES)):
+            if getattr(self, key) not in table:
+                raise ConfigError(f"head.{key} '{getattr(self, key)}': expected one of {', '.join(table)}")
         if self.norm_before_fc and self.fc_norm:
             raise ConfigError("head.norm_before_fc and head.fc_norm exclude each other (one norm over the "
                               "concatenated features, or one per feature): set one of them to false")
@@ -89,6 +97,10 @@ class Eagle3Config:
     mask_token_id: int | None = None
     cod_ratio: float = 0.7
     cod_min_ratio: float = 0.2
+    loss: str = "kl"  # training only, like the three below
+    feature_noise: str = "none"
+    feature_noise_scale: float = 0.1
+    dropout: float = 0.0
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
@@ -151,9 +163,9 @@ def build_config(options: Eagle3Options, target_config) -> Eagle3Config:
 
 
 def eagle31_fields(options: Eagle3Options) -> dict:
-    """The EAGLE 3.1 and Qwen3-layer options, as the head config carries them."""
-    return {"norm_before_fc": options.norm_before_fc, "fc_norm": options.fc_norm,
-            "norm_output": options.norm_output, "qk_norm": options.qk_norm}
+    """The EAGLE 3.1, Qwen3-layer and training options, as the head config carries them."""
+    return {name: getattr(options, name) for name in ("norm_before_fc", "fc_norm", "norm_output", "qk_norm",
+                                                       "loss", "feature_noise", "feature_noise_scale", "dropout")}
 
 
 def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
@@ -173,8 +185,10 @@ class Eagle3Layer(nn.Module):
     """One draft decoder layer whose attention reads [norm(embedding); norm(hidden)] (2H wide);
     `qwen3` (a Qwen3Config) swaps in Qwen3's attention, whose q/k heads are RMS-normed."""
 
-    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool, qwen3: Qwen3Config | None = None):
+    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool, qwen3: Qwen3Config | None = None,
+                 dropout: float = 0.0):
         super().__init__()
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         H = cfg.hidden_size
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
@@ -195,8 +209,8 @@ class Eagle3Layer(nn.Module):
             x, position_embeddings=position_embeddings, attention_mask=attention_mask,
             **cache_kwargs(cache),
         )
-        r = residual + attn
-        return r + self.mlp(self.post_attention_layernorm(r))
+        r = residual + self.dropout(attn)
+        return r + self.dropout(self.mlp(self.post_attention_layernorm(r)))
 
 
 class Eagle3Head(nn.Module):
@@ -222,7 +236,7 @@ class Eagle3Head(nn.Module):
             self.fc_norm = nn.ModuleList(
                 LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(n_aux))
         qwen3 = config.qwen3_config(attn_implementation) if config.qk_norm else None
-        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual, qwen3)])
+        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual, qwen3, config.dropout)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(lc)
@@ -300,6 +314,12 @@ class Eagle3Head(nn.Module):
             inputs["mask_embed"] = target.embed(mask_id)[0]  # [H]
         return inputs
 
+    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, n*Ht] with the recipe's feature noise in training (unchanged in eval)."""
+        if not self.training:
+            return aux
+        return add_feature_noise(aux, self.config.feature_noise, self.config.feature_noise_scale)
+
     def forward(self, **inputs) -> HeadOutput:
         """Training forward (what DDP/FSDP wrappers call): see `train_forward`."""
         return self.train_forward(**inputs)
@@ -320,7 +340,7 @@ class Eagle3Head(nn.Module):
         target_argmax = target_logits.argmax(-1)  # [B, T]
         supervised = loss_mask.bool() & valid
         in_vocab = self.t2d[target_argmax]  # the target's choice is reachable by the draft
-        hidden = self.fuse(aux)
+        hidden = self.fuse(self.noisy(aux))
         cache = DynamicCache()
         base_pos = torch.arange(T, device=hidden.device).expand(B, T)
         losses, counts = [], ChainCounts(loss_mask)
@@ -332,7 +352,7 @@ class Eagle3Head(nn.Module):
             b, i = rows.nonzero(as_tuple=True)
             logits = self.logits(out[b, i])  # [N, Vd]
             src = target_logits[b, i + j + 1]  # [N, V]: target at the position predicting x_{i+j+2}
-            losses.append(forward_kl(logits, torch.softmax(src[:, self.t2d].float(), dim=-1)))
+            losses.append(LOSSES[self.config.loss](logits, torch.softmax(src[:, self.t2d].float(), dim=-1)))
             wanted = target_argmax[b, i + j + 1]  # [N], in the draft vocabulary (rows says so)
             counts.step(rows, b, i, self.to_target_ids(logits.argmax(-1)) == wanted,
                         ranks=draft_rank(logits, self.draft_index(wanted)))
