@@ -40,6 +40,7 @@ from specheads.errors import first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
     Checkpoint,
+    best_checkpoint,
     latest_checkpoint,
     load_strict,
     mark_run,
@@ -346,6 +347,23 @@ def validate(accelerator, model, evaluator, target, val_samples, batch_size: int
     return tau if accelerator.is_main_process else None
 
 
+def shared(accelerator, value):
+    """The main process's `value` on every process (a decision every rank must take alike)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box)
+    return box[0]
+
+
+def best_val_tau(out_dir: Path) -> float | None:
+    """The validation tau of the run's best checkpoint so far (None: none validated yet)."""
+    best = best_checkpoint(out_dir)
+    return None if best is None else Checkpoint(best).trainer_state.get("val_tau")
+
+
 # --- a process of the run lost: one clear paragraph --------------------------------------------
 class RunInterrupted(TrainError):
     """Another process (or machine) of a distributed run stopped or went silent."""
@@ -448,6 +466,7 @@ def run_training(recipe: Recipe, accelerator) -> Path:
     features = feature_source(recipe.data.features, target, head)  # offline capture or online collect
     log = RunLog(accelerator, recipe, out_dir, start)
     window, step = new_window(), start
+    best_tau = best_val_tau(out_dir) if t.keep_best else None  # checkpoints are kept by validation tau
     while step < t.max_steps:
         for micro in range(t.grad_accum):
             batch = make_batch(samples, plan.indices(step, micro), pad_id, accelerator.device)
@@ -476,10 +495,14 @@ def run_training(recipe: Recipe, accelerator) -> Path:
             window = new_window()
         val_due = bool(val_samples) and bool((t.val_every and step % t.val_every == 0) or saving)
         val_tau = validate(accelerator, model, evaluator, target, val_samples, t.val_batch_size) if val_due else None
+        val_tau = shared(accelerator, val_tau) if val_due else None
+        improved = val_tau is not None and t.keep_best and (best_tau is None or val_tau > best_tau)
+        best_tau = val_tau if improved else best_tau
         if record is not None or val_tau is not None:
-            log.write({**(record or {"step": step}), **({"val_tau": val_tau} if val_tau is not None else {})})
+            log.write({**(record or {"step": step}),
+                       **({"val_tau": val_tau, "best_val_tau": best_tau} if val_tau is not None else {})})
         log.tick(record)
-        if saving:
+        if saving or improved:  # a validation that beats every kept checkpoint is kept too
             state = {"num_samples": len(samples), "val_samples": len(val_samples)}
             if val_tau is not None:
                 state["val_tau"] = val_tau
