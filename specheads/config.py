@@ -15,6 +15,7 @@ import yaml
 from specheads.bounds import ConfigError, bounded, check_bounds
 from specheads.errors import read_user_text
 from specheads.heads import head_options_class
+from specheads.optim import OPTIMIZERS
 from specheads.schedule import SCHEDULES
 from specheads.target import DTYPES, config_context, peek_config
 
@@ -52,6 +53,7 @@ class TrainConfig:
     grad_accum: int = bounded(1, ge=1)
     lr: float = bounded(3e-4, gt=0, le=1, hint="peak learning rate, e.g. 3e-4")
     weight_decay: float = bounded(0.0, ge=0)
+    optimizer: str = "adamw"  # adamw | muon (2-D hidden weights on Muon, the rest on AdamW: specheads/optim.py)
     warmup_steps: int = bounded(20, ge=0)
     schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
     decay_fraction: float = bounded(0.2, ge=0, le=1)  # wsd: share of max_steps spent decaying at the end
@@ -78,6 +80,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule '{self.schedule}': expected one of {', '.join(SCHEDULES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer '{self.optimizer}': expected one of {', '.join(OPTIMIZERS)}")
         if self.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
             self.mixed_precision = "no"
         if self.mixed_precision not in ("no", "bf16", "fp16"):

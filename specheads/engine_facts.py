@@ -180,6 +180,19 @@ REFUSED_OPTIONS = {
     ("sglang", "norm_before_residual"): f"{SGLANG} always uses the raw fc output as the residual",
     ("vllm", "fc_bias"): "vLLM builds the EAGLE-1 fc without a bias and drops a trained one silently",
     ("sglang", "parallel_drafting"): f"{SGLANG} has no P-EAGLE loader",
+    # SGLang's EAGLE-3 draft classes: LlamaForCausalLMEagle3 (Llama layer) and Eagle3DeepseekV2ForCausalLM (MLA)
+    ("sglang", "qk_norm"): (f"{SGLANG} has no Qwen3-style EAGLE-3 loader (its EAGLE-3 drafts are "
+                            "LlamaForCausalLMEagle3, a Llama layer without q_norm / k_norm, and the MLA "
+                            "Eagle3DeepseekV2ForCausalLM)"),
+}
+
+# EAGLE-3 head options vLLM 0.33's speculators `peagle` reader drops: update_peagle
+# (transformers_utils/configs/speculators/algos.py) copies norm_before_residual and norm_before_fc from
+# the top level but not fc_norm / norm_output, which then default to false in the draft model
+PEAGLE_SPECULATORS_DROPS = {
+    option: (f"{VLLM}'s speculators `peagle` reader copies only norm_before_residual and norm_before_fc into "
+             f"the draft config (update_peagle), so {option} would silently run as false")
+    for option in ("fc_norm", "norm_output")
 }
 
 # DSpark head options a format cannot carry: (format, option) -> why (docs/dspark_format.md §1, §3.3)
@@ -210,15 +223,18 @@ RESIDUAL_DEFAULT = {"vllm": True, "vllm-native": False, "sglang": False}
 # export format -> the engines asked to load it (Medusa: SGLang is asked too, and must refuse it)
 FORMAT_ENGINES = {"vllm": ("vllm",), "vllm-native": ("vllm",), "sglang": ("sglang",),
                   "vllm-0.32": ("vllm",), "medusa": ("sglang",)}
-# (engine, probe kind, layout) -> the draft class the engine builds (layout: the MTP target family, else
-# ""; a tuple: any of these). P-EAGLE: speculators' `peagle` names vLLM's P-EAGLE class, the native
-# config the EAGLE-3 one
+# (engine, probe kind, layout) -> the draft class the engine builds (layout: the MTP target family, an
+# EAGLE-3 head's "qwen3" layer, else ""; a tuple: any of these). P-EAGLE: speculators' `peagle` names
+# vLLM's P-EAGLE class, the native config the EAGLE-3 one
 DRAFT_CLASSES = {
     ("vllm", "eagle3", ""): "Eagle3LlamaForCausalLM", ("vllm", "eagle", ""): "EagleLlamaForCausalLM",
     ("vllm", "draft", ""): "LlamaForCausalLM", ("vllm", "mtp", "deepseek_v3"): "DeepSeekMTPModel",
     ("vllm", "mtp", "qwen3_next"): "Qwen3NextMTP", ("vllm", "mtp", "qwen3_5_text"): "Qwen3_5MTP",
     ("vllm", "mtp", "qwen3_5_moe_text"): "Qwen3_5MoeMTP", ("vllm", "dflash", ""): "DFlashDraftModel",
     ("vllm", "peagle", ""): ("PeagleLlamaForCausalLM", "Eagle3LlamaForCausalLM"),
+    # layout "qwen3": an EAGLE-3 / P-EAGLE head with a Qwen3-style layer (qk_norm), vLLM's qwen3_eagle3.py
+    ("vllm", "eagle3", "qwen3"): "Eagle3Qwen3ForCausalLM",
+    ("vllm", "peagle", "qwen3"): ("PeagleQwen3ForCausalLM", "Eagle3Qwen3ForCausalLM"),
     ("vllm", "dspark", ""): "Qwen3DSparkModel", ("sglang", "dspark", ""): "Qwen3DSparkModel",
 }
 # (engine, kind) the engine does not serve at all: the check passes when the engine refuses it

@@ -35,11 +35,12 @@ from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
 from specheads.data.tokenize import collate
 from specheads.data.vocab_stats import load_vocab_stats
-from specheads.engine_facts import REFUSED_OPTIONS
+from specheads.engine_facts import PEAGLE_SPECULATORS_DROPS, REFUSED_OPTIONS
 from specheads.errors import first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
     Checkpoint,
+    best_checkpoint,
     latest_checkpoint,
     load_strict,
     mark_run,
@@ -50,6 +51,7 @@ from specheads.export.checkpoint import (
 from specheads.heads import head_class
 from specheads.heads.losses import COUNT_KEYS
 from specheads.heads.vocab import build_vocab_map, count_tokens
+from specheads.optim import build_optimizer
 from specheads.protocols import InitFromTarget, ReducedVocab
 from specheads.provenance import provenance
 from specheads.runlog import RunLog, new_window, window_record
@@ -63,7 +65,10 @@ class TrainError(ValueError):
 
 def check_export_compat(recipe: Recipe) -> None:
     """Refuse to train a variant that a chosen export format would silently run differently."""
-    for (fmt, option), reason in REFUSED_OPTIONS.items():
+    refused = dict(REFUSED_OPTIONS)
+    if getattr(recipe.head, "parallel_drafting", False):  # P-EAGLE: the speculators reader drops some flags
+        refused.update({("vllm", o): why + "; --format vllm-native carries it" for o, why in PEAGLE_SPECULATORS_DROPS.items()})
+    for (fmt, option), reason in refused.items():
         if fmt in recipe.export.formats and getattr(recipe.head, option, False):
             raise TrainError(
                 f"head.{option}: true cannot be exported to {fmt} ({reason}). Set head.{option}: "
@@ -163,12 +168,15 @@ def strategy(accelerator) -> str:
 def wrap(accelerator, head, t: TrainConfig):
     """(model, optimizer, the torch optimizer inside) for the launch's strategy; only the drafter
     is ever wrapped. The LR scheduler drives the inner torch optimizer's param groups."""
+    if t.optimizer == "muon" and strategy(accelerator).startswith(("fsdp", "deepspeed")):
+        raise TrainError(f"train.optimizer: muon needs each weight matrix whole on every process (Newton-Schulz "
+                         f"over the full matrix), which a {strategy(accelerator)} launch shards; launch with DDP "
+                         "(recipes/accelerate/ddp.yaml) or one process, or use train.optimizer: adamw")
     if cpu_fsdp(accelerator):
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(head)  # before the optimizer: parameters become sharded DTensors
-    base = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=t.lr,
-                             weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    base = build_optimizer(head, t.optimizer, t.lr, t.weight_decay)
     if cpu_fsdp(accelerator):
         return head, accelerator.prepare(base), base
     return *accelerator.prepare(head, base), base
@@ -339,6 +347,23 @@ def validate(accelerator, model, evaluator, target, val_samples, batch_size: int
     return tau if accelerator.is_main_process else None
 
 
+def shared(accelerator, value):
+    """The main process's `value` on every process (a decision every rank must take alike)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box)
+    return box[0]
+
+
+def best_val_tau(out_dir: Path) -> float | None:
+    """The validation tau of the run's best checkpoint so far (None: none validated yet)."""
+    best = best_checkpoint(out_dir)
+    return None if best is None else Checkpoint(best).trainer_state.get("val_tau")
+
+
 # --- a process of the run lost: one clear paragraph --------------------------------------------
 class RunInterrupted(TrainError):
     """Another process (or machine) of a distributed run stopped or went silent."""
@@ -441,6 +466,7 @@ def run_training(recipe: Recipe, accelerator) -> Path:
     features = feature_source(recipe.data.features, target, head)  # offline capture or online collect
     log = RunLog(accelerator, recipe, out_dir, start)
     window, step = new_window(), start
+    best_tau = best_val_tau(out_dir) if t.keep_best else None  # checkpoints are kept by validation tau
     while step < t.max_steps:
         for micro in range(t.grad_accum):
             batch = make_batch(samples, plan.indices(step, micro), pad_id, accelerator.device)
@@ -469,10 +495,14 @@ def run_training(recipe: Recipe, accelerator) -> Path:
             window = new_window()
         val_due = bool(val_samples) and bool((t.val_every and step % t.val_every == 0) or saving)
         val_tau = validate(accelerator, model, evaluator, target, val_samples, t.val_batch_size) if val_due else None
+        val_tau = shared(accelerator, val_tau) if val_due else None
+        improved = val_tau is not None and t.keep_best and (best_tau is None or val_tau > best_tau)
+        best_tau = val_tau if improved else best_tau
         if record is not None or val_tau is not None:
-            log.write({**(record or {"step": step}), **({"val_tau": val_tau} if val_tau is not None else {})})
+            log.write({**(record or {"step": step}),
+                       **({"val_tau": val_tau, "best_val_tau": best_tau} if val_tau is not None else {})})
         log.tick(record)
-        if saving:
+        if saving or improved:  # a validation that beats every kept checkpoint is kept too
             state = {"num_samples": len(samples), "val_samples": len(val_samples)}
             if val_tau is not None:
                 state["val_tau"] = val_tau

@@ -138,7 +138,7 @@ def test_speculators_top_level_model_type_and_missing_layer_config(folder):
     msg = violations(folder, "vllm")
     assert "config.json: model_type: expected no such key" in msg
     assert "config.json: transformer_layer_config: expected a JSON object, found no key" in msg
-    assert 'config.json: transformer_layer_config.model_type: expected "llama", found no key' in msg
+    assert 'config.json: transformer_layer_config.model_type: expected "llama" or "qwen3", found no key' in msg
 
 
 @pytest.mark.parametrize("folder", ["vllm-native"], indirect=True)

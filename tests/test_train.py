@@ -164,7 +164,7 @@ def test_validation_trackers_schedule_and_peak_memory(tiny_target_dir, demo_data
     held = [samples[i] for i in validation_split(len(samples), 12, 0)[1]]
     tau = offline_acceptance(target, Checkpoint(best).build_head(), held)["tau_est"]
     assert Checkpoint(best).trainer_state["val_tau"] == pytest.approx(tau, rel=1e-5)
-    assert tau == max(r["val_tau"] for r in records if r["step"] in (4, 8))
+    assert tau == max(r["val_tau"] for r in records if "val_tau" in r)  # every validation competes for best
 
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     events = EventAccumulator(str(next(out.rglob("events.out.tfevents.*")).parent))

@@ -105,6 +105,15 @@ EAGLE3_TENSORS = (
     TensorRule("mask_hidden", ("n_aux*H",), need="if_parallel"),  # P-EAGLE only (vLLM: required with it)
 )
 
+# EAGLE 3.1 / Qwen3-layer tensors, each only with its option on (the engines build the module only then:
+# vLLM drops an input_norm.* without norm_before_fc, and leaves a missing q_norm / k_norm at ones)
+EAGLE31_TENSORS = {
+    "norm_before_fc": (TensorRule("input_norm.weight", ("n_aux*H",)),),
+    "fc_norm": (TensorRule("fc_norm.{j}.weight", ("H",)),),  # one per aux feature, j < n_aux
+    "qk_norm": (TensorRule("{layer}self_attn.q_norm.weight", ("hd",)),
+                TensorRule("{layer}self_attn.k_norm.weight", ("hd",))),
+}
+
 VOCAB_MAP_FIX = ("the draft vocabulary is the whole target vocabulary (draft_vocab_size == vocab_size), so vLLM "
                  "builds no draft_id_to_target_id and rejects the folder (\"There is no module or parameter "
                  "named 'draft_id_to_target_id'\"); leave d2t and t2d out (re-export)")
@@ -118,6 +127,7 @@ FORBIDDEN_TENSORS = (
 )
 
 NOT_TRUE_FIX = "specheads heads are trained without this option; set it to false or remove it"
+OPTION_FIX = "write it explicitly (true or false), as the head was trained"
 DECODER_DIM_KEYS = (  # the decoder dimensions every Llama/Qwen3-style draft config carries
     KeyRule("num_attention_heads", "positive_int"),
     KeyRule("num_key_value_heads", "positive_int"),
@@ -130,21 +140,28 @@ DECODER_DIM_KEYS = (  # the decoder dimensions every Llama/Qwen3-style draft con
     KeyRule("attention_bias", "not_true", fix="the head has no attention biases"),
 )
 ROPE_KEY = KeyRule("", "rope", fix="copy the target's RoPE settings (rope_parameters, rope_theta)")
-LAYER_KEYS = (
-    KeyRule("model_type", "equals", "llama", "the draft layer is Llama-style (no q/k norm)"),
+_LAYER_SHAPE_KEYS = (
     KeyRule("hidden_size", "positive_int"),
     KeyRule("num_hidden_layers", "equals", 1, "specheads exports single-layer EAGLE-3 heads"),
     *DECODER_DIM_KEYS,
     ROPE_KEY,
 )
+LAYER_KEYS = (KeyRule("model_type", "equals", "llama", "the draft layer is Llama-style (no q/k norm)"),
+              *_LAYER_SHAPE_KEYS)
+# vLLM 0.33 also loads a Qwen3-style layer (qwen3_eagle3.py: q_norm / k_norm); SGLang 0.5.23 does not
+EAGLE3_LAYER_KEYS = {
+    "vllm": (KeyRule("model_type", "one_of", ("llama", "qwen3"),
+                     "llama = Llama-style layer, qwen3 = with q/k norms (Eagle3Qwen3ForCausalLM)"), *_LAYER_SHAPE_KEYS),
+    "sglang": LAYER_KEYS,
+}
 VLLM_HEAD_KEYS = (
     KeyRule("draft_vocab_size", "positive_int", fix="write the draft vocabulary size Vd (width of lm_head)"),
     KeyRule("target_hidden_size", "positive_int"),
     KeyRule("norm_before_residual", "bool",
             fix="write it explicitly: speculators defaults to true, native vLLM to false"),
-    KeyRule("norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
-    KeyRule("fc_norm", "not_true", fix=NOT_TRUE_FIX),
-    KeyRule("norm_output", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("norm_before_fc", "bool", fix=OPTION_FIX),
+    KeyRule("fc_norm", "bool", fix=OPTION_FIX),
+    KeyRule("norm_output", "bool", fix=OPTION_FIX),
     KeyRule("eagle_config.eagle_aux_hidden_state_layer_ids", "absent",
             fix="vLLM's default Model Runner V2 ignores this copy; keep only the top-level id list"),
 )
@@ -157,7 +174,8 @@ SPECULATORS_KEYS = VLLM_HEAD_KEYS + (
     KeyRule("speculators_config.verifier.name_or_path", "str", fix="name the target (a hub id for `vllm serve DIR`)"),
 )
 NATIVE_KEYS = VLLM_HEAD_KEYS + (
-    KeyRule("architectures", "equals", ["LlamaForCausalLM"], fix="vLLM renames it to Eagle3LlamaForCausalLM"),
+    KeyRule("architectures", "one_of", (["LlamaForCausalLM"], ["Qwen3ForCausalLM"]),
+            fix="vLLM renames it to Eagle3LlamaForCausalLM / Eagle3Qwen3ForCausalLM (q/k norms)"),
     KeyRule("tie_word_embeddings", "equals", False),
 )
 SGLANG_KEYS = (
@@ -167,12 +185,12 @@ SGLANG_KEYS = (
     KeyRule("tie_word_embeddings", "equals", False),
     KeyRule("eagle_config", "dict", fix="SGLang captures target layers only from eagle_config"),
     KeyRule("eagle_config.use_aux_hidden_state", "equals", True),
-    KeyRule("norm_output", "not_true", fix="SGLang would carry normed states the head never saw in training"),
+    KeyRule("norm_output", "bool", fix=OPTION_FIX),
     KeyRule("norm_before_residual", "not_true",
             fix=f"{SGLANG} always uses the raw fc output as the residual; export for vLLM instead"),
-    KeyRule("fc_norm", "not_true", fix=NOT_TRUE_FIX),
-    KeyRule("norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
-    KeyRule("eagle_config.norm_before_fc", "not_true", fix=NOT_TRUE_FIX),
+    KeyRule("fc_norm", "bool", fix=OPTION_FIX),
+    KeyRule("norm_before_fc", "bool", fix=OPTION_FIX),
+    KeyRule("use_aux_norm", "absent", fix="SGLang's legacy spelling of fc_norm: write fc_norm only"),
     KeyRule("eagle_aux_hidden_state_layer_ids", "absent",
             fix="SGLang uses a top-level id list only to size fc; keep the ids in eagle_config"),
     KeyRule("parallel_drafting", "not_true", fix=f"{SGLANG} has no P-EAGLE loader; serve it with vLLM"),

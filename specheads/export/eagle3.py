@@ -9,11 +9,12 @@ vLLM reads through `--speculative-config`, "sglang" SGLang's `LlamaForCausalLMEa
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from specheads.engine_facts import AUX_LAYER_OFFSET, REFUSED_OPTIONS, RESIDUAL_DEFAULT, SGLANG
+from specheads.engine_facts import AUX_LAYER_OFFSET, PEAGLE_SPECULATORS_DROPS, REFUSED_OPTIONS, RESIDUAL_DEFAULT, SGLANG
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract import (
     MISSING,
@@ -31,12 +32,21 @@ from specheads.export.contract import (
 )
 from specheads.export.contract_rules import (
     CONFIG_FILE,
+    EAGLE3_LAYER_KEYS,
     ENGINE_NAMES,
-    LAYER_KEYS,
     WEIGHTS_FILE,
     FormatContract,
     Violation,
     contract_for,
+)
+from specheads.export.eagle31 import (
+    EAGLE31_OPTIONS,
+    NATIVE_ARCHITECTURE,
+    check_options,
+    check_options_against_head,
+    engine_options,
+    option_keys,
+    option_tensors,
 )
 from specheads.export.keys import (
     REQUIRED,
@@ -70,6 +80,16 @@ def check_exportable(config: Eagle3Config, fmt: str, weights: dict) -> None:
             f"this is a P-EAGLE head (parallel_drafting: true), and {REFUSED_OPTIONS[('sglang', 'parallel_drafting')]} "
             "(no mask_hidden, no parallel drafting). Export it with --format vllm (speculators peagle) "
             "or --format vllm-native (method eagle3 + parallel_drafting).")
+    if fmt == "sglang" and config.qk_norm:
+        raise ExportRefused(
+            f"this head has a Qwen3-style draft layer (qk_norm: true), and {REFUSED_OPTIONS[('sglang', 'qk_norm')]}. "
+            "Export it with --format vllm or --format vllm-native (vLLM's Eagle3Qwen3ForCausalLM), or retrain "
+            "with head.qk_norm: false.")
+    dropped = [o for o in PEAGLE_SPECULATORS_DROPS if fmt == "vllm" and config.parallel_drafting and getattr(config, o)]
+    if dropped:
+        raise ExportRefused(
+            f"this P-EAGLE head was trained with {dropped[0]}: true, but {PEAGLE_SPECULATORS_DROPS[dropped[0]]}. "
+            "Export it with --format vllm-native (method eagle3 + parallel_drafting reads it from config.json).")
     if fmt == "sglang" and config.norm_before_residual:
         raise ExportRefused(
             f"this head was trained with norm_before_residual: true, but "
@@ -114,8 +134,9 @@ def without_full_vocab_map(weights: dict[str, torch.Tensor]) -> dict[str, torch.
 
 
 def layer_keys(config: Eagle3Config, dtype: str) -> dict:
-    """The decoder-layer keys every format carries (Llama-style, one layer)."""
-    return llama_layer_keys(config, dtype, num_aux_hidden_states=len(config.aux_layers))
+    """The decoder-layer keys every format carries (one layer; model_type qwen3 for a Qwen3-style one)."""
+    keys = llama_layer_keys(config, dtype, num_aux_hidden_states=len(config.aux_layers))
+    return {**keys, "model_type": "qwen3"} if config.qk_norm else keys
 
 
 def head_fields(config: Eagle3Config) -> dict:
@@ -129,9 +150,7 @@ def head_keys(config: Eagle3Config) -> dict:
         **head_fields(config),
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
         "norm_before_residual": bool(config.norm_before_residual),
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **option_keys(config),
         **({"parallel_drafting": True, "mask_token_id": config.mask_token_id} if config.parallel_drafting else {}),
     }
 
@@ -153,8 +172,9 @@ def speculators_config(config: Eagle3Config, k: int, verifier: str, verifier_arc
 
 
 def native_config(config: Eagle3Config, dtype: str) -> dict:
-    """docs/engines.md §2.2: a LlamaForCausalLM config with the EAGLE-3 keys at top level."""
-    return {"architectures": ["LlamaForCausalLM"], **layer_keys(config, dtype), **head_keys(config),
+    """docs/engines.md §2.2: a LlamaForCausalLM (Qwen3ForCausalLM with qk_norm) config with the EAGLE-3
+    keys at top level; vLLM prefixes Eagle3 to the architecture."""
+    return {"architectures": [NATIVE_ARCHITECTURE[config.qk_norm]], **layer_keys(config, dtype), **head_keys(config),
             "tie_word_embeddings": False}
 
 
@@ -167,6 +187,7 @@ def sglang_config(config: Eagle3Config, dtype: str) -> dict:
         **head_fields(config),
         "tie_word_embeddings": False,
         "norm_before_residual": False,  # documentary: SGLang has no such option (refused when true)
+        **option_keys(config),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
     }
 
@@ -191,7 +212,9 @@ def plan(request: ExportRequest) -> ExportPlan:
 
 def check_keys(cfg: dict, contract: FormatContract) -> list[Violation]:
     """Every format key rule, then the decoder-layer keys wherever this format keeps them."""
-    return check_key_rules(cfg, contract.keys) + check_key_rules(cfg, LAYER_KEYS, at=contract.layer_keys_at)
+    layer_rules = EAGLE3_LAYER_KEYS[contract.engine]
+    return (check_key_rules(cfg, contract.keys) + check_key_rules(cfg, layer_rules, at=contract.layer_keys_at)
+            + check_options(cfg, contract))
 
 
 def check_aux_ids(cfg: dict, contract: FormatContract) -> list[Violation]:
@@ -246,6 +269,7 @@ def check_against_head(cfg: dict, contract: FormatContract, head: dict) -> list[
                                  found_text(found), "export again from the checkpoint this head came from"))
     out += check_rope(layer, head, at)
     out += _check_residual(cfg, contract, head)
+    out += check_options_against_head(cfg, contract, head)
     if is_parallel(cfg) != bool(head.get("parallel_drafting", False)):
         out.append(Violation(f"{CONFIG_FILE}: parallel_drafting", json.dumps(bool(head.get("parallel_drafting"))),
                              json.dumps(is_parallel(cfg)), "P-EAGLE heads draft in parallel, EAGLE-3 heads do "
@@ -295,11 +319,13 @@ def validate(folder: str | Path, fmt: str, expected=None) -> None:
         folder, fmt, WEIGHTS_FILE, expected, files=check_files,
         keys=lambda cfg: check_keys(cfg, contract) + check_aux_ids(cfg, contract) + check_parallel(cfg, contract),
         against_head=lambda cfg, head: check_against_head(cfg, contract, head),
-        tensors=lambda specs, cfg: check_tensors(specs, config_dims(cfg, contract), contract))
+        tensors=lambda specs, cfg: check_tensors(
+            specs, config_dims(cfg, contract), replace(contract, tensors=contract.tensors + option_tensors(cfg, contract))))
 
 
 # --- load back -----------------------------------------------------------------------------------
-TRAINED = ("ttt_steps", "step_decay")  # training-only fields: from specheads.json, never config.json
+TRAINED = ("ttt_steps", "step_decay", "loss", "feature_noise", "feature_noise_scale", "dropout")  # training-only
+# fields: from specheads.json, never config.json
 PARALLEL_TRAINED = ("cod_ratio", "cod_min_ratio")
 
 
@@ -312,6 +338,7 @@ def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> Eagl
         **layer, **{f.name: f.read({**layer, **cfg}) for f in HEAD_FIELDS},
         aux_layers=[i - contract.aux_offset for i in aux_ids(cfg, contract)],
         norm_before_residual=bool(cfg.get("norm_before_residual", RESIDUAL_DEFAULT[fmt])),
+        **engine_options(cfg, contract),
         **trained_fields(trained, TRAINED),
         **parallel_from_export(cfg, trained or {}),
     )
@@ -359,7 +386,9 @@ def readme_lines(fmt: str, head: dict) -> list[str]:
     parallel = [f"- P-EAGLE: all {head['ttt_steps']} drafts in one forward (mask token id {head['mask_token_id']}, "
                 f"learned `mask_hidden`); vLLM serves it with `parallel_drafting: true`, {SGLANG} cannot"
                 ] if head.get("parallel_drafting") else []
-    return parallel + [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
+    options = [o for o in (*EAGLE31_OPTIONS, "qk_norm") if head.get(o)]
+    eagle31 = [f"- EAGLE 3.1 / layer options: {', '.join(options)}"] if options else []
+    return parallel + eagle31 + [f"- aux layers (hidden states after k target layers): {head['aux_layers']}",
                        f"- draft vocabulary: {head['draft_vocab_size']} of {head['vocab_size']} tokens",
                        f"- hidden size {head['hidden_size']}, norm_before_residual "
                        f"{str(head['norm_before_residual']).lower()}, trained for {head['ttt_steps']} draft steps"]

@@ -14,6 +14,7 @@ from specheads.engine_facts import RESIDUAL_DEFAULT
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract_rules import CONFIG_FILE, WEIGHTS_FILE, ContractError, contract_for
 from specheads.export.eagle3 import KIND, head_weights
+from specheads.export.eagle31 import engine_options
 from specheads.export.keys import DEFAULT_ROPE, speculative_tokens
 from specheads.export.load import ExportMeta, read_json, read_weights
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
@@ -85,13 +86,10 @@ def _foreign_aux(cfg: dict, fmt: str, num_target_layers: int | None, folder: Pat
 
 def _foreign_flags(cfg: dict, fmt: str, folder: Path) -> dict:
     """norm_before_residual / norm_before_fc / fc_norm / norm_output as the engine reads them."""
-    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     if cfg.get("bias"):
         raise ForeignDraftError(folder, "bias: true (a bias on fc): the head's fc has no bias")
     flags = {
-        "norm_before_fc": bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
-        "fc_norm": bool(cfg.get("fc_norm", cfg.get("use_aux_norm", False))),
-        "norm_output": bool(cfg.get("norm_output", False)),
+        **{k: v for k, v in engine_options(cfg, contract_for(fmt, KIND)).items() if k != "qk_norm"},
         # SGLang has no such option: it always keeps the raw fc output as the residual
         "norm_before_residual": False if fmt == "sglang" else bool(
             cfg.get("norm_before_residual", RESIDUAL_DEFAULT[fmt])),

@@ -3,6 +3,9 @@
 Semantics follow what vLLM and SGLang run (docs/algorithms.md §5): residual = fc output
 (or hidden_norm(fc output) with norm_before_residual), qkv read [input_layernorm(emb);
 hidden_norm(h)], logits = lm_head(norm(out)), and the pre-norm `out` is carried to the next step.
+EAGLE 3.1 options (arXiv 2605.09992): an RMSNorm over the fused features before fc
+(`norm_before_fc`) or one per feature (`fc_norm`), and the post-norm state carried instead
+(`norm_output`). `qk_norm` makes the layer Qwen3-style (per-head q/k RMSNorm, vLLM's qwen3_eagle3).
 """
 
 from __future__ import annotations
@@ -11,16 +14,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from specheads.bounds import bounded
-from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
+from specheads.bounds import ConfigError, bounded
+from specheads.heads.losses import LOSSES, NOISES, ChainCounts, HeadOutput, add_feature_noise, decayed_output, shift
 from specheads.heads.peagle import parallel_train_forward
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
@@ -36,12 +40,30 @@ class Eagle3Options:
     step_decay: float = bounded(0.8, gt=0, le=1)
     draft_vocab_size: int | None = bounded(None, ge=1)  # None -> min(V, 32000)
     norm_before_residual: bool = False
+    # EAGLE 3.1: at most one of norm_before_fc / fc_norm; norm_output carries norm(out) across steps
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    qk_norm: bool = False  # Qwen3-style draft layer (q/k RMSNorm per head); vLLM only
     intermediate_size: int | None = None  # None -> the target's
     # P-EAGLE (heads/peagle.py): all ttt_steps drafts in one forward from a learned mask_hidden
     parallel_drafting: bool = False
     mask_token_id: int | None = bounded(None, ge=0)  # parallel drafting: None -> vocab_size - 1
     cod_ratio: float = bounded(0.7, gt=0, le=1)  # depth d trains on ~max(cod_ratio^d, cod_min_ratio) of rows
     cod_min_ratio: float = bounded(0.2, gt=0, le=1)
+    # training only (never exported): the per-step loss, noise on the target features, draft-layer dropout
+    loss: str = "kl"  # kl | tv | nla | lk (heads/losses.py LOSSES)
+    feature_noise: str = "none"  # none | uniform | gaussian, on the target features fed to fc
+    feature_noise_scale: float = bounded(0.1, ge=0, hint="uniform half-width or gaussian std")
+    dropout: float = bounded(0.0, ge=0, le=0.9, hint="dropout on the draft layer's attention and MLP outputs")
+
+    def __post_init__(self):
+        for key, table in (("loss", LOSSES), ("feature_noise", NOISES)):
+            if getattr(self, key) not in table:
+                raise ConfigError(f"head.{key} '{getattr(self, key)}': expected one of {', '.join(table)}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ConfigError("head.norm_before_fc and head.fc_norm exclude each other (one norm over the "
+                              "concatenated features, or one per feature): set one of them to false")
 
 
 @dataclass
@@ -66,14 +88,19 @@ class Eagle3Config:
     hidden_act: str = "silu"
     attention_bias: bool = False
     kind: str = "eagle3"
-    # options of heads trained elsewhere (speculators / SpecForge "EAGLE 3.1"); loaded, not trained here
+    # EAGLE 3.1 (speculators / SpecForge "EAGLE3.1"), trained here or loaded from elsewhere
     norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
     fc_norm: bool = False  # one RMSNorm per feature before the concatenation
     norm_output: bool = False  # carry norm(out) to the next step instead of the pre-norm out
+    qk_norm: bool = False  # Qwen3-style attention: RMSNorm over each q / k head before RoPE
     parallel_drafting: bool = False  # P-EAGLE
     mask_token_id: int | None = None
     cod_ratio: float = 0.7
     cod_min_ratio: float = 0.2
+    loss: str = "kl"  # training only, like the three below
+    feature_noise: str = "none"
+    feature_noise_scale: float = 0.1
+    dropout: float = 0.0
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
@@ -84,6 +111,19 @@ class Eagle3Config:
             max_position_embeddings=self.max_position_embeddings, num_hidden_layers=1,
             rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
             attention_bias=self.attention_bias, mlp_bias=False,
+        )
+        cfg._attn_implementation = attn_implementation
+        return cfg
+
+    def qwen3_config(self, attn_implementation: str = "sdpa") -> Qwen3Config:
+        """The Qwen3Config of a Qwen3-style layer (qk_norm): its attention brings the q/k norms."""
+        cfg = Qwen3Config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, num_hidden_layers=1,
+            rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
+            attention_bias=self.attention_bias, use_sliding_window=False,
         )
         cfg._attn_implementation = attn_implementation
         return cfg
@@ -118,8 +158,14 @@ def build_config(options: Eagle3Options, target_config) -> Eagle3Config:
         aux_layers=aux, max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5), rope_parameters=dict(rope),
         norm_before_residual=options.norm_before_residual, ttt_steps=options.ttt_steps,
-        step_decay=options.step_decay, **parallel_fields(options, V),
+        step_decay=options.step_decay, **eagle31_fields(options), **parallel_fields(options, V),
     )
+
+
+def eagle31_fields(options: Eagle3Options) -> dict:
+    """The EAGLE 3.1, Qwen3-layer and training options, as the head config carries them."""
+    return {name: getattr(options, name) for name in ("norm_before_fc", "fc_norm", "norm_output", "qk_norm",
+                                                       "loss", "feature_noise", "feature_noise_scale", "dropout")}
 
 
 def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
@@ -136,15 +182,18 @@ def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
 
 
 class Eagle3Layer(nn.Module):
-    """One draft decoder layer whose attention reads [norm(embedding); norm(hidden)] (2H wide)."""
+    """One draft decoder layer whose attention reads [norm(embedding); norm(hidden)] (2H wide);
+    `qwen3` (a Qwen3Config) swaps in Qwen3's attention, whose q/k heads are RMS-normed."""
 
-    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool):
+    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool, qwen3: Qwen3Config | None = None,
+                 dropout: float = 0.0):
         super().__init__()
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         H = cfg.hidden_size
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx=0)
+        self.self_attn = Qwen3Attention(qwen3, layer_idx=0) if qwen3 is not None else LlamaAttention(cfg, layer_idx=0)
         for name in ("q_proj", "k_proj", "v_proj"):
             out_features = getattr(self.self_attn, name).out_features
             setattr(self.self_attn, name, nn.Linear(2 * H, out_features, bias=cfg.attention_bias))
@@ -160,8 +209,8 @@ class Eagle3Layer(nn.Module):
             x, position_embeddings=position_embeddings, attention_mask=attention_mask,
             **cache_kwargs(cache),
         )
-        r = residual + attn
-        return r + self.mlp(self.post_attention_layernorm(r))
+        r = residual + self.dropout(attn)
+        return r + self.dropout(self.mlp(self.post_attention_layernorm(r)))
 
 
 class Eagle3Head(nn.Module):
@@ -186,7 +235,8 @@ class Eagle3Head(nn.Module):
         if config.fc_norm:
             self.fc_norm = nn.ModuleList(
                 LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(n_aux))
-        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual)])
+        qwen3 = config.qwen3_config(attn_implementation) if config.qk_norm else None
+        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual, qwen3, config.dropout)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(lc)
@@ -264,6 +314,12 @@ class Eagle3Head(nn.Module):
             inputs["mask_embed"] = target.embed(mask_id)[0]  # [H]
         return inputs
 
+    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, n*Ht] with the recipe's feature noise in training (unchanged in eval)."""
+        if not self.training:
+            return aux
+        return add_feature_noise(aux, self.config.feature_noise, self.config.feature_noise_scale)
+
     def forward(self, **inputs) -> HeadOutput:
         """Training forward (what DDP/FSDP wrappers call): see `train_forward`."""
         return self.train_forward(**inputs)
@@ -284,7 +340,7 @@ class Eagle3Head(nn.Module):
         target_argmax = target_logits.argmax(-1)  # [B, T]
         supervised = loss_mask.bool() & valid
         in_vocab = self.t2d[target_argmax]  # the target's choice is reachable by the draft
-        hidden = self.fuse(aux)
+        hidden = self.fuse(self.noisy(aux))
         cache = DynamicCache()
         base_pos = torch.arange(T, device=hidden.device).expand(B, T)
         losses, counts = [], ChainCounts(loss_mask)
@@ -296,7 +352,7 @@ class Eagle3Head(nn.Module):
             b, i = rows.nonzero(as_tuple=True)
             logits = self.logits(out[b, i])  # [N, Vd]
             src = target_logits[b, i + j + 1]  # [N, V]: target at the position predicting x_{i+j+2}
-            losses.append(forward_kl(logits, torch.softmax(src[:, self.t2d].float(), dim=-1)))
+            losses.append(LOSSES[self.config.loss](logits, torch.softmax(src[:, self.t2d].float(), dim=-1)))
             wanted = target_argmax[b, i + j + 1]  # [N], in the draft vocabulary (rows says so)
             counts.step(rows, b, i, self.to_target_ids(logits.argmax(-1)) == wanted,
                         ranks=draft_rank(logits, self.draft_index(wanted)))

@@ -36,9 +36,67 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
 def forward_kl(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """Mean forward KL(p || q) over rows: logits [N, Vd], probs [N, Vd] (0 = exact match)."""
     if logits.shape[0] == 0:
-        return logits.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) alive
+        return _no_rows(logits)
     logq = F.log_softmax(logits.float(), dim=-1)
     return (torch.special.xlogy(probs, probs) - probs * logq).sum(-1).mean()
+
+
+def _no_rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits.sum() * 0.0  # keeps the graph (and DDP's gradient hooks) alive
+
+
+def total_variation(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean TV(p, q) = 1/2 sum_v |p_v - q_v| = 1 - alpha over rows: logits [N, Vd], probs [N, Vd]."""
+    if logits.shape[0] == 0:
+        return _no_rows(logits)
+    q = torch.softmax(logits.float(), dim=-1)
+    return 0.5 * (probs - q).abs().sum(-1).mean()
+
+
+def acceptance(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """alpha [N] = sum_v min(p_v, q_v): the chance a sampled draft token is accepted."""
+    return torch.minimum(probs, torch.softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def neg_log_acceptance(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean -log alpha (LK "nla", arXiv 2602.23881): TV's gradient scaled by 1/alpha, so a cold start
+    with alpha near 0 still learns."""
+    if logits.shape[0] == 0:
+        return _no_rows(logits)
+    return -torch.log(acceptance(logits, probs).clamp_min(1e-12)).mean()
+
+
+LK_ETA = 3.0  # lk_hybrid's eta (arXiv 2602.23881; speculators' default)
+
+
+def lk_hybrid(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean lambda * KL(p || q) + (1 - lambda)(1 - alpha), lambda = exp(-eta * sg(alpha)) per row:
+    KL while the draft is far off, the acceptance rate itself once it is close (LK loss)."""
+    if logits.shape[0] == 0:
+        return _no_rows(logits)
+    logq = F.log_softmax(logits.float(), dim=-1)
+    kl = (torch.special.xlogy(probs, probs) - probs * logq).sum(-1)  # [N]
+    alpha = torch.minimum(probs, logq.exp()).sum(-1)  # [N]
+    lam = torch.exp(-LK_ETA * alpha.detach())
+    return (lam * kl + (1 - lam) * (1 - alpha)).mean()
+
+
+# recipe `head.loss` -> the per-step distillation loss (draft logits [N, Vd], target probs [N, Vd]) -> scalar
+LOSSES = {"kl": forward_kl, "tv": total_variation, "nla": neg_log_acceptance, "lk": lk_hybrid}
+
+# recipe `head.feature_noise` -> noise added to the target features in training (scale s):
+# uniform U(-s, s) (EAGLE-1's augmentation), gaussian N(0, s^2)
+NOISES = {
+    "none": None,
+    "uniform": lambda x, s: x + (torch.rand_like(x) * 2 - 1) * s,
+    "gaussian": lambda x, s: x + torch.randn_like(x) * s,
+}
+
+
+def add_feature_noise(features: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
+    """features [..., F] plus NOISES[kind] noise of `scale`; "none" returns the tensor untouched."""
+    noise = NOISES[kind]
+    return features if noise is None else noise(features, scale)
 
 
 def stack_counts(counts: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.heads.losses import ChainCounts, HeadOutput, decayed_output, forward_kl, shift
+from specheads.heads.losses import LOSSES, ChainCounts, HeadOutput, decayed_output, shift
 
 
 def depth_anchors(T: int, depths: int, ratio: float, min_ratio: float, random: bool,
@@ -49,7 +49,7 @@ def parallel_rows(head, aux, embeds, mask_embed, valid, sets) -> torch.Tensor:
     anchor = torch.cat([torch.arange(T, device=device), *sets])  # [Q]
     depth = torch.cat([torch.zeros(T, dtype=torch.long, device=device)] +
                       [torch.full_like(s, d + 1) for d, s in enumerate(sets)])
-    real = head.fuse(aux)  # [B, T, H]
+    real = head.fuse(head.noisy(aux))  # [B, T, H]
     masked = head.fuse(head.mask_hidden[None, None])  # [1, 1, H]
     n_mask = anchor.numel() - T
     hidden = torch.cat([real, masked.expand(B, n_mask, -1)], dim=1)  # [B, Q, H]
@@ -60,7 +60,7 @@ def parallel_rows(head, aux, embeds, mask_embed, valid, sets) -> torch.Tensor:
 
 def parallel_train_forward(head, aux, embeds, mask_embed, target_logits, loss_mask, attention_mask) -> HeadOutput:
     """aux [B, T, n*Ht], embeds [B, T, H] (of x_i), mask_embed [H], target_logits [B, T, V],
-    loss_mask / attention_mask [B, T] -> KL loss per depth (weighted step_decay^d) and counts."""
+    loss_mask / attention_mask [B, T] -> the recipe's loss per depth (weighted step_decay^d) and counts."""
     cfg = head.config
     T = loss_mask.shape[1]
     device, valid = aux.device, attention_mask.bool()
@@ -81,6 +81,6 @@ def parallel_train_forward(head, aux, embeds, mask_embed, target_logits, loss_ma
         b, i = rows.nonzero(as_tuple=True)
         logits = head.logits(out[b, row_of[i]])  # [N, Vd]
         src = target_logits[b, i + d + 1]  # [N, V]: the target predicting x_{i+d+2}
-        losses.append(forward_kl(logits, torch.softmax(src[:, head.t2d].float(), dim=-1)))
+        losses.append(LOSSES[cfg.loss](logits, torch.softmax(src[:, head.t2d].float(), dim=-1)))
         counts.step(rows, b, i, head.to_target_ids(logits.argmax(-1)) == target_argmax[b, i + d + 1])
     return decayed_output(losses, cfg.step_decay, counts)

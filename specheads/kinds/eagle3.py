@@ -11,11 +11,13 @@ from specheads.kinds.base import EngineSide, Example, Kind, random_head, step_lo
 FORMATS = ("vllm", "vllm-native", "sglang")
 
 
-def example_head(target, seed: int, draft_vocab: int | None = None):
-    """Random weights; a scattered draft vocabulary of `draft_vocab` (default V / 2), so a wrong d2t shows."""
+def example_head(target, seed: int, draft_vocab: int | None = None, **options):
+    """Random weights; a scattered draft vocabulary of `draft_vocab` (default V / 2), so a wrong d2t shows;
+    `options`: further head options (EAGLE 3.1 norms, qk_norm)."""
     V = target.vocab_size
     draft_vocab = draft_vocab or V // 2
-    head = random_head(Eagle3Head, Eagle3Options(ttt_steps=3, draft_vocab_size=draft_vocab), target, seed, 0.05)
+    head = random_head(Eagle3Head, Eagle3Options(ttt_steps=3, draft_vocab_size=draft_vocab, **options), target, seed,
+                       0.05)
     if draft_vocab < V:
         used = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:draft_vocab]).values
         t2d = torch.zeros(V, dtype=torch.bool)
@@ -60,7 +62,14 @@ KIND = Kind(
         Example("eagle3-fullvocab", lambda t, s: example_head(t, s, t.vocab_size), 2, FORMATS,
                 "draft vocab = V = {V}: no d2t / t2d"),
         Example("peagle", peagle_head, 7, ("vllm", "vllm-native"), "P-EAGLE (parallel drafting)"),
+        Example("eagle31", lambda t, s: example_head(t, s, fc_norm=True, norm_output=True), 3, FORMATS,
+                "EAGLE 3.1: fc_norm + norm_output"),
+        Example("eagle31-norm-before-fc", lambda t, s: example_head(t, s, norm_before_fc=True), 4, FORMATS,
+                "EAGLE 3.1: norm_before_fc"),
+        Example("eagle3-qwen3", lambda t, s: example_head(t, s, qk_norm=True, norm_output=True), 5,
+                ("vllm", "vllm-native"), "Qwen3-style layer (q/k norms) + norm_output; SGLang has no loader"),
     ),
     engine_side=EngineSide(features, first_pass, expect),
     probe_kind=lambda hc: "peagle" if hc.get("parallel_drafting") else "eagle3",
+    layout=lambda ours: "qwen3" if (ours.meta.head_config or {}).get("qk_norm") else "",  # vLLM's Qwen3 class
 )

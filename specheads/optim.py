@@ -1,0 +1,63 @@
+"""The drafter's optimizer (recipe `train.optimizer`): AdamW, or Muon on the 2-D weight matrices of the
+hidden layers with AdamW on everything else, as one torch optimizer so one LR schedule drives both.
+
+Muon (torch.optim.Muon) orthogonalises each matrix's momentum by Newton-Schulz iterations; it is
+defined for 2-D weights only. It gets every 2-D parameter except the output and embedding tables
+(names containing `lm_head` or `embed`: rows are tokens, not a linear map to orthogonalise); norms,
+biases, `mask_hidden` and those tables stay on AdamW. `adjust_lr_fn="match_rms_adamw"` scales Muon's
+step to AdamW's RMS, so `train.lr` and `train.weight_decay` mean the same for both groups.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OPTIMIZERS = ("adamw", "muon")
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_ONLY = ("lm_head", "embed")  # name parts of 2-D tables that stay on AdamW under Muon
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """(names Muon updates, names AdamW updates) of the trainable parameters."""
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (muon if p.ndim == 2 and not any(part in name for part in ADAMW_ONLY) else adamw).append(name)
+    return muon, adamw
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon over `muon_params`, AdamW over `adamw_params`: one param_groups list (the same group dicts
+    the two inner optimizers read, so an LR scheduler reaches both), one state dict."""
+
+    def __init__(self, muon_params, adamw_params, lr: float, weight_decay: float):
+        self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(adamw_params, lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS)
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
+
+
+def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The drafter's optimizer `name` (OPTIMIZERS) over its trainable parameters."""
+    if name == "adamw":
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                 weight_decay=weight_decay, betas=ADAMW_BETAS)
+    params = dict(model.named_parameters())
+    muon, adamw = muon_split(model)
+    if not muon:
+        raise ValueError("train.optimizer: muon found no 2-D weight matrix to update in this head; use adamw")
+    return MuonAdamW([params[n] for n in muon], [params[n] for n in adamw], lr, weight_decay)
