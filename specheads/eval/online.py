@@ -28,8 +28,10 @@ from specheads.eval.predict import prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.metrics import broken_draft_warning, predicted_speedup
 from specheads.progress import Progress
+from specheads.protocols import SampledProposer
 from specheads.provenance import provenance
 from specheads.session import Session, run
+from specheads.verify.calibration import ConfidenceProbe, Record, calibration_report
 from specheads.verify.ngram_proposers import NgramProposer
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
 from specheads.verify.steps import DecodeStats
@@ -49,6 +51,7 @@ class Totals:
     mismatches: list[str] = field(default_factory=list)
     free_mismatches: dict[str, list[str]] = field(default_factory=dict)
     skipped: list[dict] = field(default_factory=list)  # turns whose prompt fills the context
+    records: list[Record] = field(default_factory=list)  # draft confidence vs acceptance (greedy chains)
 
 def eval_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """`encode_chat`, refusing a tokenizer without a chat template in eval's words."""
@@ -116,11 +119,24 @@ def free_proposers(ngram_sizes=(3, 1)) -> dict:
     return out
 
 
-def run_turn(session: Session, free: dict, ids, max_new_tokens, sampling: Sampling = Sampling()):
+def draft_turn(session: Session, ids, max_new_tokens, sampling: Sampling, totals: Totals | None, fold: int):
+    """The draft's decode of one turn; a greedy chain whose proposer reports confidences is probed
+    (`ConfidenceProbe`: the same greedy drafts) and its records added to `totals`."""
+    proposer = session.proposer(sampled=True) if sampling.greedy and session.spec.kind == "chain" else None
+    if totals is None or not isinstance(proposer, SampledProposer):
+        return session.decode(ids, max_new_tokens, sampling).result
+    probe = ConfidenceProbe(proposer, fold)
+    result = run(session.spec, session.target, probe, ids, max_new_tokens, session.eos, sampling)
+    totals.records += probe.records
+    return result
+
+
+def run_turn(session: Session, free: dict, ids, max_new_tokens, sampling: Sampling = Sampling(),
+             totals: Totals | None = None, fold: int = 0):
     """One prompt turn decoded plain, with the draft (the session's chain or tree) and with each
     training-free proposer (a chain of the session's k), sampled runs with the same seed each."""
     plain = session.plain(ids, max_new_tokens, sampling)
-    draft = session.decode(ids, max_new_tokens, sampling).result
+    draft = draft_turn(session, ids, max_new_tokens, sampling, totals, fold)
     others = {name: run(TreeSpec("chain", k=session.k), session.target, proposer, ids, max_new_tokens,
                         session.eos, sampling) for name, proposer in free.items()}
     return plain, draft, others
@@ -151,7 +167,7 @@ def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, free: dict, 
                                    "context": ctx})
             bar.update(len(row.turns) - turn)
             break
-        plain, draft, others = run_turn(session, free, ids, max_new_tokens, sampling)
+        plain, draft, others = run_turn(session, free, ids, max_new_tokens, sampling, totals, len(outputs) % 2)
         totals.plain = totals.plain.add(plain.stats)
         totals.draft = totals.draft.add(draft.stats)
         sampled = not sampling.greedy
@@ -241,6 +257,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         "cost_ratio": spec["cost_ratio_c"],
         "predicted_speedup": spec["predicted_speedup"],
         "speculative": {**spec, "greedy_equal": equal},
+        # the drafter's top draft probability vs acceptance (greedy chains of kinds that report it)
+        "calibration": calibration_report(totals.records, spec["acceptance_per_position_conditional"])
+        if totals.records else None,
         "draft_warning": broken_draft_warning(spec),  # None unless the draft accepts (almost) nothing
         **free_metrics(totals, k, sampled),
         "plain": {"tokens": totals.plain.tokens, "target_forwards": totals.plain.decode_forwards,

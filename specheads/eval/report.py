@@ -6,7 +6,8 @@ Plots (matplotlib, Agg backend, written atomically):
 * `tau_by_category.png`: tau per prompt category (tokens / target forwards summed per category);
 * `speedup.png`: predicted speed-up per chain length k (and per tree budget), with the measured
   points of a verifier benchmark (bench/verifier.py's verifier.json) when given;
-* `concurrency.png`: a server load test's throughput over concurrency, when given.
+* `concurrency.png`: a server load test's throughput over concurrency, when given;
+* `reliability.png`: the drafter's top draft probability vs its acceptance (raw and calibrated).
 
 Server benchmark input (`bench`): a JSON object with `results`, a list of rows each holding
 `concurrency` (int), a throughput (`output_tokens_per_s`, `output_throughput` or `tokens_per_s`)
@@ -139,6 +140,21 @@ def plot_speedup(path: Path, prediction: dict, measured: dict[int, float] | None
     return _save(plt, fig, path)
 
 
+def plot_reliability(path: Path, calibration: dict, title: str) -> Path:
+    """Reliability diagram: observed acceptance over mean predicted probability per bin, raw and
+    cross-fitted calibrated, the diagonal marked (perfect calibration)."""
+    plt, fig, ax = _figure(5.2, 4.4)
+    ax.plot([0, 1], [0, 1], "--", color="grey", lw=1, label="perfectly calibrated")
+    for key, label, style in (("reliability_raw", "raw top draft probability", "o-"),
+                              ("reliability_calibrated", "calibrated (cross-fitted)", "s-")):
+        rows = calibration.get(key) or []
+        ax.plot([r["mean_predicted"] for r in rows], [r["observed"] for r in rows], style, label=label)
+    ax.set(xlabel="predicted P(accept | earlier drafts accepted)", ylabel="observed acceptance",
+           xlim=(0, 1), ylim=(0, 1.02), title=title)
+    ax.legend(loc="upper left", fontsize=8)
+    return _save(plt, fig, path)
+
+
 def concurrency_series(bench: dict, where: str = "bench") -> dict[str, list[tuple[int, float]]]:
     """Series name -> [(concurrency, throughput)] sorted by concurrency."""
     rows = bench.get("results") if isinstance(bench, dict) else None
@@ -182,6 +198,18 @@ def prediction_table(prediction: dict, measured: dict[int, float] | None = None)
     return lines
 
 
+def calibration_lines(cal: dict) -> list[str]:
+    """report.md's calibration section: ECE raw / calibrated and the raw reliability table."""
+    lines = ["", "## Draft calibration", "",
+             f"{cal['records']} draft positions whose earlier drafts were accepted ({cal['accepted']} accepted). "
+             f"Expected calibration error of the drafter's top draft probability: {cal['ece_raw']:.3f} raw, "
+             f"{cal['ece_calibrated']:.3f} after the calibration map ({cal['fit']}).", "",
+             "| draft probability | mean predicted | observed acceptance | count |", "|---|---:|---:|---:|"]
+    for r in cal["reliability_raw"]:
+        lines.append(f"| {r['bin'][0]:.1f}-{r['bin'][1]:.1f} | {r['mean_predicted']:.3f} | {r['observed']:.3f} | {r['count']} |")
+    return lines
+
+
 def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, float] | None = None) -> str:
     """report.md: the headline numbers, the prediction table, the advice, the plots."""
     spec = metrics.get("speculative") or metrics.get("offline") or {}
@@ -192,6 +220,10 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
     acc = spec.get("acceptance_per_position") or spec.get("acc_uncond")
     if acc:
         lines.append("- acceptance per position: " + " / ".join(f"{a:.2f}" for a in acc))
+    cal = metrics.get("calibration")
+    if cal:
+        lines.append(f"- draft calibration: ECE {cal['ece_raw']:.3f} (raw top draft probability), "
+                     f"{cal['ece_calibrated']:.3f} (calibrated) over {cal['records']} draft positions")
     for name, label in FREE_NAMES.items():
         if metrics.get(name):
             lines.append(f"- {label} tau {metrics[name]['tau']:.3f}, measured speed-up "
@@ -201,6 +233,8 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
         lines.append("- simulated tau, chain of k: " + ", ".join(f"k={k}: {t:.2f}" for k, t in sim["chain"].items()))
         if sim["tree"]:
             lines.append("- simulated tau, best tree: " + ", ".join(f"{n} tokens: {t:.2f}" for n, t in sim["tree"].items()))
+    if metrics.get("calibration"):
+        lines += calibration_lines(metrics["calibration"])
     pred, adv = metrics.get("prediction"), metrics.get("advice")
     if pred:
         lines += ["", "## Predicted speed-up", "",
@@ -279,6 +313,8 @@ def write_report(out_dir: str | Path, metrics: dict, outputs: list[dict] | None 
                                         "Speed-up vs draft length").name
         if measured:
             metrics["measured_chain_speedup"] = {str(k): v for k, v in sorted(measured.items())}
+    if metrics.get("calibration"):
+        plots["reliability"] = plot_reliability(out / "reliability.png", metrics["calibration"], "Draft calibration").name
     if bench:
         plots["concurrency"] = plot_concurrency(out / "concurrency.png", concurrency_series(bench),
                                                 "Server throughput over concurrency").name

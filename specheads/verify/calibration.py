@@ -180,3 +180,31 @@ def records_of_step(draft: list[int], confidences: list[float], emitted: list[in
         if d != e:
             break
     return out
+
+
+class ConfidenceProbe:
+    """A greedy chain proposer over a `SampledProposer` that keeps a `Record` of every settled draft
+    position: it drafts the argmax chain through a one-hot `ConfidenceWarper` (the drafts are the
+    greedy ones) and compares them with the tokens the target settled."""
+
+    def __init__(self, inner, fold: int = 0):
+        self.inner, self.layers, self.fold = inner, list(inner.layers), fold
+        self.gen = torch.Generator().manual_seed(0)  # one-hot draws never depend on it
+        self.records: list[Record] = []
+        self.step: tuple[list[int], list[float]] = ([], [])
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        self.inner.start(prompt_ids, first_token, out)
+
+    @torch.no_grad()
+    def propose(self, k: int) -> torch.Tensor:
+        conf = ConfidenceWarper()
+        tokens = self.inner.propose_sampled(k, conf, self.gen)[0].reshape(-1)  # [n]
+        self.step = ([int(t) for t in tokens.tolist()], conf.seen)
+        return tokens
+
+    def accept(self, inputs, following, out, start: int) -> None:
+        draft, confidences = self.step
+        self.records += records_of_step(draft, confidences, [int(t) for t in following.reshape(-1).tolist()], self.fold)
+        self.step = ([], [])
+        self.inner.accept(inputs, following, out, start)
