@@ -28,6 +28,9 @@ from specheads.export.readme import RECOMMENDED
 
 # training-free proposers every eval compares with, as reports name them
 FREE_NAMES = {"ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding (vLLM method: suffix)"}
+# the drafter combined with the free proposer (eval/mixes.py), as reports name them ({free}: its row)
+MIX_NAMES = {"hybrid": "hybrid choose (drafter or {free} per step)", "union": "union (drafter + {free} in one tree)",
+             "adaptive": "adaptive draft length (drafter + {free})"}
 
 THROUGHPUT_KEYS = ("output_tokens_per_s", "output_throughput", "tokens_per_s")
 SERIES_KEYS = ("label", "name", "method")
@@ -224,10 +227,13 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
     if cal:
         lines.append(f"- draft calibration: ECE {cal['ece_raw']:.3f} (raw top draft probability), "
                      f"{cal['ece_calibrated']:.3f} (calibrated) over {cal['records']} draft positions")
-    for name, label in FREE_NAMES.items():
-        if metrics.get(name):
-            lines.append(f"- {label} tau {metrics[name]['tau']:.3f}, measured speed-up "
-                         f"{metrics[name].get('measured_speedup', float('nan')):.2f}x")
+    for name, label in [*FREE_NAMES.items(), *MIX_NAMES.items()]:
+        row = metrics.get(name)
+        if row:
+            note = f" ({row['free_note']})" if row.get("free_note") else ""
+            lines.append(f"- {label.format(free=row.get('free'))} tau {row['tau']:.3f}, measured speed-up "
+                         f"{row.get('measured_speedup', float('nan')):.2f}x, predicted "
+                         f"{row.get('predicted_speedup', float('nan')):.2f}x{note}")
     if metrics.get("simulated_tau"):
         sim = metrics["simulated_tau"]
         lines.append("- simulated tau, chain of k: " + ", ".join(f"k={k}: {t:.2f}" for k, t in sim["chain"].items()))
@@ -253,8 +259,11 @@ def advice_lines(adv: dict) -> list[str]:
     lines = [RECOMMENDED, "",
              "Predicted from acceptance and step costs measured with specheads' own verifier (batch 1); "
              "re-check on your hardware and batch sizes.", ""]
+    engines = adv.get("engines")
+    if engines:
+        lines.append(f"- Best setting per engine (the drafter, a draftless method or both): {advice_line(engines)}")
     if not adv.get("speculate", True):
-        return lines + [f"- No speculation: {adv['reason']}.", ""]
+        return lines + [f"- No speculation with the drafter alone: {adv['reason']}.", ""]
     v, s = adv["vllm"], adv["sglang"]
     lines += [f"- vLLM: `\"num_speculative_tokens\": {v['num_speculative_tokens']}` in `--speculative-config` "
              f"(predicted {v['predicted_speedup']:.2f}x, {v['expected_tokens']:.2f} tokens per step)",
@@ -264,6 +273,20 @@ def advice_lines(adv: dict) -> list[str]:
         lines.append(f"- SGLang tree to try (a rougher prediction, {tree['predicted_speedup']:.2f}x: measure it "
                      f"before adopting): `{sglang_flags(tree)}`")
     return lines + [""]
+
+
+def advice_line(engines: dict) -> str:
+    """One line per engine of `engine_advice`, for report.md and the terminal."""
+    parts = []
+    for name, e in engines.items():
+        if name == "specheads":
+            parts.append(f"specheads serve: {e['use']} (predicted {e['predicted_speedup']:.2f}x)")
+        elif name == "llama.cpp":
+            parts.append(f"llama.cpp: {e['use']} (`{e['flags']}`)")
+        else:
+            what = f"`{e['flags']}`" if e["flags"] else "the drafter"
+            parts.append(f"{e['engine']}: {what} (predicted {e['predicted_speedup']:.2f}x)")
+    return "; ".join(parts)
 
 
 # --- writing -----------------------------------------------------------------------------------

@@ -120,7 +120,8 @@ class AdaptiveProposer:
     a one-hot `ConfidenceWarper`, so greedy drafts stay the argmax chain); `free` may be None.
 
     `counts`: steps per verified draft ("model" | "free" | "none"); `lengths`: verified draft
-    length -> steps; `levels`: model draft positions computed (what the draft cost counts)."""
+    length -> steps; `levels` / `model_steps`: model draft positions computed / steps it drafted in
+    (what the draft cost counts)."""
 
     def __init__(self, model, calibration: Calibration, costs: LengthCosts, k_max: int, free=None):
         check_chain(model, "model")
@@ -134,7 +135,7 @@ class AdaptiveProposer:
         self.gen = torch.Generator().manual_seed(0)  # one-hot greedy drafts never depend on it
         self.counts: Counter = Counter()
         self.lengths: Counter = Counter()
-        self.levels = 0
+        self.levels = self.model_steps = 0
         self.free_draft: list[int] = []
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, out) -> None:
@@ -154,6 +155,7 @@ class AdaptiveProposer:
         if not isinstance(self.model, SampledProposer):  # no confidences: the length is known up front
             m = LengthRule(self.calibration, self.costs, k, baseline, None).cut(k)
             self.levels += m
+            self.model_steps += bool(m)
             return (self.model.propose(m).reshape(-1)[:m] if m else torch.empty(0, dtype=torch.long)), None
         conf = ConfidenceWarper(warper)
         rule = LengthRule(self.calibration, self.costs, k, baseline, conf.seen)
@@ -164,6 +166,7 @@ class AdaptiveProposer:
             m = rule.cut(tokens.numel())
             tokens, q = tokens[:m], q[:m]
         self.levels += len(conf.seen)
+        self.model_steps += bool(conf.seen)
         return tokens.reshape(-1), q
 
     def plan(self, k: int, warper, gen) -> tuple[torch.Tensor, torch.Tensor | None, str]:
@@ -197,7 +200,7 @@ class AdaptiveProposer:
     def summary(self) -> dict:
         """What eval reports: steps per verified draft, verified lengths, model levels drafted."""
         return {"mode": "adaptive", "steps": dict(self.counts), "lengths": {str(n): c for n, c in sorted(self.lengths.items())},
-                "levels": self.levels, "k_max": self.k_max}
+                "levels": self.levels, "model_steps": self.model_steps, "k_max": self.k_max}
 
 
 class SampledAdaptiveProposer(AdaptiveProposer):
