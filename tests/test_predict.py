@@ -255,7 +255,8 @@ def test_in_situ_costs_replace_the_micro_timings_where_the_decodes_met_them():
     """Plain decodes met 1 token at 8 ms (not the micro 10), the draft's 4 tokens at 15 ms (micro 12);
     2 tokens (unmet) keep the micro curve scaled by the nearest met count's ratio (8/10); the drafter's
     per-step part = (0.5 s - 2 ms * 100 levels) / 50 steps = 6 ms; overhead = the draft's rest per step."""
-    from specheads.eval.mixes import in_situ_costs, length_costs
+    from specheads.eval.mixes import in_situ_costs
+    from specheads.verify.adaptive_proposers import LengthCosts
 
     micro = StepCosts({1: 0.010, 2: 0.011, 4: 0.012}, draft_fixed_s=0.001, draft_per_level_s=0.002,
                       overhead_s=0.003, plain_step_s=0.011)
@@ -268,7 +269,7 @@ def test_in_situ_costs_replace_the_micro_timings_where_the_decodes_met_them():
     assert costs.target_s == pytest.approx({1: 0.008, 2: 0.011 * 0.8, 4: 0.015})
     assert costs.draft_fixed_s == pytest.approx(0.006) and costs.draft_per_level_s == 0.002
     assert costs.overhead_s == pytest.approx((1.5 - 0.1 - 0.75 - 0.5) / 50) and costs.plain_step_s == pytest.approx(0.008)
-    lengths = length_costs(costs, 3)
+    lengths = LengthCosts.from_step_costs(costs, 3)
     assert lengths.verify[0] == 1.0 and lengths.verify[3] == pytest.approx((0.015 + 0.003) / 0.008)
     assert lengths.draft == pytest.approx(0.25) and lengths.fixed == pytest.approx(0.75)
     few = mix_stats({1: 3}, 3, wall_s=1.0)  # fewer than MIN_STEPS: nothing measured, the micro costs stay

@@ -23,16 +23,13 @@ from dataclasses import dataclass, field
 
 from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LLAMA_CPP_SPEC, SGLANG, VLLM
 from specheads.eval.predict import StepCosts, monotone
+from specheads.mixing import Mixing, mix_free
 from specheads.progress import Progress
 from specheads.session import Session
-from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer
+from specheads.verify.adaptive_proposers import LengthCosts
 from specheads.verify.calibration import Calibration, Record, cross_fitted
-from specheads.verify.hybrid_proposers import hybrid_proposer
 from specheads.verify.loop import decode
-from specheads.verify.ngram_proposers import NgramProposer
 from specheads.verify.steps import DecodeStats
-from specheads.verify.suffix_proposers import SuffixProposer
-from specheads.verify.trees import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +76,7 @@ def free_step_seconds(stats: DecodeStats) -> float:
     return stats.proposer_s / stats.decode_forwards if stats.decode_forwards else 0.0
 
 
-def length_costs(costs: StepCosts, k_max: int) -> LengthCosts:
-    """The adaptive rule's costs in plain steps: v(n) = (target(n) + overhead) / plain step, v(1) = 1."""
-    plain = costs.plain()
-    verify = (1.0, *[(costs.target(n) + costs.overhead_s) / plain for n in range(2, k_max + 2)])
-    return LengthCosts(verify, costs.draft_per_level_s / plain, costs.draft_fixed_s / plain)
-
-
 # --- the rows ------------------------------------------------------------------------------------
-
-
-def mix_free() -> tuple[str, object, str | None]:
-    """(name, a maker of the free proposer, why not suffix decoding or None)."""
-    try:
-        SuffixProposer()
-        return "suffix", SuffixProposer, None
-    except SettingsError as err:
-        return "ngram", lambda: NgramProposer(3, 1), f"prompt lookup in place of suffix decoding: {err}"
 
 
 @dataclass
@@ -119,10 +100,9 @@ class MixTally:
 
 
 def mix_proposer(name: str, session: Session, free, calibration: Calibration, costs: LengthCosts, k_max: int):
-    """A fresh proposer of a row (the free proposer is the row's, kept across turns)."""
-    if name == "adaptive":
-        return adaptive_proposer(session.proposer(sampled=True), calibration, costs, k_max, free)
-    return hybrid_proposer(session.proposer(), free, "choose" if name == "hybrid" else "union", session.k)
+    """A fresh proposer of a row over the session's drafter (the free proposer is the row's, kept across turns)."""
+    mixing = Mixing("union" if name == "union" else "choose", name == "adaptive", calibration, costs, k_max)
+    return mixing.proposer(session.proposer(sampled=mixing.adaptive), free, session.k, None)
 
 
 @dataclass(frozen=True)
@@ -142,7 +122,7 @@ def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, cos
     free_name, make_free, note = mix_free()
     frees = {name: make_free() for name in MIXES}  # one global cache per row, across its turns
     calibrations = cross_fitted(records, cond) if records else {}
-    lengths = length_costs(costs, k_max)
+    lengths = LengthCosts.from_step_costs(costs, k_max)
     plain, tallies = DecodeStats(), {name: MixTally() for name in MIXES}
     with Progress(len(turns), "eval: hybrid rows", "turns", quiet=quiet) as bar:
         for turn in turns:

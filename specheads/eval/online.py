@@ -32,6 +32,7 @@ from specheads.progress import Progress
 from specheads.protocols import SampledProposer
 from specheads.provenance import provenance
 from specheads.session import Session, run
+from specheads.verify.adaptive_proposers import LengthCosts
 from specheads.verify.calibration import ConfidenceProbe, Record, calibration_report
 from specheads.verify.ngram_proposers import NgramProposer
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
@@ -310,7 +311,8 @@ def add_mixes(metrics: dict, session: Session, totals: Totals, max_new_tokens: i
     if note:
         log.warning("hybrid rows: %s", note)
     metrics.update(mix_metrics(tallies, plain, costs, free_name, note, totals.free.get(free_name)))
-    metrics["adaptive"]["k_max"] = k_max
+    # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (specheads/mixing.py)
+    metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
     for name, stats in totals.free.items():
         metrics[name]["predicted_speedup"] = row_speedup(costs, stats, free_step_s=free_step_seconds(stats))
         metrics[name]["predicted_speedup_model"] = "measured step mix priced by measured step costs"

@@ -63,6 +63,14 @@ class LengthCosts:
         return {**asdict(self), "verify": list(self.verify)}
 
     @classmethod
+    def from_step_costs(cls, costs, k_max: int) -> LengthCosts:
+        """From measured seconds (eval.predict.StepCosts): v(n) = (target(n) + overhead) / a plain
+        step for n >= 2, v(1) = 1; c and fixed are the drafter's seconds per level / per step."""
+        plain = costs.plain()
+        verify = (1.0, *[(costs.target(n) + costs.overhead_s) / plain for n in range(2, k_max + 2)])
+        return cls(verify, costs.draft_per_level_s / plain, costs.draft_fixed_s / plain)
+
+    @classmethod
     def from_dict(cls, d: dict, where: str = "costs") -> LengthCosts:
         unknown = set(d) - {"verify", "draft", "fixed"}
         if unknown or "verify" not in d:
