@@ -227,3 +227,42 @@ def test_reliability_and_ece_golden():
 def test_records_stop_at_the_first_rejection():
     assert records_of_step([4, 5, 6], [0.9, 0.8, 0.7], [4, 9, 1], fold=1) == [Record(1, 0.9, True, 1), Record(2, 0.8, False, 1)]
     assert records_of_step([4, 5], [0.9, 0.8], [4], 0) == [Record(1, 0.9, True, 0)]  # censored: 5 was never settled
+
+
+# --- skipping the model ----------------------------------------------------------------------------
+
+
+def test_steps_the_model_skipped_are_fed_as_one(big):
+    """Two verified steps fed merged leave EAGLE-3 drafting what it drafts fed step by step."""
+    from test_hybrid import Spy
+
+    from specheads.verify.adaptive_proposers import merged_step
+    from specheads.verify.eagle3_proposers import Eagle3Proposer
+    from specheads.verify.loop import decode as run
+
+    model = kind_proposer("eagle3", big)
+    spy = Spy(Eagle3Proposer(model.head, big))
+    prompt = torch.tensor(stream(30, seed=7))
+    run(big, spy, prompt, 12, 3)
+    steps = [f[1:] for f in spy.fed[1:]]
+    one_by_one, merged = Eagle3Proposer(model.head, big), Eagle3Proposer(model.head, big)
+    for p in (one_by_one, merged):
+        p.start(*spy.fed[0][1:])
+    for inputs, following, out, start in steps[:3]:
+        one_by_one.accept(inputs, following, out, start)
+    inputs, following, out, start = merged_step(steps[:3])
+    assert start == steps[0][3] and inputs.tolist() == sum((s[0].tolist() for s in steps[:3]), [])
+    assert out.hidden[model.layers[0]].shape[1] == inputs.numel() == following.numel()
+    merged.accept(inputs, following, out, start)
+    assert merged.rows == one_by_one.rows and merged.propose(3).tolist() == one_by_one.propose(3).tolist()
+
+
+def test_a_free_draft_better_than_the_models_average_skips_the_model(big):
+    """Measured per-position acceptance 0.3: free drafts that beat that are verified without asking the
+    model (fed later in one step), and the output stays plain greedy's."""
+    low = Calibration(bins=[0.05] * 9 + [0.9], position_rates=[0.3])
+    prompt = torch.tensor(stream(40, seed=1))
+    adaptive = adaptive_proposer(kind_proposer("eagle3", big), low, CHEAP, 4, SuffixProposer())
+    res = decode(big, adaptive, prompt, 40, 4)
+    assert res.tokens == greedy_decode(big, prompt, 40).tokens
+    assert adaptive.counts["free"] > 0 and adaptive.model_steps < res.stats.decode_forwards

@@ -15,7 +15,10 @@ if the best length over the known S_1..S_j (later positions extrapolated at posi
 >= j, and (at j = 1) beats the free draft and a plain step. Whether the model drafts at all reads
 its first distribution and the free draft only, never a sampled token, so sampled drafts keep
 Leviathan's rule exact; drafters that cannot stop early draft k_max and the same rule cuts the
-chain afterwards (the same distribution, more draft work).
+chain afterwards (the same distribution, more draft work). When the free draft (or a plain step)
+beats the model's average rate (from its measured per-position acceptance, a function of the
+context only), the model is not asked; the verified steps it missed are fed to it as one step when
+it is next asked (one draft forward instead of several).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specheads.protocols import SampledProposer, StoppingProposer
+from specheads.target import TargetOutput
 from specheads.verify.calibration import Calibration, ConfidenceWarper
 from specheads.verify.hybrid_proposers import AcceptanceMeter, as_ids, check_chain, merged_layers
 from specheads.verify.sampling import point_mass
@@ -122,6 +126,22 @@ class LengthRule:
         return next((j - 1 for j in range(1, n + 1) if self(j)), n)
 
 
+def merged_step(pending: list[tuple]) -> tuple:
+    """Consecutive verified steps (inputs [n_i], following [n_i], out, start_i) as one step that fed
+    all their inputs at start_1.. (a proposer's `accept` takes any n; rows of out past n_i dropped)."""
+    ns = [inputs.numel() for inputs, *_ in pending]
+    outs = [out for _, _, out, _ in pending]
+
+    def cat(rows: list[torch.Tensor]) -> torch.Tensor:  # [1, n_i, ...] each -> [1, sum n_i, ...]
+        return torch.cat([r[:, :n] for r, n in zip(rows, ns)], dim=1)
+
+    out = TargetOutput(logits=cat([o.logits for o in outs]), hidden={i: cat([o.hidden[i] for o in outs]) for i in outs[0].hidden},
+                       final=None if outs[0].final is None else cat([o.final for o in outs]))
+    inputs = torch.cat([p[0].reshape(-1) for p in pending])
+    following = torch.cat([p[1].reshape(-1) for p in pending])
+    return inputs, following, out, pending[0][3]
+
+
 class AdaptiveProposer:
     """A chain proposer choosing, every step, which draft and how many of its tokens to verify
     (module docstring). `model` is ideally a `SampledProposer` (its confidences are read through
@@ -145,11 +165,30 @@ class AdaptiveProposer:
         self.lengths: Counter = Counter()
         self.levels = self.model_steps = 0
         self.free_draft: list[int] = []
+        self.pending: list[tuple] = []  # verified steps the model has not been fed yet (it was not asked)
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, out) -> None:
         self.model.start(prompt_ids, first_token, out)
         if self.free is not None:
             self.free.start(prompt_ids, first_token, out)
+        self.pending = []
+
+    def expected_model_rate(self, k: int) -> float:
+        """The rate of the model's best draft of <= k on average (the measured per-position acceptance;
+        without it, every position at the calibration's highest rate): a free draft (or a plain step) at
+        least as good is verified without asking the model."""
+        rates = self.calibration.position_rates or [self.calibration.ceiling()] * k
+        survival, s = [], 1.0
+        for j in range(k):
+            s *= min(max(rates[min(j, len(rates) - 1)], 0.0), 1.0)
+            survival.append(s)
+        return best_length(survival, self.costs, drafted=True)[1]
+
+    def feed_model(self) -> None:
+        """Feed the model the verified steps it skipped, as one step (one draft forward, not several)."""
+        if self.pending:
+            self.model.accept(*merged_step(self.pending))
+            self.pending = []
 
     def free_option(self, k: int) -> tuple[list[int], int, float]:
         """The free draft, its best length and that length's rate (a plain step's when none)."""
@@ -181,7 +220,10 @@ class AdaptiveProposer:
         """This step's verified draft [m], its q [m, V] (None: point masses) and its source."""
         k = min(k, self.k_max)
         free, n_free, rate_free = self.free_option(k)
-        tokens, q = self.model_draft(k, warper, gen, rate_free) if k else (torch.empty(0, dtype=torch.long), None)
+        tokens, q = torch.empty(0, dtype=torch.long), None
+        if k and rate_free < self.expected_model_rate(k):  # else the free draft (or a plain step) goes unasked
+            self.feed_model()
+            tokens, q = self.model_draft(k, warper, gen, rate_free)
         if tokens.numel():
             chosen = "model"
         elif n_free:
@@ -199,7 +241,8 @@ class AdaptiveProposer:
 
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out, start: int) -> None:
-        self.model.accept(inputs, following, out, start)
+        """The free proposer is fed at once; the model when it is next asked (`feed_model`)."""
+        self.pending.append((inputs, following, out, start))
         if self.free is not None:
             self.free.accept(inputs, following, out, start)
             self.meter.record(self.free_draft, as_ids(following))

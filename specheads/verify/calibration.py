@@ -67,6 +67,10 @@ class Calibration:
     def has_map(self) -> bool:
         return bool(self.bins)
 
+    def ceiling(self) -> float:
+        """The highest acceptance this calibration gives any position (what no draft can exceed)."""
+        return max([*self.bins, *self.position_rates], default=0.0)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
