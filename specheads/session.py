@@ -3,7 +3,9 @@ against the target under the one fingerprint policy, the draft shape (and its de
 chosen once; then decode (greedy or sampled, chain or tree), stream text through the one
 detokeniser (verify/text.py) and count (DecodeStats).
 
-`specheads generate`, `eval` (online and --offline), `serve` and bench/verifier.py start here.
+`specheads generate`, `eval` (online and --offline), `serve` and bench/verifier.py start here; a
+`mixing.Mixing` (`--hybrid`, `--adaptive`) combines the drafter with a free proposer kept for the
+session's life (suffix decoding's global cache spans requests).
 Fingerprint policy: a draft trained for another target is always refused; a specheads export
 that records no fingerprint is refused unless `allow_missing_fingerprint`
 (--allow-missing-fingerprint); another trainer's folder has none and is only warned about.

@@ -21,7 +21,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LLAMA_CPP_SPEC, SGLANG, VLLM
+from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LLAMA_CPP_MIXED, LLAMA_CPP_SPEC, SGLANG, VLLM
 from specheads.eval.predict import StepCosts, monotone
 from specheads.mixing import Mixing, mix_free
 from specheads.progress import Progress
@@ -169,9 +169,10 @@ def engine_advice(metrics: dict, kind: str, fmt: str) -> dict:
         out[engine] = {"engine": VLLM if engine == "vllm" else SGLANG, "use": row if use_free else "drafter",
                        "flags": flags if use_free else None, "predicted_speedup": free if use_free else drafter,
                        "drafter_predicted": drafter, f"{row}_predicted": free}
-    draft_type = LLAMA_CPP_SPEC.get((kind, fmt))
+    draft_type, draftless = LLAMA_CPP_SPEC.get((kind, fmt)), "{" + "|".join(LLAMA_CPP_DRAFTLESS) + "}"
     out["llama.cpp"] = {"engine": LLAMA_CPP.name, "use": "draftless + draft" if draft_type else "draftless",
-                        "flags": f"--spec-type {{{'|'.join(LLAMA_CPP_DRAFTLESS)}}}" + (f",{draft_type}" if draft_type else ""),
+                        "flags": LLAMA_CPP_MIXED.format(draftless=draftless, draft=draft_type) if draft_type
+                        else f"--spec-type {draftless}",
                         "note": "llama.cpp mixes a draftless type with the draft model in one `--spec-type` comma "
                                 "list (the draftless one first); not predicted here"}
     ours = {"drafter": drafter, **{m: metrics[m]["predicted_speedup"] for m in MIXES if metrics.get(m)}}
