@@ -1,21 +1,29 @@
-"""Hybrid benchmark: plain, EAGLE-3, prompt lookup, suffix decoding and the hybrids of EAGLE-3 with
-them (choose and union modes) on the same prompts, greedy, side by side in one run.
+"""Hybrid benchmark: plain, EAGLE-3, prompt lookup, suffix decoding, the hybrids of EAGLE-3 with them
+(choose and union modes) and adaptive draft length, greedy, side by side in one run, each with its
+measured and its predicted speed-up.
 
     python bench/hybrid.py --target RUN/target --draft RUN/export/vllm \
         --prompts RUN/data/heldout_prompts.jsonl --out DIR [--k 3] [--limit N] [--max-new-tokens N]
 
-Every output is checked equal to plain greedy decoding; counts and seconds are summed over prompts
-before any ratio (bench/verifier.py's tallies). The suffix proposers keep one global cache per
-method across the prompts, as a server's (and the eval's) would; warm-up decodes use throwaway
-proposers so no prompt's output is cached before it is timed. Writes DIR/hybrid.json, DIR/hybrid.md.
+First an untimed pass over the prompts, the eval's own first pass (`eval.online.evaluate_rows`): the
+calibration records of the drafter's confidence and the decodes that correct the micro-timed step
+costs (`eval.mixes.in_situ_costs`). Then the timed pass, methods interleaved per prompt; the adaptive
+rows of a prompt use the calibration fitted on the other fold of prompts. Every output is checked equal
+to plain greedy decoding; counts and seconds are summed over prompts before any ratio (bench/verifier.py's
+tallies). A row's prediction is its measured step mix priced by the first pass's costs
+(`eval.mixes.row_speedup`). The suffix proposers keep one global cache per method across the prompts,
+as a server's (and the eval's) would; warm-up decodes use throwaway proposers so no prompt's output is
+cached before it is timed. Writes DIR/hybrid.json, DIR/hybrid.md (with `--note`: how the run was made).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,12 +34,17 @@ from verifier import Method, encode_rows, method_row, plain_method, run_bench  #
 
 from specheads.atomic import write_json, write_text  # noqa: E402
 from specheads.data.prompts import read_prompts  # noqa: E402
+from specheads.eval.mixes import free_step_seconds, in_situ_costs, row_speedup  # noqa: E402
+from specheads.eval.online import evaluate_rows  # noqa: E402
+from specheads.eval.predict import StepCosts, prediction_metrics  # noqa: E402
 from specheads.session import Session, eos_ids  # noqa: E402
+from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer  # noqa: E402
+from specheads.verify.calibration import Calibration, cross_fitted  # noqa: E402
 from specheads.verify.hybrid_proposers import hybrid_proposer  # noqa: E402
 from specheads.verify.loop import decode  # noqa: E402
 from specheads.verify.ngram_proposers import NgramProposer  # noqa: E402
 from specheads.verify.registry import make_proposer  # noqa: E402
-from specheads.verify.settings import make_tree_spec  # noqa: E402
+from specheads.verify.settings import TreeSpec, make_tree_spec  # noqa: E402
 from specheads.verify.suffix_proposers import SuffixProposer  # noqa: E402
 
 HYBRIDS = (  # name, mode, free proposer, choose rule
@@ -40,6 +53,10 @@ HYBRIDS = (  # name, mode, free proposer, choose rule
     ("hybrid-choose eagle3+ngram (measured)", "choose", "ngram", "measured"),
     ("hybrid-union eagle3+suffix", "union", "suffix", "arctic"),
     ("hybrid-union eagle3+ngram", "union", "ngram", "arctic"),
+)
+ADAPTIVE = (  # name, free proposer (None: the drafter's length only)
+    ("adaptive eagle3+suffix", "suffix"),
+    ("adaptive eagle3", None),
 )
 
 
@@ -60,15 +77,29 @@ def chain_method(name: str, target, make, k: int, settings: dict) -> Method:
     return Method(name, {"k": k, "nodes": k + 1, **settings}, run)
 
 
-def hybrid_method(name: str, mode: str, free: str, rule: str, target, head, k: int,
-                  chosen: Counter) -> Method:
-    """EAGLE-3 + a free proposer; `chosen` sums the hybrids' per-step counts over the decodes."""
+@dataclass
+class Mix:
+    """A hybrid method's per-step mix, summed over its decodes (what its prediction prices)."""
+
+    chosen: Counter = field(default_factory=Counter)
+    levels: int = 0
+    model_steps: int = 0
+
+    def add(self, proposer) -> None:
+        summary = proposer.summary()
+        self.chosen.update(summary["steps"])
+        self.levels += summary["levels"]
+        self.model_steps += summary["model_steps"]
+
+
+def hybrid_method(name: str, mode: str, free: str, rule: str, target, head, k: int, mix: Mix) -> Method:
+    """EAGLE-3 + a free proposer; `mix` sums the hybrids' per-step counts over the decodes."""
     spec, make_free = make_tree_spec("chain", k=k), free_factory(free)
 
     def run(ids, max_new_tokens, eos):
         hybrid = hybrid_proposer(make_proposer(spec, head, target), make_free(), mode, k, rule)
         result = decode(target, hybrid, ids, max_new_tokens, k, eos)
-        chosen.update(hybrid.summary()["steps"])
+        mix.add(hybrid)
         return result
 
     nodes = k + 1 if mode == "choose" else 2 * k + 1
@@ -76,8 +107,33 @@ def hybrid_method(name: str, mode: str, free: str, rule: str, target, head, k: i
                          "nodes": nodes}, run)
 
 
-def build_methods(target, head, k: int) -> tuple[list[Method], dict[str, Counter]]:
-    """plain first (the reference), then EAGLE-3, n-gram, suffix and the hybrids."""
+@dataclass
+class Adaptive:
+    """What the adaptive rows need: the calibration per fold of prompts, the step costs, k_max."""
+
+    calibrations: dict[int, Calibration]
+    costs: LengthCosts
+    k_max: int
+    folds: dict[tuple[int, ...], int]  # prompt ids -> its fold
+
+
+def adaptive_method(name: str, free: str | None, target, head, adaptive: Adaptive, mix: Mix) -> Method:
+    """EAGLE-3 (sampled variant: its confidences) with adaptive draft length, beside a free draft or not."""
+    spec, make_free = make_tree_spec("chain", k=adaptive.k_max), free_factory(free) if free else (lambda: None)
+
+    def run(ids, max_new_tokens, eos):
+        calibration = adaptive.calibrations[adaptive.folds.get(tuple(ids), 0)]
+        proposer = adaptive_proposer(make_proposer(spec, head, target, sampled=True), calibration, adaptive.costs,
+                                     adaptive.k_max, make_free())
+        result = decode(target, proposer, ids, max_new_tokens, adaptive.k_max, eos)
+        mix.add(proposer)
+        return result
+
+    return Method(name, {"kind": "adaptive", "free": free, "k_max": adaptive.k_max, "nodes": adaptive.k_max + 1}, run)
+
+
+def build_methods(target, head, k: int, adaptive: Adaptive) -> tuple[list[Method], dict[str, Mix]]:
+    """plain first (the reference), then EAGLE-3, n-gram, suffix, the hybrids and the adaptive rows."""
     spec = make_tree_spec("chain", k=k)
     suffix = free_factory("suffix")
     methods = [plain_method(target),
@@ -85,55 +141,120 @@ def build_methods(target, head, k: int) -> tuple[list[Method], dict[str, Counter
                             {"kind": "eagle3"}),
                chain_method(f"ngram k={k}", target, free_factory("ngram"), k, {"kind": "ngram"}),
                chain_method(f"suffix k={k}", target, suffix, k, {"kind": "suffix"})]
-    counts = {name: Counter() for name, *_ in HYBRIDS}
-    methods += [hybrid_method(name, mode, free, rule, target, head, k, counts[name])
+    mixes = {name: Mix() for name in [*(h[0] for h in HYBRIDS), *(a[0] for a in ADAPTIVE)]}
+    methods += [hybrid_method(name, mode, free, rule, target, head, k, mixes[name])
                 for name, mode, free, rule in HYBRIDS]
-    return methods, counts
+    methods += [adaptive_method(name, free, target, head, adaptive, mixes[name]) for name, free in ADAPTIVE]
+    return methods, mixes
 
 
-def warm_up(target, head, k: int, ids: list[int], max_new_tokens: int) -> None:
+def warm_up(target, head, k: int, adaptive: Adaptive, ids: list[int], max_new_tokens: int) -> None:
     """Untimed decodes with throwaway methods: kernels and allocator settle, no cache is fed."""
     eos = eos_ids(target)
-    for method in build_methods(target, head, k)[0]:
+    for method in build_methods(target, head, k, adaptive)[0]:
         method.run(ids, min(16, max_new_tokens), eos)
+
+
+def first_pass(session: Session, rows, max_new_tokens: int, prompts) -> tuple[StepCosts, Adaptive, dict]:
+    """The eval's first pass (untimed here): calibration records, step costs corrected in situ,
+    the free proposers' measured seconds per step."""
+    totals, _ = evaluate_rows(session, rows, max_new_tokens)
+    cond = totals.draft.summary()["acceptance_per_position_conditional"]
+    observed = (totals.plain, totals.draft, *totals.free.values())
+    pred = prediction_metrics(session.target, session.head, [ids for _, ids in prompts], cond, k_max=8,
+                              correct=lambda costs: in_situ_costs(costs, *observed))["prediction"]
+    costs = StepCosts.from_dict(pred["costs"])
+    k_max = max(session.k, pred["best_chain_k"])
+    calibrations = cross_fitted(totals.records, cond) if totals.records else {0: Calibration(position_rates=cond)}
+    folds = {tuple(t.ids): t.fold for t in totals.turns}
+    calibrations = {f: calibrations.get(f, Calibration(position_rates=cond)) for f in (0, 1)}
+    adaptive = Adaptive(calibrations, LengthCosts.from_step_costs(costs, k_max), k_max, folds)
+    free_s = {name: free_step_seconds(stats) for name, stats in totals.free.items()}
+    return costs, adaptive, {"free_step_s": free_s, "records": len(totals.records), "k_max": k_max,
+                             "costs": pred["costs"], "costs_micro": pred["costs_micro"]}
+
+
+def predicted(row: dict, tally, costs: StepCosts, mix: Mix | None, free_s: dict) -> float:
+    """A row's predicted speed-up: its measured step mix priced by the first pass's costs."""
+    kind = row["settings"].get("kind")
+    if kind == "eagle3":
+        return row_speedup(costs, tally.stats, tally.stats.proposed_tokens, tally.stats.drafts)
+    if kind in ("ngram", "suffix"):
+        return row_speedup(costs, tally.stats, free_step_s=free_s.get(kind, 0.0))
+    if mix is None:  # plain
+        return row_speedup(costs, tally.stats)
+    free = row["settings"].get("free")
+    return row_speedup(costs, tally.stats, mix.levels, mix.model_steps, free_s.get(free, 0.0) if free else 0.0)
 
 
 def markdown(report: dict) -> str:
     st = report["settings"]
     lines = ["# Hybrid benchmark", "",
              f"target `{st['target']}`, draft `{st['draft']}`, {st['num_prompts']} prompts, max "
-             f"{st['max_new_tokens']} new tokens, k={st['k']}, {st['device']} {st['dtype']}, "
-             f"{st['threads']} threads, batch 1, greedy.", "",
-             "| method | tau | tok/s | speed-up | greedy equal | steps per draft |",
-             "|---|---:|---:|---:|:---:|---|"]
+             f"{st['max_new_tokens']} new tokens, k={st['k']} (adaptive k_max={st.get('k_max')}), {st['device']} "
+             f"{st['dtype']}, {st['threads']} threads, batch 1, greedy; load average {st.get('load')}.", "",
+             "| method | tau | tok/s | measured speed-up | predicted | predicted / measured | greedy equal | steps per draft |",
+             "|---|---:|---:|---:|---:|---:|:---:|---|"]
     for r in report["methods"]:
         chosen = ", ".join(f"{n} {c}" for n, c in sorted(r.get("chosen", {}).items()))
+        ratio = r["predicted_speedup"] / r["speedup"] if r["speedup"] else float("nan")
         lines.append(f"| {r['method']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{'yes' if r['greedy_equal'] else 'NO'} | {chosen} |")
+                     f"{r['predicted_speedup']:.2f}x | {ratio:.2f} | {'yes' if r['greedy_equal'] else 'NO'} | {chosen} |")
+    summary = report.get("summary")
+    if summary:
+        lines += ["", f"Best hybrid (measured) {summary['best_hybrid']} at {summary['best_hybrid_speedup']:.2f}x = "
+                      f"{summary['vs_best_single']:.2f}x the better of EAGLE-3 and n-gram alone "
+                      f"({summary['best_single']} {summary['best_single_speedup']:.2f}x); suffix alone "
+                      f"{summary['suffix_speedup']:.2f}x. Largest |predicted / measured - 1|: "
+                      f"{summary['worst_prediction_error']:.0%} ({summary['worst_prediction']})."]
+    if st.get("note"):
+        lines += ["", st["note"]]
     return "\n".join(lines) + "\n"
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The issue's two checks: the best hybrid vs the better of EAGLE-3 and n-gram, prediction errors."""
+    by_kind = {r["settings"].get("kind"): r for r in rows if r["settings"].get("kind") in ("eagle3", "ngram", "suffix")}
+    single = max((by_kind[k] for k in ("eagle3", "ngram") if k in by_kind), key=lambda r: r["speedup"])
+    hybrids = [r for r in rows if r["settings"].get("kind") in ("hybrid", "adaptive")]
+    best = max(hybrids, key=lambda r: r["speedup"])
+    errors = {r["method"]: abs(r["predicted_speedup"] / r["speedup"] - 1) for r in rows if r["speedup"]}
+    worst = max(errors, key=errors.get)
+    return {"best_hybrid": best["method"], "best_hybrid_speedup": best["speedup"], "best_single": single["method"],
+            "best_single_speedup": single["speedup"], "vs_best_single": best["speedup"] / single["speedup"],
+            "suffix_speedup": by_kind["suffix"]["speedup"] if "suffix" in by_kind else float("nan"),
+            "prediction_errors": errors, "worst_prediction": worst, "worst_prediction_error": errors[worst]}
 
 
 def bench(target_path: str, draft_dir: str, prompts_file: str, out_dir: str, k: int = 3,
           limit: int | None = 16, max_new_tokens: int = 64, device: str = "cpu",
-          dtype: str | None = None) -> dict:
-    """Run every method on the prompts; write OUT/hybrid.json and OUT/hybrid.md."""
-    session = Session.open(target_path, draft_dir, device=device, dtype=dtype)
+          dtype: str | None = None, note: str = "") -> dict:
+    """The first pass, then every method on the prompts; write OUT/hybrid.json and OUT/hybrid.md."""
+    session = Session.open(target_path, draft_dir, TreeSpec("chain"), k, device=device, dtype=dtype)
     target, head = session.target, session.head
-    prompts = encode_rows(target, read_prompts(prompts_file, limit))
-    warm_up(target, head, k, prompts[0][1], max_new_tokens)
-    methods, counts = build_methods(target, head, k)
+    rows = read_prompts(prompts_file, limit)
+    prompts = encode_rows(target, rows)
+    session.warm_up()
     t0 = time.perf_counter()
+    costs, adaptive, first = first_pass(session, rows, max_new_tokens, prompts)
+    warm_up(target, head, k, adaptive, prompts[0][1], max_new_tokens)
+    methods, mixes = build_methods(target, head, k, adaptive)
     tallies = run_bench(target, methods, prompts, max_new_tokens, warmup=0)
-    rows = [method_row(m, t, tallies[0]) for m, t in zip(methods, tallies)]
-    for row in rows:
-        if row["method"] in counts:
-            row["chosen"] = dict(counts[row["method"]])
+    out = []
+    for method, tally in zip(methods, tallies):
+        row = method_row(method, tally, tallies[0])
+        mix = mixes.get(method.name)
+        if mix is not None:
+            row.update(chosen=dict(mix.chosen), model_levels=mix.levels, model_steps=mix.model_steps)
+        row["predicted_speedup"] = predicted(row, tally, costs, mix, first["free_step_s"])
+        out.append(row)
     report = {"settings": {"target": str(target_path), "draft": str(draft_dir), "prompts": str(prompts_file),
                            "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k,
-                           "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-                           "threads": torch.get_num_threads(), "batch_size": 1},
-              "methods": rows, "bench_wall_s": time.perf_counter() - t0}
-    report["greedy_equal"] = all(r["greedy_equal"] for r in rows)
+                           "k_max": adaptive.k_max, "device": str(target.device),
+                           "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                           "batch_size": 1, "load": [round(x, 2) for x in os.getloadavg()], "note": note},
+              "first_pass": first, "methods": out, "summary": summarize(out), "bench_wall_s": time.perf_counter() - t0}
+    report["greedy_equal"] = all(r["greedy_equal"] for r in out)
     write_json(Path(out_dir) / "hybrid.json", report)
     write_text(Path(out_dir) / "hybrid.md", markdown(report))
     return report
@@ -151,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--note", default="", help="how the run was made (written under the table)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    report = bench(a.target, a.draft, a.prompts, a.out, a.k, a.limit, a.max_new_tokens, a.device, a.dtype)
+    report = bench(a.target, a.draft, a.prompts, a.out, a.k, a.limit, a.max_new_tokens, a.device, a.dtype, a.note)
     print(markdown(report), end="")
     return 0 if report["greedy_equal"] else 1
 

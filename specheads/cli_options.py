@@ -1,12 +1,13 @@
 """Command-line options shared by `specheads generate`, `eval` and `serve` (and bench/verifier.py):
 the draft tree flags and the sampling flags, parsed into verify.settings' TreeSpec and Sampling,
-and the fingerprint policy's override.
+the fingerprint policy's override, and --hybrid / --adaptive (specheads/mixing.py).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from specheads.mixing import resolve_mixing
 from specheads.verify.settings import Sampling, SettingsError, TreeSpec, check_acceptance, make_tree_spec
 
 
@@ -60,3 +61,25 @@ def add_fingerprint_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-missing-fingerprint", action="store_true",
                    help="use a specheads export that records no target fingerprint (refused by "
                         "default); a draft whose fingerprint names another target is always refused")
+
+
+HYBRID_HELP = ("combine the drafter with a free proposer (suffix decoding; prompt lookup when arctic-inference is "
+               "absent, said at start): choose = per step the draft expected to accept more, union = both in one "
+               "verified tree, off = the drafter alone. auto (default): the setting EXPORT/eval/metrics.json "
+               "(`specheads eval --attach`) predicts fastest of the drafter alone, hybrid choose, union and "
+               "adaptive, so a hybrid whenever it predicts one faster than the drafter alone; without that file "
+               "the drafter alone")
+
+
+def add_mixing_arguments(p: argparse.ArgumentParser) -> None:
+    """--hybrid / --adaptive, shared by generate, serve and regenerate --draft (specheads/mixing.py)."""
+    p.add_argument("--hybrid", choices=["auto", "choose", "union", "off"], default="auto", help=HYBRID_HELP)
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="adaptive draft length: per step the draft (drafter, or the free one with --hybrid choose) "
+                        "and its length 0..k_max with the most expected tokens per measured cost, from the "
+                        "calibration and step costs in EXPORT/eval/metrics.json (default: as --hybrid auto decides)")
+
+
+def mixing_from_args(a: argparse.Namespace, draft_dir, spec: TreeSpec | None = None):
+    """The parsed --hybrid / --adaptive -> a checked Mixing for the drafter at `draft_dir`."""
+    return resolve_mixing(a.hybrid, a.adaptive, draft_dir, spec is None or spec.kind == "chain")

@@ -22,7 +22,7 @@ from specheads.data.regenerate_turns import regenerate_local
 from specheads.eval.offline import check_parity
 from specheads.eval.online import evaluate
 from specheads.eval.predict import advice_summary
-from specheads.eval.report import FREE_NAMES
+from specheads.eval.report import FREE_NAMES, MIX_NAMES, advice_line
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint
 from specheads.target import Target
@@ -159,6 +159,7 @@ def print_summary(summary: dict) -> None:
                 "greedy equal"):
         table.add_column(col)
     rows = [("EAGLE-3 (from the vLLM export)", spec)] + [(label, m[key]) for key, label in FREE_NAMES.items() if key in m]
+    rows += [(label.format(free=m[key]["free"]), m[key]) for key, label in MIX_NAMES.items() if m.get(key)]
     for name, r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         table.add_row(name, f"{r['tau']:.3f}", acc, f"{r.get('predicted_speedup', float('nan')):.2f}x",
@@ -182,6 +183,8 @@ def print_summary(summary: dict) -> None:
     adv = m.get("advice")
     if adv:
         console.print(f"recommended: {advice_summary(adv)}", soft_wrap=True, markup=False, highlight=False)
+        if adv.get("engines"):
+            console.print(f"best per engine: {advice_line(adv['engines'])}", soft_wrap=True, markup=False, highlight=False)
     console.print("timings (s): " + json.dumps(summary["timings"]))
     for fmt, folder in summary["exports"].items():
         for cmd in serve_commands(Path(folder)):
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                        a.preset, a.module_limit, a.regenerate)
     print_summary(summary)
     m = summary["metrics"]
-    if not (m.get("greedy_equal") and all(m[key].get("greedy_equal") for key in FREE_NAMES if key in m)):
+    rows = [key for key in [*FREE_NAMES, *MIX_NAMES] if m.get(key)]
+    if not (m.get("greedy_equal") and all(m[key].get("greedy_equal") for key in rows)):
         print("ERROR: speculative output differs from plain greedy decoding (see eval/metrics.json)")
         return 1
     return 0

@@ -251,6 +251,14 @@ ENGINE_UNUSED = {("vllm", "dflash"): (r"(^|\.)mask_embedding$",),  # only with a
 VLLM_SUFFIX_DEFAULTS = {"max_tree_depth": 24, "max_cached_requests": 10000, "max_spec_factor": 1.0,
                         "min_token_prob": 0.1}
 
+# the draftless method each engine serves in place of a drafter, as (our eval row that stands for it, the
+# engine's flags): vLLM 0.33 and SGLang 0.5.23 run one speculative method per server (no hybrid of a
+# drafter with a draftless method), so eval's advice names whichever of the two predicts faster
+DRAFTLESS = {"vllm": ("suffix", """--speculative-config '{"method": "suffix"}'"""),
+             "sglang": ("ngram", "--speculative-algorithm NGRAM")}
+# llama.cpp mixes them: `--spec-type` takes a comma list, a draftless type (LLAMA_CPP_DRAFTLESS) first
+LLAMA_CPP_MIXED = "--spec-type {draftless},{draft}"
+
 # vLLM's speculative-decoding counters (SpecDecodingProm; Prometheus adds `_total`), docs/engines.md §2.8
 VLLM_SPEC_METRICS = {
     "drafts": "vllm:spec_decode_num_drafts",

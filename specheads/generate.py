@@ -27,14 +27,17 @@ from pathlib import Path
 
 from specheads.cli_options import (
     add_fingerprint_argument,
+    add_mixing_arguments,
     add_sampling_arguments,
     add_tree_arguments,
+    mixing_from_args,
     sampling_from_args,
     spec_from_args,
 )
 from specheads.data.messages import FieldError, check_text
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text, user_turn
 from specheads.metrics import broken_draft_warning
+from specheads.mixing import Mixing
 from specheads.session import Session
 from specheads.target import resolve_device
 from specheads.verify.sampling import check_warp
@@ -131,13 +134,16 @@ def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling
 def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
                  max_new_tokens: int = 128, chat: bool = True, device: str = "auto",
                  dtype: str | None = None, out=None, err=None,
-                 sampling: Sampling = Sampling(), allow_missing_fingerprint: bool = False) -> dict:
+                 sampling: Sampling = Sampling(), allow_missing_fingerprint: bool = False,
+                 mixing: Mixing = Mixing()) -> dict:
     """Stream the speculative decode of `prompt` to `out`, then compare it with plain decoding
     (greedy: token for token; sampled: speed only)."""
     out, err = out or sys.stdout, err or sys.stderr
     check_inputs(draft_dir, prompt, max_new_tokens, sampling, device)
     session = Session.open(target_path, draft_dir, spec, device=device, dtype=dtype,
-                           allow_missing_fingerprint=allow_missing_fingerprint)
+                           allow_missing_fingerprint=allow_missing_fingerprint, mixing=mixing)
+    print(f"speculation: {session.mixing.label()} ({session.mixing.reason})"
+          + (f"; {session.free_note}" if session.free_note else ""), file=err)
     ids = encode_prompt(session.target.tokenizer, prompt, chat)
     session.warm_up()
     decoded = session.decode(ids, max_new_tokens, sampling, TextStream(session.target.tokenizer, writer(out)))
@@ -148,7 +154,8 @@ def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
     equal = result.tokens == plain.tokens if sampling.greedy else None
     for line in report_lines(session.spec, result, plain, equal, stream_s, sampling):
         print(line, file=err)
-    return {"tree": session.spec.describe(), "tokens": result.tokens, "plain_tokens": plain.tokens,
+    return {"tree": session.spec.describe(), "mixing": session.mixing.label(), "tokens": result.tokens,
+            "plain_tokens": plain.tokens,
             "greedy_equal": equal, "sampling": sampling.describe(), "lossless": sampling.lossless,
             "acceptance": sampling.acceptance, "summary": result.stats.summary(),
             "tokens_per_s": rate(result.stats, stream_s), "plain_tokens_per_s": rate(plain.stats)}
@@ -167,14 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render the prompt with the chat template (default) or feed it raw")
     add_sampling_arguments(p)
+    add_mixing_arguments(p)
     add_fingerprint_argument(p)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on a GPU, float32 on a CPU")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    r = run_generate(a.target, a.draft, a.prompt, spec_from_args(a), a.max_new_tokens, a.chat,
+    spec = spec_from_args(a)
+    r = run_generate(a.target, a.draft, a.prompt, spec, a.max_new_tokens, a.chat,
                      a.device, a.dtype, sampling=sampling_from_args(a),
-                     allow_missing_fingerprint=a.allow_missing_fingerprint)
+                     allow_missing_fingerprint=a.allow_missing_fingerprint, mixing=mixing_from_args(a, a.draft, spec))
     print(f"done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 1 if r["greedy_equal"] is False else 0

@@ -149,6 +149,15 @@ class SampledProposer(Protocol):
     def propose_sampled(self, k: int, warper: Any, gen: Any) -> tuple[Any, Any]: ...  # [n], q [n, V]
 
 
+@runtime_checkable
+class StoppingProposer(Protocol):
+    """Optional: sampled chain proposers that can end a draft early (adaptive draft length):
+    `stop(j)` is asked once the warper has seen position j's distribution and before d_j is drawn;
+    True ends the draft at j - 1 tokens (a rule reading only the past keeps Leviathan's rule exact)."""
+
+    def propose_until(self, k: int, warper: Any, gen: Any, stop: Any) -> tuple[Any, Any]: ...  # [n], q [n, V]
+
+
 class ProposerModule(Protocol):
     """A kind's proposer module: builds the proposer a draft shape (chain or tree) needs."""
 

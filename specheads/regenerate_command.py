@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from specheads.cli_options import add_fingerprint_argument
+from specheads.cli_options import add_fingerprint_argument, add_mixing_arguments, mixing_from_args
 from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, one_by_one
@@ -46,6 +46,7 @@ def check_options(a: argparse.Namespace) -> None:
                               "`specheads export` for this target")
     if Path(a.out).is_dir():
         raise RegenerateError(f"--out '{a.out}' is a folder: pass a file path for the JSON lines")
+    mixing_from_args(a, a.draft)  # --hybrid / --adaptive checked before a target loads
 
 
 def make_backend(a: argparse.Namespace, opts: RegenOptions):
@@ -67,7 +68,10 @@ def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBacke
     target = Target.load(a.target, dtype=a.dtype, device=a.device)
     draft = load_draft(a.draft, target, a.allow_missing_fingerprint)
     # a turn ends at the tokenizer's eos only, as in the batched path (generate's eos_token_id)
-    session = Session(target, draft, TreeSpec("chain"), eos=[target.tokenizer.eos_token_id])
+    session = Session(target, draft, TreeSpec("chain"), eos=[target.tokenizer.eos_token_id],
+                      mixing=mixing_from_args(a, a.draft))
+    print(f"[specheads] regenerate: speculation: {session.mixing.label()} ({session.mixing.reason})"
+          + (f"; {session.free_note}" if session.free_note else ""), file=sys.stderr, flush=True)
     sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
 
     def decode(ids: list[int], max_new_tokens: int) -> list[int]:
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="an export folder of the target's drafter: decode speculatively, one prompt at a "
                         "time (greedy: the same answers as plain decoding; sampled: the same distribution)")
     add_fingerprint_argument(g)
+    add_mixing_arguments(g)
     s = p.add_argument_group("sampling and content")
     s.add_argument("--max-new-tokens", type=int, default=512)
     s.add_argument("--temperature", type=float, default=0.0)

@@ -3,7 +3,9 @@ against the target under the one fingerprint policy, the draft shape (and its de
 chosen once; then decode (greedy or sampled, chain or tree), stream text through the one
 detokeniser (verify/text.py) and count (DecodeStats).
 
-`specheads generate`, `eval` (online and --offline), `serve` and bench/verifier.py start here.
+`specheads generate`, `eval` (online and --offline), `serve` and bench/verifier.py start here; a
+`mixing.Mixing` (`--hybrid`, `--adaptive`) combines the drafter with a free proposer kept for the
+session's life (suffix decoding's global cache spans requests).
 Fingerprint policy: a draft trained for another target is always refused; a specheads export
 that records no fingerprint is refused unless `allow_missing_fingerprint`
 (--allow-missing-fingerprint); another trainer's folder has none and is only warned about.
@@ -18,6 +20,7 @@ import torch
 
 from specheads.export import load_with_meta
 from specheads.export.load import ExportMeta
+from specheads.mixing import Mixing, mix_free
 from specheads.target import Target
 from specheads.verify.loop import decode
 from specheads.verify.ngram_proposers import NO_DRAFT
@@ -98,34 +101,47 @@ class Session:
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: TreeSpec = TreeSpec("chain"),
-                 k: int | None = None, eos: list[int] | None = None):
+                 k: int | None = None, eos: list[int] | None = None, mixing: Mixing = Mixing()):
         self.target, self.draft = target, draft
         self.eos = eos_ids(target) if eos is None else list(eos)
+        self.mixing, self.free, self.free_note = (mixing if draft is not None else Mixing(reason="no drafter")), None, None
         if draft is None:
             self.spec, self.k = TreeSpec("chain", k=1), None
             return
         self.k = k or spec.k or draft.k
         self.spec = TreeSpec("chain", k=self.k) if spec.kind == "chain" else spec
         check_tree_fits(self.spec, target)
+        if self.mixing.active:  # one free proposer for the session: suffix decoding's global cache spans requests
+            _, make_free, self.free_note = mix_free()
+            self.free = make_free()
 
     @classmethod
     def open(cls, target_path: str, draft_dir: str | Path | None, spec: TreeSpec = TreeSpec("chain"),
              k: int | None = None, device: str = "auto", dtype: str | None = None,
-             allow_missing_fingerprint: bool = False) -> Session:
+             allow_missing_fingerprint: bool = False, mixing: Mixing = Mixing()) -> Session:
         """Load the target (`dtype` None: bfloat16 on a GPU, float32 elsewhere) and the draft once."""
         target = Target.load(target_path, dtype=dtype, device=device)
         draft = load_draft(draft_dir, target, allow_missing_fingerprint) if draft_dir else None
-        return cls(target, draft, spec, k)
+        return cls(target, draft, spec, k, mixing=mixing)
 
     @property
     def head(self):
         return None if self.draft is None else self.draft.head
 
     def proposer(self, sampled: bool = False, spec: TreeSpec | None = None):
-        """A fresh proposer of the draft for `spec` (default: the session's), or NO_DRAFT."""
+        """A fresh proposer of the draft for `spec` (the drafter alone), or for the session's spec
+        combined with the free proposer as `mixing` says; NO_DRAFT without a draft."""
         if self.draft is None:
             return NO_DRAFT
-        return make_proposer(spec or self.spec, self.draft.head, self.target, sampled)
+        if spec is not None or not self.mixing.active:
+            return make_proposer(spec or self.spec, self.draft.head, self.target, sampled)
+        model = make_proposer(self.spec, self.draft.head, self.target, sampled or self.mixing.adaptive)
+        return self.mixing.proposer(model, self.free, self.k, self.target.vocab_size if sampled else None)
+
+    @property
+    def loop_spec(self) -> TreeSpec:
+        """The draft shape the decode loop runs (adaptive draft length: chains of up to k_max)."""
+        return TreeSpec("chain", k=self.mixing.k_max) if self.mixing.adaptive else self.spec
 
     def decode(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
                stream: TextStream | None = None) -> Decoded:
@@ -134,10 +150,10 @@ class Session:
         proposer = self.proposer(not sampling.greedy)
         if stream is None:
             with torch.no_grad():
-                return Decoded(run(self.spec, self.target, proposer, ids, max_new_tokens, self.eos, sampling))
+                return Decoded(run(self.loop_spec, self.target, proposer, ids, max_new_tokens, self.eos, sampling))
         streaming = StreamingProposer(proposer, stream)
         with torch.no_grad():
-            result = run(self.spec, self.target, streaming, ids, max_new_tokens, self.eos, sampling)
+            result = run(self.loop_spec, self.target, streaming, ids, max_new_tokens, self.eos, sampling)
         stream_s = streaming.seconds  # inside the timed decode
         streaming.finish(result.tokens)
         return Decoded(result, stream_s)

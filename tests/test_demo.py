@@ -27,4 +27,8 @@ def test_demo_pipeline_smoke(tmp_path):
     metrics = json.loads((run / "eval" / "metrics.json").read_text())
     assert metrics["greedy_equal"] is True
     assert "n-gram" in proc.stdout and "vllm serve" in proc.stdout and "sglang" in proc.stdout
+    shown = {"hybrid": "hybrid choose", "union": "union (drafter", "adaptive": "adaptive draft length"}
+    for key, label in shown.items():  # the hybrid rows of the table, with measured and predicted speed-up
+        assert label in proc.stdout and metrics[key]["greedy_equal"] is True and metrics[key]["predicted_speedup"] > 0
+    assert "best per engine:" in proc.stdout
     assert len((run / "eval" / "outputs.jsonl").read_text().splitlines()) >= 3

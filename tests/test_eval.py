@@ -55,6 +55,25 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
     assert m["plain"]["tokens"] == d["new_tokens"] and m["plain"]["wall_s"] > 0
     assert m["provenance"]["fingerprint_checked"] is True
     assert m["provenance"]["target"]["vocab_size"] == 512
+    # calibration: a record per draft position reached, but in each turn's last step (no accept follows it)
+    cal = m["calibration"]
+    assert cal["accepted"] <= d["num_accepted_tokens"] and d["num_drafts"] - m["num_turns"] <= cal["records"]
+    assert sum(r["count"] for r in cal["reliability_raw"]) == cal["records"] == sum(cal["map"]["counts"])
+    assert 0 <= cal["ece_raw"] <= 1 and cal["map"]["bins"] == sorted(cal["map"]["bins"])
+    # the drafter with suffix decoding: choose, union, adaptive; each lossless, measured and predicted
+    for name in ("hybrid", "union", "adaptive"):
+        r = m[name]
+        assert r["greedy_equal"] is True and r["free"] == "suffix" and r["free_note"] is None, name
+        assert r["tau"] >= 1.0 and r["measured_speedup"] > 0 and r["predicted_speedup"] > 0, name
+        assert r["tokens"] == d["tokens"] and sum(r["steps_per_draft"].values()) <= r["target_forwards"], name
+    assert m["suffix"]["predicted_speedup_model"] == "measured step mix priced by measured step costs"
+    engines = m["advice"]["engines"]
+    assert engines["vllm"]["use"] in ("suffix", "drafter") and engines["sglang"]["use"] in ("ngram", "drafter")
+    assert engines["llama.cpp"]["flags"].endswith(",draft-eagle3") and engines["specheads"]["use"] in (
+        "drafter", "hybrid", "union", "adaptive")
+    report = (out / "report.md").read_text()
+    assert "adaptive draft length (drafter + suffix) tau" in report and "Best setting per engine" in report
+    assert "## Draft calibration" in report and f"ECE {cal['ece_raw']:.3f}" in report and (out / "reliability.png").is_file()
 
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert [(r["id"], r["turn"]) for r in rows] == [("p1", 0), ("mt1", 0), ("mt1", 1)]

@@ -19,7 +19,7 @@ FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("models", {"target", "heads", "from_gguf"}),
     ("recipes", {"config"}),
     ("data", {"data"}),
-    ("artifacts", {"export", "verify", "session"}),
+    ("artifacts", {"export", "verify", "session", "mixing"}),
     ("kinds", {"kinds"}),
     ("measurement", {"eval", "engines"}),
     ("services", {"train", "runlog", "serve", "hub", "cli_options"}),

@@ -226,3 +226,64 @@ def test_rank_acceptance_is_measured_by_the_offline_pass():
     for row, cond in zip(q, acc["acc_cond"]):
         assert row[0] == pytest.approx(cond) and sum(row) <= 1 + 1e-9
     assert sum(q[0][1:]) > 0  # siblings do get accepted: the measurement is not the top-1 alone
+
+
+# --- step mixes (eval/mixes.py) ------------------------------------------------------------------
+
+
+def mix_stats(steps: dict[int, int], tokens: int, **timing):
+    from specheads.verify.steps import DecodeStats
+
+    return DecodeStats(decode_forwards=sum(steps.values()), decode_tokens=tokens, steps_by_nodes=dict(steps), **timing)
+
+
+def test_a_step_mix_is_priced_by_the_cost_curve():
+    """10 ms plain step; 2 plain steps + 3 steps verifying 4 tokens (12 ms each), 1 ms overhead, 6 model
+    levels at 2 ms and 3 drafted steps at 1 ms, 0.5 ms of free proposer per step:
+    2*10 + 3*12 + 5*(1 + 0.5) + 6*2 + 3*1 = 78.5 ms for 11 tokens, plain 110 ms -> 1.401x."""
+    from specheads.eval.mixes import row_speedup
+
+    costs = StepCosts({1: 0.010, 4: 0.012}, draft_fixed_s=0.001, draft_per_level_s=0.002, overhead_s=0.001,
+                      plain_step_s=0.010)
+    stats = mix_stats({1: 2, 4: 3}, 11)
+    assert row_speedup(costs, stats, levels=6, model_steps=3, free_step_s=0.0005) == pytest.approx(110 / 78.5)
+    plain = mix_stats({1: 5}, 5)
+    assert row_speedup(StepCosts({1: 0.010}, plain_step_s=0.010), plain) == pytest.approx(1.0)  # plain predicts plain
+
+
+def test_in_situ_costs_replace_the_micro_timings_where_the_decodes_met_them():
+    """Plain decodes met 1 token at 8 ms (not the micro 10), the draft's 4 tokens at 15 ms (micro 12);
+    2 tokens (unmet) keep the micro curve scaled by the nearest met count's ratio (8/10); the drafter's
+    per-step part = (0.5 s - 2 ms * 100 levels) / 50 steps = 6 ms; overhead = the draft's rest per step."""
+    from specheads.eval.mixes import in_situ_costs
+    from specheads.verify.adaptive_proposers import LengthCosts
+
+    micro = StepCosts({1: 0.010, 2: 0.011, 4: 0.012}, draft_fixed_s=0.001, draft_per_level_s=0.002,
+                      overhead_s=0.003, plain_step_s=0.011)
+    plain = mix_stats({1: 100}, 100, wall_s=0.9, target_prefill_s=0.1)
+    plain.target_s_by_nodes = {1: 0.8}
+    draft = mix_stats({4: 50}, 150, wall_s=1.5, target_prefill_s=0.1, target_decode_s=0.75, proposer_s=0.5,
+                      proposed_tokens=100)
+    draft.target_s_by_nodes = {4: 0.75}
+    costs = in_situ_costs(micro, plain, draft)
+    assert costs.target_s == pytest.approx({1: 0.008, 2: 0.011 * 0.8, 4: 0.015})
+    assert costs.draft_fixed_s == pytest.approx(0.006) and costs.draft_per_level_s == 0.002
+    assert costs.overhead_s == pytest.approx((1.5 - 0.1 - 0.75 - 0.5) / 50) and costs.plain_step_s == pytest.approx(0.008)
+    lengths = LengthCosts.from_step_costs(costs, 3)
+    assert lengths.verify[0] == 1.0 and lengths.verify[3] == pytest.approx((0.015 + 0.003) / 0.008)
+    assert lengths.draft == pytest.approx(0.25) and lengths.fixed == pytest.approx(0.75)
+    few = mix_stats({1: 3}, 3, wall_s=1.0)  # fewer than MIN_STEPS: nothing measured, the micro costs stay
+    assert in_situ_costs(micro, few, mix_stats({}, 0)) is micro
+
+
+def test_engine_advice_names_each_engines_faster_setting():
+    from specheads.eval.mixes import engine_advice
+
+    metrics = {"predicted_speedup": 1.3, "suffix": {"predicted_speedup": 1.7}, "ngram": {"predicted_speedup": 1.2},
+               "hybrid": {"predicted_speedup": 1.5}, "union": {"predicted_speedup": 1.4},
+               "adaptive": {"predicted_speedup": 1.8}}
+    adv = engine_advice(metrics, "eagle3", "vllm")
+    assert adv["vllm"]["use"] == "suffix" and "suffix" in adv["vllm"]["flags"] and adv["vllm"]["engine"] == "vLLM 0.33"
+    assert adv["sglang"]["use"] == "drafter" and adv["sglang"]["flags"] is None and adv["sglang"]["predicted_speedup"] == 1.3
+    assert adv["llama.cpp"]["flags"].endswith(",draft-eagle3") and adv["specheads"]["use"] == "adaptive"
+    assert engine_advice(metrics, "medusa", "sglang")["llama.cpp"]["use"] == "draftless"  # no GGUF draft for it

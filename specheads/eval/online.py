@@ -23,13 +23,17 @@ from pathlib import Path
 from specheads.atomic import write_text
 from specheads.data.prompts import NoChatTemplate, PromptRow, PromptsError, encode_chat, read_prompts, user_turn
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
+from specheads.eval.mixes import Turn, engine_advice, evaluate_mixes, free_step_seconds, in_situ_costs, mix_metrics, row_speedup
 from specheads.eval.offline import offline_acceptance, samples_from_rows
-from specheads.eval.predict import prediction_metrics
+from specheads.eval.predict import StepCosts, prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.metrics import broken_draft_warning, predicted_speedup
 from specheads.progress import Progress
+from specheads.protocols import SampledProposer
 from specheads.provenance import provenance
 from specheads.session import Session, run
+from specheads.verify.adaptive_proposers import LengthCosts
+from specheads.verify.calibration import ConfidenceProbe, Record, calibration_report
 from specheads.verify.ngram_proposers import NgramProposer
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
 from specheads.verify.steps import DecodeStats
@@ -49,6 +53,8 @@ class Totals:
     mismatches: list[str] = field(default_factory=list)
     free_mismatches: dict[str, list[str]] = field(default_factory=dict)
     skipped: list[dict] = field(default_factory=list)  # turns whose prompt fills the context
+    records: list[Record] = field(default_factory=list)  # draft confidence vs acceptance (greedy chains)
+    turns: list[Turn] = field(default_factory=list)  # what the second pass (the hybrid rows) decodes again
 
 def eval_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """`encode_chat`, refusing a tokenizer without a chat template in eval's words."""
@@ -116,11 +122,24 @@ def free_proposers(ngram_sizes=(3, 1)) -> dict:
     return out
 
 
-def run_turn(session: Session, free: dict, ids, max_new_tokens, sampling: Sampling = Sampling()):
+def draft_turn(session: Session, ids, max_new_tokens, sampling: Sampling, totals: Totals | None, fold: int):
+    """The draft's decode of one turn; a greedy chain whose proposer reports confidences is probed
+    (`ConfidenceProbe`: the same greedy drafts) and its records added to `totals`."""
+    proposer = session.proposer(sampled=True) if sampling.greedy and session.spec.kind == "chain" else None
+    if totals is None or not isinstance(proposer, SampledProposer):
+        return session.decode(ids, max_new_tokens, sampling).result
+    probe = ConfidenceProbe(proposer, fold)
+    result = run(session.spec, session.target, probe, ids, max_new_tokens, session.eos, sampling)
+    totals.records += probe.records
+    return result
+
+
+def run_turn(session: Session, free: dict, ids, max_new_tokens, sampling: Sampling = Sampling(),
+             totals: Totals | None = None, fold: int = 0):
     """One prompt turn decoded plain, with the draft (the session's chain or tree) and with each
     training-free proposer (a chain of the session's k), sampled runs with the same seed each."""
     plain = session.plain(ids, max_new_tokens, sampling)
-    draft = session.decode(ids, max_new_tokens, sampling).result
+    draft = draft_turn(session, ids, max_new_tokens, sampling, totals, fold)
     others = {name: run(TreeSpec("chain", k=session.k), session.target, proposer, ids, max_new_tokens,
                         session.eos, sampling) for name, proposer in free.items()}
     return plain, draft, others
@@ -151,8 +170,9 @@ def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, free: dict, 
                                    "context": ctx})
             bar.update(len(row.turns) - turn)
             break
-        plain, draft, others = run_turn(session, free, ids, max_new_tokens, sampling)
+        plain, draft, others = run_turn(session, free, ids, max_new_tokens, sampling, totals, len(outputs) % 2)
         totals.plain = totals.plain.add(plain.stats)
+        totals.turns.append(Turn(row.id, list(ids), plain.tokens, len(outputs) % 2))
         totals.draft = totals.draft.add(draft.stats)
         sampled = not sampling.greedy
         equal = None if sampled else draft.tokens == plain.tokens  # samples need not agree
@@ -241,6 +261,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         "cost_ratio": spec["cost_ratio_c"],
         "predicted_speedup": spec["predicted_speedup"],
         "speculative": {**spec, "greedy_equal": equal},
+        # the drafter's top draft probability vs acceptance (greedy chains of kinds that report it)
+        "calibration": calibration_report(totals.records, spec["acceptance_per_position_conditional"])
+        if totals.records else None,
         "draft_warning": broken_draft_warning(spec),  # None unless the draft accepts (almost) nothing
         **free_metrics(totals, k, sampled),
         "plain": {"tokens": totals.plain.tokens, "target_forwards": totals.plain.decode_forwards,
@@ -259,19 +282,43 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         if not quiet:
             print("[specheads] eval: timing target and draft steps for the speed-up prediction",
                   file=sys.stderr, flush=True)
+        observed = (totals.plain, totals.draft, *totals.free.values())
         prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"],
-                                        k_max=max(8, k),
-                                        rank_q=measured_rank_acceptance(target, head, outputs))
+                                        k_max=max(8, k), rank_q=measured_rank_acceptance(target, head, outputs),
+                                        correct=lambda costs: in_situ_costs(costs, *observed))
         if not prediction:
             log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
         metrics.update(prediction)
         use_prediction(metrics)
+        if prediction:
+            add_mixes(metrics, session, totals, max_new_tokens, quiet)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     write_report(out, metrics, outputs, verifier, bench)
     if attach:
         attach_to_export(draft_dir, out)
     return metrics
+
+def add_mixes(metrics: dict, session: Session, totals: Totals, max_new_tokens: int, quiet: bool) -> None:
+    """The hybrid rows (eval/mixes.py), the free rows' step-mix predictions and the advice per engine."""
+    costs = StepCosts.from_dict(metrics["prediction"]["costs"])
+    cond = metrics["speculative"]["acceptance_per_position_conditional"]
+    k_max = max(session.k, metrics["prediction"]["best_chain_k"])
+    if not quiet:
+        print("[specheads] eval: decoding the hybrid rows (drafter + free proposer)", file=sys.stderr, flush=True)
+    plain, tallies, free_name, note = evaluate_mixes(session, totals.turns, max_new_tokens, costs, totals.records,
+                                                     cond, k_max, quiet)
+    if note:
+        log.warning("hybrid rows: %s", note)
+    metrics.update(mix_metrics(tallies, plain, costs, free_name, note, totals.free.get(free_name)))
+    # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (specheads/mixing.py)
+    metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
+    for name, stats in totals.free.items():
+        metrics[name]["predicted_speedup"] = row_speedup(costs, stats, free_step_s=free_step_seconds(stats))
+        metrics[name]["predicted_speedup_model"] = "measured step mix priced by measured step costs"
+    meta = session.draft.meta
+    metrics["advice"]["engines"] = engine_advice(metrics, meta.kind, meta.format)
+
 
 FREE_SETTINGS = {"ngram": {"max_ngram": 3, "min_ngram": 1}, "suffix": dict(VLLM_SUFFIX_DEFAULTS)}
 

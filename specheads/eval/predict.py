@@ -366,16 +366,18 @@ def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal:
 
 
 def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float], k_max: int = 8,
-                       rank_q: list[list[float]] | None = None) -> dict:
+                       rank_q: list[list[float]] | None = None, correct=None) -> dict:
     """metrics.json's `prediction` and `advice`: step costs measured on up to 4 prompts that leave
-    room in the context for the timed forwards (max(TARGET_COUNTS) tokens); {} when none does."""
+    room in the context for the timed forwards (max(TARGET_COUNTS) tokens), then `correct(costs)`
+    (eval: by its own decodes, `mixes.in_situ_costs`); {} when no prompt leaves room."""
     ctx = target.context or 1 << 30
     prompts = [p for p in prompts if len(p) + max(TARGET_COUNTS) < ctx]
     if not prompts:
         return {}
-    costs = measure_costs(target, head, prompts[:4], k_max=k_max)
+    micro = measure_costs(target, head, prompts[:4], k_max=k_max)
+    costs = correct(micro) if correct is not None else micro
     pred = predict(cond, costs, ks=range(1, k_max + 1), rank_q=rank_q)
-    return {"prediction": pred.to_dict(), "advice": advice(pred)}
+    return {"prediction": {**pred.to_dict(), "costs_micro": micro.to_dict()}, "advice": advice(pred)}
 
 
 def simulated_tau(cond: list[float], ks=CHAIN_KS, budgets=TREE_BUDGETS,

@@ -6,7 +6,8 @@ Plots (matplotlib, Agg backend, written atomically):
 * `tau_by_category.png`: tau per prompt category (tokens / target forwards summed per category);
 * `speedup.png`: predicted speed-up per chain length k (and per tree budget), with the measured
   points of a verifier benchmark (bench/verifier.py's verifier.json) when given;
-* `concurrency.png`: a server load test's throughput over concurrency, when given.
+* `concurrency.png`: a server load test's throughput over concurrency, when given;
+* `reliability.png`: the drafter's top draft probability vs its acceptance (raw and calibrated).
 
 Server benchmark input (`bench`): a JSON object with `results`, a list of rows each holding
 `concurrency` (int), a throughput (`output_tokens_per_s`, `output_throughput` or `tokens_per_s`)
@@ -27,6 +28,9 @@ from specheads.export.readme import RECOMMENDED
 
 # training-free proposers every eval compares with, as reports name them
 FREE_NAMES = {"ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding (vLLM method: suffix)"}
+# the drafter combined with the free proposer (eval/mixes.py), as reports name them ({free}: its row)
+MIX_NAMES = {"hybrid": "hybrid choose (drafter or {free} per step)", "union": "union (drafter + {free} in one tree)",
+             "adaptive": "adaptive draft length (drafter + {free})"}
 
 THROUGHPUT_KEYS = ("output_tokens_per_s", "output_throughput", "tokens_per_s")
 SERIES_KEYS = ("label", "name", "method")
@@ -139,6 +143,21 @@ def plot_speedup(path: Path, prediction: dict, measured: dict[int, float] | None
     return _save(plt, fig, path)
 
 
+def plot_reliability(path: Path, calibration: dict, title: str) -> Path:
+    """Reliability diagram: observed acceptance over mean predicted probability per bin, raw and
+    cross-fitted calibrated, the diagonal marked (perfect calibration)."""
+    plt, fig, ax = _figure(5.2, 4.4)
+    ax.plot([0, 1], [0, 1], "--", color="grey", lw=1, label="perfectly calibrated")
+    for key, label, style in (("reliability_raw", "raw top draft probability", "o-"),
+                              ("reliability_calibrated", "calibrated (cross-fitted)", "s-")):
+        rows = calibration.get(key) or []
+        ax.plot([r["mean_predicted"] for r in rows], [r["observed"] for r in rows], style, label=label)
+    ax.set(xlabel="predicted P(accept | earlier drafts accepted)", ylabel="observed acceptance",
+           xlim=(0, 1), ylim=(0, 1.02), title=title)
+    ax.legend(loc="upper left", fontsize=8)
+    return _save(plt, fig, path)
+
+
 def concurrency_series(bench: dict, where: str = "bench") -> dict[str, list[tuple[int, float]]]:
     """Series name -> [(concurrency, throughput)] sorted by concurrency."""
     rows = bench.get("results") if isinstance(bench, dict) else None
@@ -182,6 +201,18 @@ def prediction_table(prediction: dict, measured: dict[int, float] | None = None)
     return lines
 
 
+def calibration_lines(cal: dict) -> list[str]:
+    """report.md's calibration section: ECE raw / calibrated and the raw reliability table."""
+    lines = ["", "## Draft calibration", "",
+             f"{cal['records']} draft positions whose earlier drafts were accepted ({cal['accepted']} accepted). "
+             f"Expected calibration error of the drafter's top draft probability: {cal['ece_raw']:.3f} raw, "
+             f"{cal['ece_calibrated']:.3f} after the calibration map ({cal['fit']}).", "",
+             "| draft probability | mean predicted | observed acceptance | count |", "|---|---:|---:|---:|"]
+    for r in cal["reliability_raw"]:
+        lines.append(f"| {r['bin'][0]:.1f}-{r['bin'][1]:.1f} | {r['mean_predicted']:.3f} | {r['observed']:.3f} | {r['count']} |")
+    return lines
+
+
 def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, float] | None = None) -> str:
     """report.md: the headline numbers, the prediction table, the advice, the plots."""
     spec = metrics.get("speculative") or metrics.get("offline") or {}
@@ -192,15 +223,24 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
     acc = spec.get("acceptance_per_position") or spec.get("acc_uncond")
     if acc:
         lines.append("- acceptance per position: " + " / ".join(f"{a:.2f}" for a in acc))
-    for name, label in FREE_NAMES.items():
-        if metrics.get(name):
-            lines.append(f"- {label} tau {metrics[name]['tau']:.3f}, measured speed-up "
-                         f"{metrics[name].get('measured_speedup', float('nan')):.2f}x")
+    cal = metrics.get("calibration")
+    if cal:
+        lines.append(f"- draft calibration: ECE {cal['ece_raw']:.3f} (raw top draft probability), "
+                     f"{cal['ece_calibrated']:.3f} (calibrated) over {cal['records']} draft positions")
+    for name, label in [*FREE_NAMES.items(), *MIX_NAMES.items()]:
+        row = metrics.get(name)
+        if row:
+            note = f" ({row['free_note']})" if row.get("free_note") else ""
+            lines.append(f"- {label.format(free=row.get('free'))} tau {row['tau']:.3f}, measured speed-up "
+                         f"{row.get('measured_speedup', float('nan')):.2f}x, predicted "
+                         f"{row.get('predicted_speedup', float('nan')):.2f}x{note}")
     if metrics.get("simulated_tau"):
         sim = metrics["simulated_tau"]
         lines.append("- simulated tau, chain of k: " + ", ".join(f"k={k}: {t:.2f}" for k, t in sim["chain"].items()))
         if sim["tree"]:
             lines.append("- simulated tau, best tree: " + ", ".join(f"{n} tokens: {t:.2f}" for n, t in sim["tree"].items()))
+    if metrics.get("calibration"):
+        lines += calibration_lines(metrics["calibration"])
     pred, adv = metrics.get("prediction"), metrics.get("advice")
     if pred:
         lines += ["", "## Predicted speed-up", "",
@@ -219,8 +259,11 @@ def advice_lines(adv: dict) -> list[str]:
     lines = [RECOMMENDED, "",
              "Predicted from acceptance and step costs measured with specheads' own verifier (batch 1); "
              "re-check on your hardware and batch sizes.", ""]
+    engines = adv.get("engines")
+    if engines:
+        lines.append(f"- Best setting per engine (the drafter, a draftless method or both): {advice_line(engines)}")
     if not adv.get("speculate", True):
-        return lines + [f"- No speculation: {adv['reason']}.", ""]
+        return lines + [f"- No speculation with the drafter alone: {adv['reason']}.", ""]
     v, s = adv["vllm"], adv["sglang"]
     lines += [f"- vLLM: `\"num_speculative_tokens\": {v['num_speculative_tokens']}` in `--speculative-config` "
              f"(predicted {v['predicted_speedup']:.2f}x, {v['expected_tokens']:.2f} tokens per step)",
@@ -230,6 +273,20 @@ def advice_lines(adv: dict) -> list[str]:
         lines.append(f"- SGLang tree to try (a rougher prediction, {tree['predicted_speedup']:.2f}x: measure it "
                      f"before adopting): `{sglang_flags(tree)}`")
     return lines + [""]
+
+
+def advice_line(engines: dict) -> str:
+    """One line per engine of `engine_advice`, for report.md and the terminal."""
+    parts = []
+    for name, e in engines.items():
+        if name == "specheads":
+            parts.append(f"specheads serve: {e['use']} (predicted {e['predicted_speedup']:.2f}x)")
+        elif name == "llama.cpp":
+            parts.append(f"llama.cpp: {e['use']} (`{e['flags']}`)")
+        else:
+            what = f"`{e['flags']}`" if e["flags"] else "the drafter"
+            parts.append(f"{e['engine']}: {what} (predicted {e['predicted_speedup']:.2f}x)")
+    return "; ".join(parts)
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -279,6 +336,8 @@ def write_report(out_dir: str | Path, metrics: dict, outputs: list[dict] | None 
                                         "Speed-up vs draft length").name
         if measured:
             metrics["measured_chain_speedup"] = {str(k): v for k, v in sorted(measured.items())}
+    if metrics.get("calibration"):
+        plots["reliability"] = plot_reliability(out / "reliability.png", metrics["calibration"], "Draft calibration").name
     if bench:
         plots["concurrency"] = plot_concurrency(out / "concurrency.png", concurrency_series(bench),
                                                 "Server throughput over concurrency").name

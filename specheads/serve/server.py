@@ -30,7 +30,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from specheads.cli_options import add_fingerprint_argument, add_tree_arguments, spec_from_args
+from specheads.cli_options import (
+    add_fingerprint_argument,
+    add_mixing_arguments,
+    add_tree_arguments,
+    mixing_from_args,
+    spec_from_args,
+)
+from specheads.mixing import Mixing
 from specheads.serve.engine import Cancelled, Completion, Engine, Params, RequestError
 from specheads.serve.metrics import CONTENT_TYPE, Metrics
 from specheads.serve.protocol import (
@@ -354,10 +361,14 @@ def serve_in_thread(engine: Engine, host: str = "127.0.0.1", port: int = 0, draf
 
 
 def load_engine(target_path: str, draft: str | None, spec, device: str, dtype: str | None,
-                model_name: str | None, allow_missing_fingerprint: bool = False) -> Engine:
-    """Target (+ exported draft, checked against it) -> Engine."""
+                model_name: str | None, allow_missing_fingerprint: bool = False,
+                mixing: Mixing = Mixing()) -> Engine:
+    """Target (+ exported draft, checked against it, combined with a free proposer as `mixing` says) -> Engine."""
     session = Session.open(target_path, draft, spec, device=device, dtype=dtype,
-                           allow_missing_fingerprint=allow_missing_fingerprint)
+                           allow_missing_fingerprint=allow_missing_fingerprint, mixing=mixing)
+    if draft:
+        print(f"specheads serve: speculation: {session.mixing.label()} ({session.mixing.reason})"
+              + (f"; {session.free_note}" if session.free_note else ""), flush=True)
     return Engine(session, model_name or session.target.path.name)
 
 
@@ -382,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
     p.add_argument("--draft", default=None, help="export folder from `specheads export` (default: none)")
     add_tree_arguments(p)
+    add_mixing_arguments(p)
     add_fingerprint_argument(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
@@ -398,10 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     options = ServeOptions(a.max_queue, a.read_timeout, a.log_requests)
     spec = spec_from_args(a)
+    mixing = mixing_from_args(a, a.draft, spec)
     sock = bind(a.host, a.port)  # before the target loads: a port in use fails at once
     try:
         engine = load_engine(a.target, a.draft, spec, a.device, a.dtype, a.served_model_name,
-                             a.allow_missing_fingerprint)
+                             a.allow_missing_fingerprint, mixing)
         serve(engine, sock, a.draft, options)
     finally:
         sock.close()

@@ -13,6 +13,8 @@ P-EAGLE heads (`parallel_drafting`) draft a chain from the same state in one for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -112,6 +114,13 @@ class SampledEagle3Proposer(Eagle3Proposer):
     def propose_sampled(self, k: int, warper: Warper,
                         gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """k draft tokens [k] (target ids) and their distributions q [k, V]."""
+        return self.propose_until(k, warper, gen, None)
+
+    @torch.no_grad()
+    def propose_until(self, k: int, warper: Warper, gen: torch.Generator,
+                      stop: Callable[[int], bool] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to k draft tokens [n] and their q [n, V]; `stop(j)` (None: never) is asked after the
+        warper saw position j's logits, before d_j is drawn (`protocols.StoppingProposer`)."""
         head, out = self.head, self.last_out
         V = self.target.vocab_size
         ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=out.device))
@@ -122,6 +131,8 @@ class SampledEagle3Proposer(Eagle3Proposer):
                 out = head.step(out, emb, positions(self.rows - 1 + j, 1, out.device), None,
                                 self.cache)
             q = warper(expand_draft_logits(head.logits(out)[0, -1], ids, V))  # [V]
+            if stop is not None and stop(j + 1):
+                break
             tokens.append(sample(q.to(gen.device), gen).to(out.device))
             qs.append(q)
         trim_cache(self.cache, self.rows)

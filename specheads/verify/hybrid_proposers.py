@@ -103,6 +103,7 @@ class HybridProposer:
         self.counts: Counter = Counter()  # steps verified with: "model" | "free" | "none"
         self.accepted: Counter = Counter()  # draft tokens accepted, by the draft that was verified
         self.chosen = "none"  # this step's verified draft
+        self.levels = self.model_steps = 0  # model draft tokens made, steps the model drafted in
         self.drafts: dict[str, list[int]] = {"model": [], "free": []}  # this step's two drafts
         self.free_score = self.model_score = 0.0
 
@@ -133,6 +134,8 @@ class HybridProposer:
 
     def record(self, model: list[int], free: list[int]) -> str:
         self.drafts = {"model": model, "free": free}
+        self.levels += len(model)
+        self.model_steps += bool(model)
         self.chosen = self.choose(len(model), free)
         self.counts[self.chosen] += 1
         return self.chosen
@@ -160,7 +163,7 @@ class HybridProposer:
     def summary(self) -> dict:
         """What eval reports: steps per verified draft, accepted tokens per draft, the meters' rates."""
         return {"mode": "choose", "rule": self.rule, "steps": dict(self.counts),
-                "accepted": dict(self.accepted),
+                "accepted": dict(self.accepted), "levels": self.levels, "model_steps": self.model_steps,
                 "rates": {n: round(m.rate, 4) for n, m in self.meters.items()}}
 
 
@@ -268,6 +271,7 @@ class UnionProposer:
         self.trie = Trie.empty()
         self.counts: Counter = Counter()  # steps whose deepest accepted node was: "model" | "free" | "both" | "none"
         self.accepted = 0
+        self.levels = self.model_steps = 0  # model draft levels run, steps the model drafted in
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, out) -> None:
         self.model.start(prompt_ids, first_token, out)
@@ -276,8 +280,10 @@ class UnionProposer:
     @torch.no_grad()
     def propose_tree(self) -> tuple[Tree, torch.Tensor]:
         """The merged tree and the tokens of its nodes 1..N-1 [N-1] (the model's draft first)."""
-        self.trie = union_tree([("model", *draft_part(self.model, self.k)),
-                                ("free", *draft_part(self.free, self.free_k))])
+        model_tree, model_tokens = draft_part(self.model, self.k)
+        self.levels += model_tree.max_depth
+        self.model_steps += bool(model_tokens)
+        self.trie = union_tree([("model", model_tree, model_tokens), ("free", *draft_part(self.free, self.free_k))])
         return self.trie.tree()
 
     @torch.no_grad()
@@ -292,7 +298,8 @@ class UnionProposer:
         self.accepted += len(drafts)
 
     def summary(self) -> dict:
-        return {"mode": "union", "steps": dict(self.counts), "accepted": self.accepted}
+        return {"mode": "union", "steps": dict(self.counts), "accepted": self.accepted, "levels": self.levels,
+                "model_steps": self.model_steps}
 
 
 def hybrid_proposer(model, free, mode: str = "choose", k: int = 3, rule: str = "arctic",

@@ -285,6 +285,7 @@ def step(run: _Run) -> None:
     result, shape = run.result, run.shape
     remaining, past = run.budget - len(result.tokens), len(run.seq) - 1
     tree, tokens, q = propose(run, remaining, past)
+    before = run.tgt_clock.seconds
     with run.tgt_clock:
         out = shape.forward(run.target, tokens, tree, past, run.cache, run.layers)
         paths, nexts = run.rule.decide(tree, tokens, out.logits, q)  # logits [B, N, V]
@@ -292,7 +293,7 @@ def step(run: _Run) -> None:
         shape.keep(run.cache, past, path)
     toks = tokens[0].tolist()
     emitted, run.done = cut_at_eos([toks[i] for i in path[1:]] + [nxt], run.eos)
-    result.record_step(len(emitted), len(path) - 1, tree.size - 1, shape.depth(tree))
+    result.record_step(len(emitted), len(path) - 1, tree.size - 1, shape.depth(tree), run.tgt_clock.seconds - before)
     run.seq.extend(emitted)
     result.tokens.extend(emitted)
     if run.drafts is not None and not run.done and len(result.tokens) < run.budget:

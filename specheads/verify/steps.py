@@ -44,12 +44,19 @@ class DecodeStats:
     target_decode_s: float = 0.0
     proposer_start_s: float = 0.0  # the proposer's own prefill (once per prompt)
     proposer_s: float = 0.0  # propose + accept during decode steps
+    # tokens a decode forward verified (root included) -> its steps and their target seconds: the
+    # target's cost curve as the decodes met it (eval's prediction reads it)
+    steps_by_nodes: dict[int, int] = field(default_factory=dict)
+    target_s_by_nodes: dict[int, float] = field(default_factory=dict)
 
     def add(self, other: DecodeStats) -> DecodeStats:
         """Sum of two stats (accepted_per_pos padded to the longer one)."""
         out = DecodeStats()
         for name, value in asdict(self).items():
-            if name == "accepted_per_pos":
+            if isinstance(value, dict):
+                other_d = getattr(other, name)
+                setattr(out, name, {n: value.get(n, 0) + other_d.get(n, 0) for n in sorted({*value, *other_d})})
+            elif name == "accepted_per_pos":
                 n = max(len(value), len(other.accepted_per_pos))
                 a = value + [0] * (n - len(value))
                 b = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
@@ -74,12 +81,15 @@ class DecodeResult:
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted per decode forward
     step_proposed: list[int] = field(default_factory=list)  # tokens proposed per decode forward
 
-    def record_step(self, emitted: int, accepted: int, proposed: int, depth: int) -> None:
+    def record_step(self, emitted: int, accepted: int, proposed: int, depth: int, target_s: float = 0.0) -> None:
         """One verification forward: `emitted` tokens out, `accepted` of `proposed` drafts taken;
-        `depth` (the chain length or tree depth) bounds the acceptance positions counted."""
+        `depth` (the chain length or tree depth) bounds the acceptance positions counted; the
+        target's `target_s` seconds for the proposed + 1 tokens verified."""
         s = self.stats
         s.decode_forwards += 1
         s.decode_tokens += emitted
+        s.steps_by_nodes[proposed + 1] = s.steps_by_nodes.get(proposed + 1, 0) + 1
+        s.target_s_by_nodes[proposed + 1] = s.target_s_by_nodes.get(proposed + 1, 0.0) + target_s
         if proposed:
             s.drafts += 1
             s.proposed_tokens += proposed

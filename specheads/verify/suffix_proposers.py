@@ -52,6 +52,7 @@ class SuffixProposer:
         self.request: int | None = None
         self.context: list[int] = []
         self.score = 0.0  # the last draft's expected accepted tokens (sum of its probabilities)
+        self.probs: list[float] = []  # the last draft's cumulative path probability per token
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, out=None) -> None:
         self.close()
@@ -71,6 +72,7 @@ class SuffixProposer:
                                      max_spec_factor=s.max_spec_factor, min_token_prob=s.min_token_prob,
                                      use_tree_spec=tree)
         self.score = float(draft.score)
+        self.probs = [float(p) for p in draft.probs]
         return draft
 
     def propose(self, k: int) -> torch.Tensor:

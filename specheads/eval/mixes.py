@@ -1,0 +1,182 @@
+"""The drafter combined with a free proposer in eval: rows "hybrid" (choose per step), "union" (both
+drafts in one tree) and "adaptive" (adaptive draft length over the drafter and the free draft),
+their predicted speed-ups, and the best setting per engine in the engine's own words.
+
+The free proposer is suffix decoding (vLLM's `method: suffix`) when arctic-inference is installed,
+else prompt lookup (the row says so). The rows are decoded in a second pass over the turns, after
+the first pass measured the calibration records and the step costs the adaptive rule needs; each
+turn is decoded plainly again beside them, so a measured speed-up compares decodes run side by
+side. The adaptive rule of a turn uses the calibration fitted on the other fold of turns.
+
+Prediction of a row (`row_speedup`): its measured mix of steps (steps per verified-token count,
+model draft levels, drafted steps) priced by the measured step costs: the target's seconds per
+verified-token count as the first pass's decodes met them (micro-timed where they met none), the
+drafter's seconds per level and per step, the free proposer's measured seconds per step and the
+loop's overhead, against plain steps for the same tokens. No cost is assumed flat.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LLAMA_CPP_MIXED, LLAMA_CPP_SPEC, SGLANG, VLLM
+from specheads.eval.predict import StepCosts, monotone
+from specheads.mixing import Mixing, mix_free
+from specheads.progress import Progress
+from specheads.session import Session
+from specheads.verify.adaptive_proposers import LengthCosts
+from specheads.verify.calibration import Calibration, Record, cross_fitted
+from specheads.verify.loop import decode
+from specheads.verify.steps import DecodeStats
+
+log = logging.getLogger(__name__)
+
+MIXES = ("hybrid", "union", "adaptive")
+MIN_STEPS = 20  # steps of a verified-token count before its measured seconds replace the micro-timed
+
+
+# --- costs and predictions -------------------------------------------------------------------------
+
+
+def in_situ_costs(costs: StepCosts, plain: DecodeStats, draft: DecodeStats, *others: DecodeStats) -> StepCosts:
+    """The micro-timed `costs` corrected by the first pass's decodes: target seconds per verified-token
+    count where >= MIN_STEPS steps met it (elsewhere the micro curve scaled by the ratio at the
+    nearest measured count), the drafter's per-step part and the loop overhead of the draft's decodes,
+    the plain step of the plain decodes."""
+    steps, seconds = Counter(), Counter()
+    for s in (plain, draft, *others):
+        steps.update(s.steps_by_nodes)
+        seconds.update(s.target_s_by_nodes)
+    seen = {n: seconds[n] / steps[n] for n in steps if steps[n] >= MIN_STEPS and seconds[n] > 0}
+    if not seen or not draft.decode_forwards or not plain.decode_forwards:
+        return costs
+    counts = sorted(set(costs.target_s) | set(seen))
+    near = [min(seen, key=lambda m, n=n: abs(m - n)) for n in counts]
+    curve = [seen.get(n) or costs.target(n) * seen[m] / costs.target(m) for n, m in zip(counts, near)]
+    per_level = costs.draft_per_level_s
+    fixed = max((draft.proposer_s - per_level * draft.proposed_tokens) / draft.decode_forwards, 0.0)
+    rest = draft.wall_s - draft.target_prefill_s - draft.proposer_start_s - draft.target_decode_s - draft.proposer_s
+    return StepCosts(dict(zip(counts, monotone(curve))), fixed, per_level, max(rest, 0.0) / draft.decode_forwards,
+                     (plain.wall_s - plain.target_prefill_s) / plain.decode_forwards)
+
+
+def row_speedup(costs: StepCosts, stats: DecodeStats, levels: int = 0, model_steps: int = 0,
+                free_step_s: float = 0.0) -> float:
+    """Predicted speed-up of a decode's measured step mix (module docstring)."""
+    seconds = sum(c * costs.target(n) for n, c in stats.steps_by_nodes.items())
+    seconds += stats.decode_forwards * (costs.overhead_s + free_step_s)
+    seconds += levels * costs.draft_per_level_s + model_steps * costs.draft_fixed_s
+    return stats.decode_tokens * costs.plain() / seconds if seconds else 0.0
+
+
+def free_step_seconds(stats: DecodeStats) -> float:
+    """A free proposer's measured seconds per decode step (propose + accept)."""
+    return stats.proposer_s / stats.decode_forwards if stats.decode_forwards else 0.0
+
+
+# --- the rows ------------------------------------------------------------------------------------
+
+
+@dataclass
+class MixTally:
+    """One row's decodes summed over turns, and the proposers' step mix."""
+
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    steps: Counter = field(default_factory=Counter)
+    levels: int = 0
+    model_steps: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    def add(self, proposer, result, plain_tokens: list[int], row_id: str) -> None:
+        self.stats = self.stats.add(result.stats)
+        summary = proposer.summary()
+        self.steps.update(summary["steps"])
+        self.levels += summary.get("levels", 0)
+        self.model_steps += summary.get("model_steps", 0)
+        if result.tokens != plain_tokens and row_id not in self.mismatches:
+            self.mismatches.append(row_id)
+
+
+def mix_proposer(name: str, session: Session, free, calibration: Calibration, costs: LengthCosts, k_max: int):
+    """A fresh proposer of a row over the session's drafter (the free proposer is the row's, kept across turns)."""
+    mixing = Mixing("union" if name == "union" else "choose", name == "adaptive", calibration, costs, k_max)
+    return mixing.proposer(session.proposer(sampled=mixing.adaptive), free, session.k, None)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One decoded turn of the first pass, for the second."""
+
+    id: str
+    ids: list[int]
+    plain_tokens: list[int]
+    fold: int
+
+
+def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, costs: StepCosts, records: list[Record],
+                   cond: list[float], k_max: int, quiet: bool = True) -> tuple[DecodeStats, dict[str, MixTally], str, str | None]:
+    """Decode every turn plainly and with each of MIXES -> (the plain stats, the rows' tallies, the free
+    proposer's name, why it is not suffix decoding)."""
+    free_name, make_free, note = mix_free()
+    frees = {name: make_free() for name in MIXES}  # one global cache per row, across its turns
+    calibrations = cross_fitted(records, cond) if records else {}
+    lengths = LengthCosts.from_step_costs(costs, k_max)
+    plain, tallies = DecodeStats(), {name: MixTally() for name in MIXES}
+    with Progress(len(turns), "eval: hybrid rows", "turns", quiet=quiet) as bar:
+        for turn in turns:
+            plain = plain.add(session.plain(turn.ids, max_new_tokens).stats)
+            cal = calibrations.get(turn.fold, Calibration(position_rates=list(cond)))
+            for name in MIXES:
+                proposer = mix_proposer(name, session, frees[name], cal, lengths, k_max)
+                k = k_max if name == "adaptive" else session.k
+                result = decode(session.target, proposer, turn.ids, max_new_tokens, k, session.eos)
+                tallies[name].add(proposer, result, turn.plain_tokens, turn.id)
+            bar.update(1)
+    return plain, tallies, free_name, note
+
+
+def mix_metrics(tallies: dict[str, MixTally], plain: DecodeStats, costs: StepCosts, free_name: str,
+                note: str | None, free_stats: DecodeStats | None) -> dict:
+    """metrics.json's rows "hybrid", "union", "adaptive": tau, measured and predicted speed-up, the
+    step mix (steps per verified draft, model draft levels) and whether the output is plain's."""
+    free_s = free_step_seconds(free_stats) if free_stats is not None else 0.0
+    rows = {}
+    for name, t in tallies.items():
+        rows[name] = {
+            **t.stats.summary(), "free": free_name, "free_note": note,
+            "measured_speedup": plain.wall_s / t.stats.wall_s if t.stats.wall_s else 0.0,
+            "predicted_speedup": row_speedup(costs, t.stats, t.levels, t.model_steps, free_s),
+            "predicted_speedup_model": "measured step mix priced by measured step costs",
+            "steps_per_draft": dict(t.steps), "model_levels": t.levels, "model_steps": t.model_steps,
+            "greedy_equal": not t.mismatches, "mismatched_ids": t.mismatches,
+            "new_tokens": t.stats.tokens, "wall_s": t.stats.wall_s, "plain_wall_s": plain.wall_s,
+        }
+    return rows
+
+
+def engine_advice(metrics: dict, kind: str, fmt: str) -> dict:
+    """The best setting per engine, in the engine's words: vLLM's `method: suffix` or the drafter,
+    SGLang's NGRAM or the drafter (whichever predicts faster), llama.cpp's mixing of a draftless
+    type with the draft, and specheads' own verifier: the fastest predicted of the drafter alone,
+    hybrid, union and adaptive (what `specheads serve` / `generate` pick by default)."""
+    drafter = float(metrics.get("predicted_speedup") or 0.0)
+    out = {}
+    for engine, (row, flags) in DRAFTLESS.items():
+        free = (metrics.get(row) or {}).get("predicted_speedup")
+        use_free = free is not None and free > drafter
+        out[engine] = {"engine": VLLM if engine == "vllm" else SGLANG, "use": row if use_free else "drafter",
+                       "flags": flags if use_free else None, "predicted_speedup": free if use_free else drafter,
+                       "drafter_predicted": drafter, f"{row}_predicted": free}
+    draft_type, draftless = LLAMA_CPP_SPEC.get((kind, fmt)), "{" + "|".join(LLAMA_CPP_DRAFTLESS) + "}"
+    out["llama.cpp"] = {"engine": LLAMA_CPP.name, "use": "draftless + draft" if draft_type else "draftless",
+                        "flags": LLAMA_CPP_MIXED.format(draftless=draftless, draft=draft_type) if draft_type
+                        else f"--spec-type {draftless}",
+                        "note": "llama.cpp mixes a draftless type with the draft model in one `--spec-type` comma "
+                                "list (the draftless one first); not predicted here"}
+    ours = {"drafter": drafter, **{m: metrics[m]["predicted_speedup"] for m in MIXES if metrics.get(m)}}
+    best = max(ours, key=ours.get)
+    out["specheads"] = {"use": best, "predicted_speedup": ours[best], "predicted": ours}
+    return out
+

@@ -1,0 +1,144 @@
+"""How a speculation session combines its drafter with a free proposer: `--hybrid choose|union|off`
+and `--adaptive` (adaptive draft length), and the default (`--hybrid auto`).
+
+The free proposer is suffix decoding (vLLM's `method: suffix`) when arctic-inference is installed,
+else prompt lookup, and says so. Default rule: with a drafter, the setting the eval next to the
+export (EXPORT/eval/metrics.json, written by `specheads eval --attach`) predicts fastest among the
+drafter alone, hybrid choose, union and adaptive; so a hybrid whenever the eval predicts one faster
+than the drafter alone, and the drafter alone without such an eval. Adaptive draft length reads
+the same file: the drafter's calibration map and the measured step costs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer
+from specheads.verify.calibration import Calibration
+from specheads.verify.hybrid_proposers import hybrid_proposer
+from specheads.verify.ngram_proposers import NgramProposer
+from specheads.verify.suffix_proposers import SuffixProposer
+from specheads.verify.trees import SettingsError
+
+log = logging.getLogger(__name__)
+
+HYBRID = ("auto", "choose", "union", "off")
+# eval's row (advice "specheads" use) -> (--hybrid, --adaptive)
+SETTINGS = {"drafter": ("off", False), "hybrid": ("choose", False), "union": ("union", False),
+            "adaptive": ("choose", True)}
+
+
+def mix_free() -> tuple[str, object, str | None]:
+    """(name, a maker of the free proposer, why it is not suffix decoding or None)."""
+    try:
+        SuffixProposer()
+        return "suffix", SuffixProposer, None
+    except SettingsError as err:
+        return "ngram", lambda: NgramProposer(3, 1), f"prompt lookup in place of suffix decoding: {err}"
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """The drafter alone (`hybrid` "off", not `adaptive`), or combined with the free proposer; the
+    adaptive rule's inputs; and why this setting (`reason`, printed by the commands)."""
+
+    hybrid: str = "off"  # "off" | "choose" | "union"
+    adaptive: bool = False
+    calibration: Calibration | None = None
+    costs: LengthCosts | None = None
+    k_max: int | None = None
+    reason: str = "the drafter alone"
+
+    @property
+    def active(self) -> bool:
+        return self.hybrid != "off" or self.adaptive
+
+    def label(self) -> str:
+        base = {"off": "the drafter alone", "choose": "hybrid choose", "union": "union"}[self.hybrid]
+        if not self.adaptive:
+            return base
+        with_free = "with the free draft" if self.hybrid == "choose" else "the drafter only"
+        return f"adaptive draft length (k <= {self.k_max}, {with_free})"
+
+    def proposer(self, model, free, k: int, vocab_size: int | None):
+        """The combined proposer over a fresh drafter proposer (`vocab_size`: sampled decoding)."""
+        if self.adaptive:
+            return adaptive_proposer(model, self.calibration, self.costs, self.k_max,
+                                     free if self.hybrid == "choose" else None, vocab_size)
+        return hybrid_proposer(model, free, self.hybrid, k)
+
+
+def eval_metrics(draft_dir: str | Path) -> tuple[dict | None, Path]:
+    """EXPORT/eval/metrics.json (None when absent) and its path; a broken file is a clear error."""
+    path = Path(draft_dir) / "eval" / "metrics.json"
+    if not path.is_file():
+        return None, path
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise SettingsError(f"{path}: not a readable eval metrics file ({err}); rerun `specheads eval --attach`") from None
+    if not isinstance(metrics, dict):
+        raise SettingsError(f"{path}: expected a JSON object (an eval's metrics.json)")
+    return metrics, path
+
+
+def default_setting(metrics: dict | None, path: Path, chain: bool) -> tuple[str, bool, str]:
+    """(--hybrid, --adaptive, why) of `--hybrid auto` (module docstring)."""
+    if not chain:
+        return "off", False, "the drafter alone (a tree draft: hybrid choose and adaptive draft chains)"
+    ours = ((metrics or {}).get("advice") or {}).get("engines", {}).get("specheads")
+    if not ours:
+        return "off", False, (f"the drafter alone (no {path} with the hybrid rows' predictions; "
+                              "`specheads eval --attach` writes it)")
+    use = ours.get("use")
+    if use not in SETTINGS:
+        raise SettingsError(f"{path}: advice.engines.specheads.use '{use}': expected one of {', '.join(SETTINGS)}")
+    predicted = ours.get("predicted", {})
+    mode, adaptive = SETTINGS[use]
+    return mode, adaptive, (f"{path} predicts {use} fastest ({predicted.get(use, 0):.2f}x; the drafter alone "
+                            f"{predicted.get('drafter', 0):.2f}x)")
+
+
+def adaptive_inputs(metrics: dict | None, path: Path) -> tuple[Calibration, LengthCosts, int]:
+    """The calibration map, the step costs and k_max the eval measured; a clear error without them."""
+    row = (metrics or {}).get("adaptive")
+    if not row or "length_costs" not in row:
+        raise SettingsError(f"--adaptive needs the calibration and step costs a greedy chain eval measures: {path} "
+                            "has none (run `specheads eval --attach` at temperature 0 with --tree chain)")
+    try:
+        cal = metrics.get("calibration")
+        rates = metrics["speculative"]["acceptance_per_position_conditional"]
+        calibration = (Calibration.from_dict({**cal["map"], "position_rates": rates}, f"{path} calibration.map") if cal
+                       else Calibration(position_rates=[float(r) for r in rates]))
+        return calibration, LengthCosts.from_dict(row["length_costs"], f"{path} adaptive.length_costs"), int(row["k_max"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise SettingsError(f"{path}: the adaptive rule's inputs are unreadable ({type(err).__name__}: {err}); "
+                            "rerun `specheads eval --attach`") from None
+
+
+def resolve_mixing(hybrid: str = "off", adaptive: bool | None = False, draft_dir: str | Path | None = None,
+                   chain: bool = True) -> Mixing:
+    """--hybrid / --adaptive (None: as `--hybrid auto` decides) -> a checked Mixing."""
+    if hybrid not in HYBRID:
+        raise SettingsError(f"--hybrid '{hybrid}': expected one of {', '.join(HYBRID)}")
+    if draft_dir is None:
+        if hybrid in ("choose", "union") or adaptive:
+            raise SettingsError("--hybrid and --adaptive combine a drafter with a free proposer: pass --draft")
+        return Mixing(reason="no drafter")
+    metrics, path = eval_metrics(draft_dir)
+    auto_mode, auto_adaptive, why = default_setting(metrics, path, chain)
+    mode = auto_mode if hybrid == "auto" else hybrid
+    adapt = auto_adaptive if adaptive is None else adaptive
+    reason = why if (hybrid == "auto" and adaptive is None) else "as asked (--hybrid / --adaptive)"
+    if adapt and mode == "union":
+        raise SettingsError("--adaptive verifies chains: use it with --hybrid choose (the drafter and the free draft) "
+                            "or --hybrid off (the drafter alone), not --hybrid union")
+    if not chain and (adapt or mode == "choose"):
+        raise SettingsError("--hybrid choose and --adaptive draft chains: use --tree chain, or --hybrid union for trees")
+    if not adapt:
+        return Mixing(mode, False, reason=reason)
+    calibration, costs, k_max = adaptive_inputs(metrics, path)
+    return Mixing(mode, True, calibration, costs, k_max, reason)

@@ -1,0 +1,126 @@
+"""`--hybrid` / `--adaptive` of generate, serve and regenerate --draft: the default read from the eval
+next to the export, explicit settings, clear refusals, and greedy-equal decodes through the session."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+from refusals import refused, write_data
+
+from specheads.eval.online import evaluate
+from specheads.generate import run_generate
+from specheads.mixing import SETTINGS, resolve_mixing
+from specheads.verify.settings import SettingsError, TreeSpec
+
+
+@pytest.fixture(scope="module")
+def evaluated_export(tiny_target_dir, random_export_dir, tmp_path_factory):
+    """A copy of the random export with an eval attached (EXPORT/eval/metrics.json)."""
+    root = tmp_path_factory.mktemp("mixing")
+    export = shutil.copytree(random_export_dir, root / "export")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(["def add(a, b):", "import os", "for i in range(3):"])))
+    evaluate(str(tiny_target_dir), str(export), str(prompts), str(root / "eval"), max_new_tokens=16, k=2,
+             attach=True, quiet=True)
+    return export
+
+
+def fake_eval(folder, use: str, with_costs: bool = True):
+    """An export folder holding only eval/metrics.json whose advice names `use` for specheads."""
+    (folder / "eval").mkdir(parents=True)
+    predicted = {"drafter": 1.1, use: 1.4}
+    metrics = {"k": 2, "advice": {"engines": {"specheads": {"use": use, "predicted": predicted}}},
+               "speculative": {"acceptance_per_position_conditional": [0.7, 0.5]}, "adaptive": {"k_max": 4},
+               "calibration": {"map": {"bins": [0.1 * b for b in range(10)], "counts": [1] * 10}}}
+    if with_costs:
+        metrics["adaptive"]["length_costs"] = {"verify": [1.0, 1.1, 1.2, 1.3, 1.4], "draft": 0.2, "fixed": 0.1}
+    (folder / "eval" / "metrics.json").write_text(json.dumps(metrics))
+    return folder
+
+
+@pytest.mark.parametrize("use", list(SETTINGS))
+def test_auto_takes_what_the_eval_predicts_fastest(tmp_path, use):
+    mixing = resolve_mixing("auto", None, fake_eval(tmp_path / "export", use))
+    assert (mixing.hybrid, mixing.adaptive) == SETTINGS[use] and f"predicts {use} fastest (1.40x" in mixing.reason
+    if mixing.adaptive:
+        assert mixing.k_max == 4 and mixing.costs.verify[0] == 1.0 and mixing.costs.draft == pytest.approx(0.2)
+        assert mixing.calibration(0.95, 1) == pytest.approx(0.9) and mixing.calibration(None, 2) == 0.5
+
+
+def test_explicit_settings_override_and_no_eval_means_the_drafter_alone(tmp_path):
+    export = fake_eval(tmp_path / "export", "adaptive")
+    assert (resolve_mixing("union", False, export).hybrid, resolve_mixing("off", None, export).adaptive) == ("union", True)
+    alone = resolve_mixing("auto", None, tmp_path)  # no eval/metrics.json
+    assert not alone.active and "the drafter alone" in alone.reason and "specheads eval --attach" in alone.reason
+    assert not resolve_mixing("auto", None, export, chain=False).active  # a tree: the hybrids draft chains
+    assert not resolve_mixing("auto", None, None).active  # no drafter
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("best", None, True), "--hybrid 'best': expected one of auto, choose, union, off"),
+    (("choose", None, None), "pass --draft"),
+    (("union", True, True), "--adaptive verifies chains"),
+    (("off", True, "nocosts"), "--adaptive needs the calibration and step costs"),
+    (("off", True, "none"), "--adaptive needs the calibration and step costs"),
+    (("choose", False, "tree"), "--hybrid choose and --adaptive draft chains"),
+    (("auto", None, "broken"), "not a readable eval metrics file"),
+])
+def test_bad_mixing_is_refused_by_name(tmp_path, args, needle):
+    hybrid, adaptive, where = args
+    export, chain = tmp_path / "export", True
+    if where is True or where == "tree":
+        fake_eval(export, "hybrid")
+        chain = where is True
+    elif where == "nocosts":
+        fake_eval(export, "hybrid", with_costs=False)
+    elif where == "broken":
+        (export / "eval").mkdir(parents=True)
+        (export / "eval" / "metrics.json").write_text("{not json")
+    elif where == "none":
+        export.mkdir()
+    with pytest.raises(SettingsError, match=needle):
+        resolve_mixing(hybrid, adaptive, None if where is None else export, chain)
+
+
+@pytest.mark.parametrize("hybrid,adaptive", [("auto", None), ("choose", False), ("union", False), ("choose", True),
+                                             ("off", True)])
+def test_generate_with_each_setting_is_greedy_equal(tiny_target_dir, evaluated_export, hybrid, adaptive):
+    mixing = resolve_mixing(hybrid, adaptive, evaluated_export)
+    err = io.StringIO()
+    r = run_generate(str(tiny_target_dir), str(evaluated_export), "def add(a, b):", TreeSpec("chain"), 24,
+                     device="cpu", out=io.StringIO(), err=err, mixing=mixing)
+    assert r["greedy_equal"] is True and r["mixing"] == mixing.label()
+    assert f"speculation: {mixing.label()}" in err.getvalue()
+
+
+def test_the_cli_refuses_adaptive_without_an_eval(tmp_path, tiny_target_dir, random_export_dir):
+    refused(["generate", "--target", tiny_target_dir, "--draft", random_export_dir, "--prompt", "hi", "--adaptive"],
+            ["--adaptive needs the calibration and step costs", "specheads eval --attach"], tmp_path,
+            watch=(tiny_target_dir, random_export_dir))
+    data = write_data(tmp_path)
+    refused(["regenerate", data, "--out", tmp_path / "out.jsonl", "--target", tiny_target_dir, "--hybrid", "union"],
+            ["--hybrid and --adaptive combine a drafter", "pass --draft"], tmp_path, watch=(tiny_target_dir,))
+
+
+@pytest.mark.parametrize("hybrid,adaptive", [("union", False), ("choose", True)])
+def test_serve_with_a_hybrid_answers_plain_greedy(tiny_target_dir, evaluated_export, hybrid, adaptive):
+    from test_serve import PREFIX, get, post, reference, text_of
+
+    from specheads.serve.metrics import parse_metrics
+    from specheads.serve.server import load_engine, serve_in_thread
+
+    mixing = resolve_mixing(hybrid, adaptive, evaluated_export)
+    engine = load_engine(str(tiny_target_dir), str(evaluated_export), TreeSpec("chain"), "cpu", None, "mixed",
+                         mixing=mixing)
+    assert engine.session.mixing == mixing
+    with serve_in_thread(engine) as url:
+        prompt = "def read_config(path):"
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 20, "temperature": 0}
+        answer = post(f"{url}/v1/chat/completions", body)["choices"][0]["message"]["content"]
+        assert answer == text_of(engine.target, reference(engine.target, prompt, 20))
+        metrics = parse_metrics(get(f"{url}/metrics"))
+        assert metrics[PREFIX + 'drafts_total{engine="0",model_name="mixed"}'] > 0
