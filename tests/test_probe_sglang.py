@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specheads.engines import probe_kinds
 from specheads.engines import probe_sglang_forward as fwd
 from specheads.engines import probe_sglang_weights as wts
 
@@ -103,4 +104,4 @@ def test_hot_token_mapping_places_draft_logits_at_target_ids():
                                          ("model.layers.2.mlp.up_proj.weight", False),
                                          ("model.embed_tokens.weight", False)])
 def test_mtp_module_names(name, expect):
-    assert wts.module_names("mtp", name, SimpleNamespace(num_hidden_layers=3)) is expect
+    assert wts.module_names(probe_kinds.KINDS["mtp"], name, SimpleNamespace(num_hidden_layers=3)) is expect
