@@ -14,6 +14,7 @@ import torch
 
 from specheads.engine_facts import LLAMA_CPP_BUILD
 from specheads.engines import llamacpp as lc
+from specheads.engines import llamacpp_check
 
 FAKE = lc.LlamaCpp(Path("/opt/llama.cpp"))
 
@@ -79,7 +80,8 @@ def test_pre_tokenizer_rule_matches_only_gpt2_byte_level(tmp_path, tiny_target_d
 def fake_export(folder: Path, kind: str = "eagle3", fmt: str = "vllm", layers=(2, 4, 5)) -> Path:
     folder.mkdir(parents=True)
     (folder / "specheads.json").write_text(json.dumps({"kind": kind, "format": fmt, "num_speculative_tokens": 3}))
-    (folder / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": list(layers)}))
+    cfg = {"model_type": "qwen3"} if kind in ("dflash", "dspark") else {"eagle_aux_hidden_state_layer_ids": list(layers)}
+    (folder / "config.json").write_text(json.dumps(cfg))
     return folder
 
 
@@ -93,12 +95,37 @@ def test_refusals_name_what_to_pass(tmp_path):
         lc.draft_spec(fake_export(tmp_path / "sg", fmt="sglang"))
     with pytest.raises(lc.RefusedExport, match="a dflash export in format vllm"):  # DFlashSpeculator: unsupported
         lc.draft_spec(fake_export(tmp_path / "df", kind="dflash"))
+    with pytest.raises(lc.RefusedExport, match="a medusa export in format vllm-0.32"):
+        lc.draft_spec(fake_export(tmp_path / "me", kind="medusa", fmt="vllm-0.32"))
     peagle = fake_export(tmp_path / "pe")
     (peagle / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
     with pytest.raises(lc.RefusedExport, match="has no P-EAGLE"):
         lc.draft_spec(peagle)
-    with pytest.raises(lc.RefusedExport, match=r"taps 4 target layers .* takes exactly 3"):
+    with pytest.raises(lc.RefusedExport, match=r"eagle_aux_hidden_state_layer_ids \[1, 2, 3, 4\] taps 4 target layers; "
+                       r"llama.cpp 0c1e570 says \"EAGLE3 requires exactly 3 entries in 'extract_layers'\""):
         lc.draft_spec(fake_export(tmp_path / "four", layers=(1, 2, 3, 4)))
+
+
+def test_dflash_dspark_and_mtp_refusals_quote_the_converter(tmp_path):
+    llama = fake_export(tmp_path / "llama", "dflash", "vllm-native", ())
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(lc.RefusedExport, match=r"config.json: model_type 'llama'; .* Qwen3 stack only .*"
+                       r"class DFlashModel\(Qwen3Model\)"):
+        lc.draft_spec(llama)
+    qwen = fake_export(tmp_path / "qwen", "dflash", "vllm-native", ())
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert lc.draft_spec(qwen)[0] == "draft-dflash"
+    gated = fake_export(tmp_path / "gated", "dspark", "vllm", ())
+    (gated / "config.json").write_text(json.dumps({"transformer_layer_config": {"model_type": "qwen3"},
+                                                   "markov_head_type": "gated"}))
+    with pytest.raises(lc.RefusedExport, match=r"unsupported markov_head_type 'gated' \(only 'vanilla' is supported\)"):
+        lc.draft_spec(gated)
+    mtp = fake_export(tmp_path / "mtp", "mtp", "vllm", ())
+    (mtp / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(lc.RefusedExport, match=r"architectures \['DeepseekV3ForCausalLM'\]; .* \(supports_mtp_export\)"):
+        lc.draft_spec(mtp)
+    (mtp / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"]}))
+    assert lc.draft_spec(mtp)[0] == "draft-mtp"
 
 
 def test_cli_refuses_a_bad_export_before_building_anything(tmp_path, capsys, monkeypatch):
@@ -111,7 +138,7 @@ def test_missing_build_and_missing_tools_say_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     with pytest.raises(lc.LlamaCppError, match="is not built under .*specheads.engines.llamacpp ensure"):
         lc.ensure(build=False)
-    monkeypatch.setattr(lc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(lc.LlamaCppError, match=r"needs cmake, a C compiler .*apt-get install cmake build-essential"):
         lc.ensure(progress=lambda m: None)
     assert not (tmp_path / "engines").exists()  # nothing downloaded
@@ -206,7 +233,7 @@ def test_tiny_eagle3_export_converts(tiny_export, tmp_path):
 @needs_build
 def test_speculative_equals_plain_and_drafts_are_accepted(tiny_export, tmp_path):
     export_dir, tiny = tiny_export
-    random = lc.check(export_dir, tiny, tmp_path / "random", n_predict=24, limit=2, require_accepted=False,
+    random = llamacpp_check.check(export_dir, tiny, tmp_path / "random", n_predict=24, limit=2, require_accepted=False,
                       progress=lambda m: None)
     assert random["verdict"] == "PASS" and random["greedy_equal"] and random["drafted"] > 0
     # the tiny target's greedy continuation of these prompts: draft its most frequent token
@@ -215,7 +242,7 @@ def test_speculative_equals_plain_and_drafts_are_accepted(tiny_export, tmp_path)
     tokens = [t for o in plain for t in o.tokens]
     token = max(set(tokens), key=tokens.count)
     accepting = always_drafting(export_dir, tmp_path / "accepting", token)
-    r = lc.check(accepting, tiny, tmp_path / "accept", n_predict=24, limit=2, progress=lambda m: None)
+    r = llamacpp_check.check(accepting, tiny, tmp_path / "accept", n_predict=24, limit=2, progress=lambda m: None)
     assert r["verdict"] == "PASS", r["problems"]
     assert r["greedy_equal"] and r["accepted"] > 0 and r["accepted_per_drafted"] > 0.5
 
