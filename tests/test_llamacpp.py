@@ -277,3 +277,37 @@ def test_omp_wait_policy_is_passed_and_recorded(monkeypatch):
     server = lc.Server(FAKE, Path("/m.gguf"), env=lc.omp_env("PASSIVE"))
     assert server.env == {"OMP_WAIT_POLICY": "PASSIVE"} and FAKE.env(**server.env)["OMP_WAIT_POLICY"] == "PASSIVE"
     assert FAKE.env()["LD_LIBRARY_PATH"].split(":")[0] == "/opt/llama.cpp/build/bin"
+
+
+# --- the cost curve (bench/llamacpp.py --cost): arithmetic on llama.cpp's counters, no binaries ---------
+def test_cost_curve_from_llama_cpp_counters():
+    from bench.llamacpp import cond_acceptance, cost_curve, draft_step_ms, fit_draft_costs
+
+    assert cond_acceptance({"drafts": 10, "accepted_per_pos": [8, 4, 1]}) == [0.8, 0.5, 0.25]
+    assert cond_acceptance({"drafts": 0, "accepted_per_pos": [0]}) == [0.0]
+    outs = [lc.Completion("", [], {"predicted_n": 11, "predicted_ms": 40.0, "draft_n": 12, "draft_n_accepted": 2})]
+    assert draft_step_ms(outs) == (5.0, 8)  # 11 tokens = the first + 8 steps x (1 + 2 accepted over them)
+    verify = {2: 3.0, 3: 4.0, 4: 5.0}
+    fixed, per = fit_draft_costs({1: 3.5, 2: 5.0, 3: 6.5}, verify)  # step - verify = 0.5 + 0.5 k
+    assert fixed == pytest.approx(0.0) and per == pytest.approx(0.5)
+    run = {"plain_tok_s": 500.0, "verify_samples_ms": {1: [2.9, 3.0, 3.1], 2: [4.0], 3: [5.0]},
+           "spec": {1: {"step_ms": 5.0, "steps": 10}, 2: {"step_ms": 6.2, "steps": 10}}}
+    c = cost_curve(run)  # plain step 2 ms, request overhead 3 - 2 = 1 ms taken off every t(n)
+    assert c["request_overhead_ms"] == pytest.approx(1.0) and c["t_ms"] == pytest.approx({1: 2.0, 2: 3.0, 3: 4.0})
+    assert c["v"] == pytest.approx({1: 1.0, 2: 1.5, 3: 2.0})
+    assert c["c_per_k"] == pytest.approx({1: 1.0, 2: 0.55})  # (5 - 3) / 1 / 2, (6.2 - 4) / 2 / 2
+
+
+def test_cost_prediction_says_no_speculation_when_the_draft_costs_more_than_it_saves():
+    from bench.llamacpp import predicted, recommendation
+
+    flat = {"t_ms": {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, "plain_step_ms": 1.0, "draft_fixed_ms": 0.0,
+            "draft_per_token_ms": 0.14}  # verifying 4 tokens barely costs more than 1
+    cheap = predicted(flat, [0.9, 0.85, 0.8], [1, 2, 3])
+    # k = 3: 3.28 tokens per step / (1.3 + 3 x 0.14)
+    assert cheap.speculate() and recommendation(cheap) == "--spec-draft-n-max 3 (predicted 1.91x of plain llama.cpp)"
+    # the hand measurement on SmolLM2 Q4_1 (v(2) 1.8, v(3) 2.4, v(4) 3.3, c 0.14): even 90% acceptance loses
+    cpu = {**flat, "t_ms": {1: 1.0, 2: 1.8, 3: 2.4, 4: 3.3}}
+    dear = predicted(cpu, [0.9, 0.85, 0.8], [1, 2, 3])
+    assert not dear.speculate() and recommendation(dear) == (
+        "no speculation (best predicted: k=1 at 0.98x of plain llama.cpp)")
