@@ -101,11 +101,16 @@ def median(xs: list[float]) -> float | None:
 
 
 def draft_step_ms(outs: list[lc.Completion]) -> tuple[float, int]:
-    """(generation ms per speculative step, steps): each step emits 1 + its accepted drafts; the first
-    generated token comes from the prompt's logits (no step)."""
-    ms = sum(float(o.timings.get("predicted_ms") or 0.0) for o in outs)
-    steps = sum(int(o.timings.get("predicted_n") or 0) - 1 - o.accepted for o in outs)
-    return (ms / steps if steps > 0 else float("nan")), steps
+    """(median over requests of generation ms per decoding step, steps in all): each step emits 1 + its
+    accepted drafts; the first generated token comes from the prompt's logits (no step). Plain
+    decoding has no drafts: one token per step."""
+    per, total = [], 0
+    for o in outs:
+        steps = int(o.timings.get("predicted_n") or 0) - 1 - o.accepted
+        if steps > 0:
+            per.append(float(o.timings.get("predicted_ms") or 0.0) / steps)
+            total += steps
+    return (statistics.median(per) if per else float("nan")), total
 
 
 def fit_draft_costs(step_ms: dict[int, float], verify_ms: dict[int, float]) -> tuple[float, float]:
@@ -124,21 +129,24 @@ def cost_run(a, b: lc.LlamaCpp, target_gguf: Path, draft_gguf: Path, spec_type: 
     ks, ns = list(range(1, a.max_k + 1)), list(range(1, a.max_k + 2))
     env = lc.omp_env(a.omp_wait_policy)
     load = {"before": lc.load_average()}
-    plain, _ = lc.decode_all(b, target_gguf, lc.SpecSettings(), prompts, a.n_predict, a.threads, out / "cost-plain.log",
-                             omp=a.omp_wait_policy, warmup=2)
+    plain, _ = lc.decode_all(b, target_gguf, lc.SpecSettings(), prompts * a.spec_reps, a.n_predict, a.threads,
+                             out / "cost-plain.log", omp=a.omp_wait_policy, warmup=2)
     pool = [t for _, ids in prompts[1:] for t in ids] + [t for o in plain for t in o.tokens]
     with lc.Server(b, target_gguf, threads=a.threads, log=out / "cost-verify.log", env=env) as server:
         samples = verify_costs(server, prompts[0][1], pool, ns, a.reps)
     spec_rows = {}
     for k in ks:
-        outs, _ = lc.decode_all(b, target_gguf, lc.SpecSettings((spec_type,), draft_gguf, n_max=k), prompts, a.n_predict,
-                                a.threads, out / f"cost-spec-k{k}.log", omp=a.omp_wait_policy, warmup=1)
+        outs, _ = lc.decode_all(b, target_gguf, lc.SpecSettings((spec_type,), draft_gguf, n_max=k), prompts * a.spec_reps,
+                                a.n_predict, a.threads, out / f"cost-spec-k{k}.log", omp=a.omp_wait_policy, warmup=1)
         ms, steps = draft_step_ms(outs)
+        accepted = sum(o.accepted for o in outs)
         spec_rows[k] = {"k": k, "step_ms": ms, "steps": steps, "tok_s": llamacpp_check.tok_s(outs),
+                        "tokens_per_step": (steps + accepted) / steps if steps else None,
                         "drafted": sum(o.drafted for o in outs), "accepted": sum(o.accepted for o in outs),
                         "greedy_equal": all(o.tokens == p.tokens for o, p in zip(outs, plain))}
     load["after"] = lc.load_average()
-    return {"plain_tok_s": llamacpp_check.tok_s(plain), "verify_samples_ms": samples, "spec": spec_rows, "load_average": load}
+    return {"plain_tok_s": llamacpp_check.tok_s(plain), "plain_step_ms": draft_step_ms(plain)[0],
+            "verify_samples_ms": samples, "spec": spec_rows, "load_average": load}
 
 
 def cost_curve(run: dict) -> dict:
@@ -147,7 +155,7 @@ def cost_curve(run: dict) -> dict:
     new token exceeds a plain decoding step by the request's own overhead (slot start, prompt-cache
     match): that difference is taken off every t(n)."""
     raw = {n: median(xs) for n, xs in run["verify_samples_ms"].items() if xs}
-    plain_ms = 1000 / run["plain_tok_s"]
+    plain_ms = run["plain_step_ms"]
     overhead = max(0.0, raw[1] - plain_ms)
     t = {n: max(x - overhead, 1e-6) for n, x in raw.items()}
     step_ms = {k: r["step_ms"] for k, r in run["spec"].items() if r["steps"] > 0}
@@ -173,23 +181,34 @@ def cost_markdown(r: dict) -> str:
              "table only). Verification cost t(n): llama-server's `prompt_ms` for n new tokens after a cached "
              f"prefix, median of {r['reps']}, less the request's own overhead ({c['request_overhead_ms']:.2f} ms: "
              "prompt_ms of one token minus a plain step); v(n) = t(n) / plain step. The draft's cost: llama-server's "
-             "generation time per speculative step at each k minus t(k+1), fitted as fixed + c per draft token.", "",
-             f"plain: {r['plain_tok_s']:.1f} tok/s ({c['plain_step_ms']:.3f} ms/step). Draft cost c = {c['c']:.3f} of a "
+             "generation time per speculative step at each k (median over requests) minus t(k+1), fitted as fixed + c "
+             "per draft token.", "",
+             f"plain: {r['plain_tok_s']:.1f} tok/s in total, {c['plain_step_ms']:.3f} ms per step (median). "
+             f"Draft cost c = {c['c']:.3f} of a "
              f"plain step per draft token (+ {c['draft_fixed']:.3f} fixed per step; per k: "
              f"{ {k: round(x, 3) for k, x in c['c_per_k'].items()} }).", "",
              "| n | prompt_ms (raw) | t(n) ms | v(n) |", "|---|---|---|---|"]
     lines += [f"| {n} | {c['t_raw_ms'][n]:.3f} | {c['t_ms'][n]:.3f} | {c['v'][n]:.2f} |" for n in sorted(c["t_ms"])]
-    lines += ["", "| k | E tokens/step | predicted | measured in llama.cpp | accepted/drafted | greedy-equal |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "Measured: llama.cpp's tokens per step x plain step / speculative step (medians over requests, as "
+              "the costs); tok/s: totals, which outlier requests on a shared machine move more.", "",
+              "| k | E tokens/step (ours) | predicted | tokens/step (llama.cpp) | measured | tok/s | accepted/drafted "
+              "| greedy-equal |", "|---|---|---|---|---|---|---|---|"]
     for row in r["prediction"]["chains"]:
         m = r["measured"].get(row["k"]) or r["measured"].get(str(row["k"])) or {}
-        ratio = f"{m['tok_s'] / r['plain_tok_s']:.2f}x" if m.get("tok_s") else "-"
+        ratio = f"{measured_speedup(m, c):.2f}x" if m.get("tokens_per_step") else "-"
         rate = f"{m['accepted']}/{m['drafted']}" if m.get("drafted") else "-"
-        lines.append(f"| {row['k']} | {row['expected_tokens']:.2f} | {row['speedup']:.2f}x | {ratio} | {rate} | "
-                     f"{m.get('greedy_equal', '-')} |")
+        tps = f"{m['tokens_per_step']:.2f}" if m.get("tokens_per_step") else "-"
+        speed = f"{m['tok_s']:.0f}" if m.get("tok_s") else "-"
+        lines.append(f"| {row['k']} | {row['expected_tokens']:.2f} | {row['speedup']:.2f}x | {tps} | {ratio} | {speed} | "
+                     f"{rate} | {m.get('greedy_equal', '-')} |")
     lines += ["", f"Acceptance profile (conditional, per position): {[round(x, 3) for x in r['cond_acceptance']]} "
               f"({r['acceptance_source']}).", "", f"**Recommendation: {r['recommendation']}**"]
     return "\n".join(lines) + "\n"
+
+
+def measured_speedup(m: dict, curve: dict) -> float:
+    """llama.cpp's own speed-up at one k, from the same medians the costs come from."""
+    return m["tokens_per_step"] * curve["plain_step_ms"] / m["step_ms"]
 
 
 def recommendation(pred) -> str:
@@ -201,8 +220,9 @@ def recommendation(pred) -> str:
 
 def cost_main(a, b: lc.LlamaCpp, out: Path) -> dict:
     """The --cost mode: GGUFs (converted unless given), prompts, the run, the curve and the prediction."""
-    g = llamacpp_check.prepare(Path(a.draft), Path(a.target), out / "gguf", b, print)
-    target_gguf = Path(a.target_gguf) if a.target_gguf else g.target
+    g = llamacpp_check.prepare(Path(a.draft), Path(a.target), out / "gguf", b, print,
+                               Path(a.target_gguf) if a.target_gguf else None)
+    target_gguf = g.target
     draft_gguf = Path(a.draft_gguf) if a.draft_gguf else g.draft
     prompts = lc.prompt_ids(Path(a.target), Path(a.prompts) if a.prompts else None, a.limit)
     run = cost_run(a, b, target_gguf, draft_gguf, g.spec_type, prompts, out)
@@ -239,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                    "predict the speed-up per k instead of the side-by-side rows")
     p.add_argument("--max-k", type=int, default=4, help="--cost: draft lengths 1..K (verification of 1..K+1 tokens)")
     p.add_argument("--reps", type=int, default=15, help="--cost: repetitions of each verification size")
+    p.add_argument("--spec-reps", type=int, default=3, help="--cost: each prompt decoded this many times per k "
+                   "(and plain); step costs are medians over requests")
     p.add_argument("--target-gguf", default=None, help="--cost: an existing target GGUF (e.g. Q4_1) instead of f32")
     p.add_argument("--draft-gguf", default=None, help="--cost: an existing sidecar instead of the export's")
     p.add_argument("--quantization", default="f32", help="--cost: what --target-gguf holds, for the record")

@@ -285,12 +285,15 @@ def test_cost_curve_from_llama_cpp_counters():
 
     assert cond_acceptance({"drafts": 10, "accepted_per_pos": [8, 4, 1]}) == [0.8, 0.5, 0.25]
     assert cond_acceptance({"drafts": 0, "accepted_per_pos": [0]}) == [0.0]
-    outs = [lc.Completion("", [], {"predicted_n": 11, "predicted_ms": 40.0, "draft_n": 12, "draft_n_accepted": 2})]
-    assert draft_step_ms(outs) == (5.0, 8)  # 11 tokens = the first + 8 steps x (1 + 2 accepted over them)
+    outs = [lc.Completion("", [], {"predicted_n": 11, "predicted_ms": 40.0, "draft_n": 12, "draft_n_accepted": 2}),
+            lc.Completion("", [], {"predicted_n": 5, "predicted_ms": 40.0}),
+            lc.Completion("", [], {"predicted_n": 3, "predicted_ms": 1.0})]
+    # 11 tokens = the first + 8 steps (+ 2 accepted over them): 5 ms a step; plain 4 steps of 10 ms, 2 of 0.5
+    assert draft_step_ms(outs) == (5.0, 14)
     verify = {2: 3.0, 3: 4.0, 4: 5.0}
     fixed, per = fit_draft_costs({1: 3.5, 2: 5.0, 3: 6.5}, verify)  # step - verify = 0.5 + 0.5 k
     assert fixed == pytest.approx(0.0) and per == pytest.approx(0.5)
-    run = {"plain_tok_s": 500.0, "verify_samples_ms": {1: [2.9, 3.0, 3.1], 2: [4.0], 3: [5.0]},
+    run = {"plain_tok_s": 500.0, "plain_step_ms": 2.0, "verify_samples_ms": {1: [2.9, 3.0, 3.1], 2: [4.0], 3: [5.0]},
            "spec": {1: {"step_ms": 5.0, "steps": 10}, 2: {"step_ms": 6.2, "steps": 10}}}
     c = cost_curve(run)  # plain step 2 ms, request overhead 3 - 2 = 1 ms taken off every t(n)
     assert c["request_overhead_ms"] == pytest.approx(1.0) and c["t_ms"] == pytest.approx({1: 2.0, 2: 3.0, 3: 4.0})

@@ -95,8 +95,9 @@ def _run_check(a: argparse.Namespace) -> int:
         faults = [fault_check(Path(a.export), Path(a.target), work / f, f, progress=lambda m: None, **kw) for f in FAULTS]
         write_json(work / "llamacpp-faults.json", faults)
         for f in faults:
-            print(f"{f['fault']}: {'caught' if f['caught'] else 'NOT CAUGHT'}: {f['how'][:300]}")
-        return 0 if all(f["caught"] for f in faults) else 1
+            verdict = {True: "caught", False: "NOT CAUGHT", None: "not applicable"}[f["caught"]]
+            print(f"{f['fault']}: {verdict}: {f['how'][:300]}")
+        return 0 if all(f["caught"] is not False for f in faults) else 1
     r = check(Path(a.export), Path(a.target), work, **kw)
     write_json(work / "llamacpp-check.json", r)
     print(format_check(r))

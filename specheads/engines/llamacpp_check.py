@@ -47,8 +47,10 @@ def refuse_early(export_dir: Path) -> None:
     lc.draft_spec(export_dir / "source" if is_gguf else export_dir)
 
 
-def prepare(export_dir: Path, target_dir: Path, work: Path, b: lc.LlamaCpp, progress=print) -> Ggufs:
-    """A gguf folder's own files, or (any other export) both GGUFs converted into `work`."""
+def prepare(export_dir: Path, target_dir: Path, work: Path, b: lc.LlamaCpp, progress=print,
+            target_gguf: Path | None = None) -> Ggufs:
+    """A gguf folder's own files, or (any other export) both GGUFs converted into `work`; `target_gguf`:
+    the target's GGUF to use instead (nothing converted for it)."""
     export_dir, work = Path(export_dir), Path(work)
     record = json.loads((export_dir / "specheads.json").read_text()) if (export_dir / "specheads.json").is_file() else {}
     if record.get("format") == GGUF_FORMAT:
@@ -56,6 +58,7 @@ def prepare(export_dir: Path, target_dir: Path, work: Path, b: lc.LlamaCpp, prog
         lc.draft_spec(source)
         target, draft = export_dir / "target.gguf", export_dir / "draft.gguf"
         conv = dict(record.get("conversions") or {})
+        target = Path(target_gguf) if target_gguf else target
         if not target.is_file():
             progress(f"[llama.cpp] converting the target {target_dir} -> {work / 'target-f32.gguf'}")
             target = work / "target-f32.gguf"
@@ -66,8 +69,12 @@ def prepare(export_dir: Path, target_dir: Path, work: Path, b: lc.LlamaCpp, prog
     in_target = LLAMA_CPP_GGUF[kind].in_target if kind in LLAMA_CPP_GGUF else False
     work.mkdir(parents=True, exist_ok=True)
     target, draft = work / "target-f32.gguf", None if in_target else work / "draft-f32.gguf"
-    progress(f"[llama.cpp] converting the target {target_dir} -> {target}")
-    conv = {"target": lc.convert(export_dir if in_target else Path(target_dir), target, b=b)}
+    conv = {}
+    if target_gguf:
+        target = Path(target_gguf)
+    else:
+        progress(f"[llama.cpp] converting the target {target_dir} -> {target}")
+        conv["target"] = lc.convert(export_dir if in_target else Path(target_dir), target, b=b)
     if draft is not None:
         progress(f"[llama.cpp] converting the draft {export_dir} -> {draft}")
         conv["draft"] = lc.convert_draft(export_dir, target_dir, draft, b=b)
@@ -182,13 +189,16 @@ def row(pid: str, ids: list[int], p: server.Completion, s: server.Completion) ->
 
 
 def fault_check(export_dir: Path, target_dir: Path, work: Path, fault: str, **kw) -> dict:
-    """The check on a copy of the sidecar with `fault` (llamacpp_gguf.FAULTS): caught = it did not PASS."""
+    """The check on a copy of the sidecar with `fault` (llamacpp_gguf.FAULTS): caught = it did not PASS
+    (None: the fault does not apply, e.g. no d2t in a full-vocabulary head)."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     g = prepare(Path(export_dir), Path(target_dir), work / "clean", lc.ensure(progress=lambda m: None), lambda m: None)
     if g.draft is None:
         raise lc.RefusedExport(f"{export_dir}: no sidecar (a {g.kind} head runs from the target GGUF): nothing to fault")
     faulty = FAULTS[fault](g.draft, work / f"draft-{fault}.gguf")
+    if faulty is None:
+        return {"fault": fault, "caught": None, "how": "not applicable to this sidecar"}
     try:
         r = check(export_dir, target_dir, work, draft_override=faulty, **kw)
     except lc.LlamaCppError as e:

@@ -85,26 +85,30 @@ def rewrite(src: Path, dst: Path, rename: dict[str, str] | None = None, arrays: 
     return dst
 
 
-def _renamed_tensor(src: Path, dst: Path) -> Path:
+def _renamed_tensor(src: Path, dst: Path) -> Path | None:
     name = next(n for n in read_sidecar(src)["tensors"] if n.endswith("attn_q.weight"))
     return rewrite(src, dst, rename={name: name.replace("attn_q", "attn_qq")})
 
 
-def _wrong_d2t(src: Path, dst: Path) -> Path:
+def _wrong_d2t(src: Path, dst: Path) -> Path | None:
     """Two draft ids swap their target tokens (the GGUF stores target ids): still a valid map, so
-    llama.cpp loads it."""
-    ids = read_sidecar(src)["d2t"].copy()
+    llama.cpp loads it. None: the sidecar drafts the whole vocabulary (no d2t to get wrong)."""
+    d2t = read_sidecar(src)["d2t"]
+    if d2t is None:
+        return None
+    ids = d2t.copy()
     ids[[0, 1]] = ids[[1, 0]]
     return rewrite(src, dst, tensors={"d2t": ids})
 
 
-def _wrong_aux_layers(src: Path, dst: Path) -> Path:
+def _wrong_aux_layers(src: Path, dst: Path) -> Path | None:
     """Each aux layer id one lower (the off-by-one of SGLang's numbering): still 3 valid layers."""
     layers = read_sidecar(src)["target_layers"]
     return rewrite(src, dst, arrays={"eagle3.target_layers": [max(0, x - 1) for x in layers]})
 
 
-FAULTS: dict[str, Callable[[Path, Path], Path]] = {
+# fault -> writes the faulted copy of src at dst (None: the fault does not apply to this sidecar)
+FAULTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "renamed-tensor": _renamed_tensor,
     "wrong-d2t": _wrong_d2t,
     "wrong-aux-layers": _wrong_aux_layers,

@@ -181,15 +181,16 @@ def llamacpp_row(row: Row, report: EngineCheck, work: Path, log=print) -> None:
     except lc.LlamaCppError as e:
         report.stages["config"] = Stage(FAIL, str(e)[-1500:])
         return
-    pre = r["conversions"]["target"]["pre_tokenizer"]["fallback_applied"]
+    pre = ((r["conversions"].get("target") or {}).get("pre_tokenizer") or {}).get("fallback_applied")
     report.stages["config"] = Stage(PASS, "converted to GGUF and loaded" + (f" (pre-tokenizer {pre})" if pre else ""))
     static = r["sidecar_problems"]
     faults = [llamacpp_check.fault_check(row.export, target, work / "faults" / f, f, limit=2, n_predict=32,
                                          compare_ours=row.trained, omp="PASSIVE", progress=lambda m: None)
               for f in (llamacpp_check.FAULTS if r["spec_type"] == "draft-eagle3" else ())]
-    missed = [f["fault"] for f in faults if not f["caught"]]
+    missed = [f["fault"] for f in faults if f["caught"] is False]
+    caught = [f["fault"] for f in faults if f["caught"]]
     report.stages["weights"] = Stage(FAIL if static or missed else PASS, "; ".join(
-        static + [f"injected fault not caught: {m}" for m in missed]) or f"{len(faults)} injected faults caught")
+        static + [f"injected fault not caught: {m}" for m in missed]) or f"injected faults caught: {', '.join(caught)}")
     dynamic = [p for p in r["problems"] if p not in static]
     report.stages["forward"] = Stage(PASS if not dynamic else FAIL, "; ".join(dynamic))
     report.numbers = {k: r[k] for k in ("prompts", "drafted", "accepted", "accepted_per_drafted", "greedy_equal",
@@ -219,7 +220,7 @@ def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
             notes.append(f"decoded: greedy-equal {n['greedy_equal']}, accepted/drafted {n['accepted']}/{n['drafted']}"
                          + (f" (ours {ours:.3f})" if ours is not None else "")
                          + (f", tok/s {speed['plain']:.0f} plain / {speed['spec']:.0f} drafted" if speed.get("spec") else "")
-                         + (f", {len(n['faults'])} faults caught" if n.get("faults") else ""))
+                         + (f", {sum(bool(f['caught']) for f in n['faults'])} faults caught" if n.get("faults") else ""))
         if row.note:
             notes.append(row.note)
         lines.append(f"| {row.kind} | {row.format} | {r.engine} {r.engine_version or ''} | {row.name} | "
