@@ -93,6 +93,11 @@ LLAMA_CPP_GGUF = {
 }
 # target architectures whose converter class exports an MTP block with `--mtp` (supports_mtp_export)
 LLAMA_CPP_MTP_FAMILIES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# Qwen3.5: the converter writes rope mrope_section, or [11, 11, 10] when the config has none
+# (conversion/qwen.py); llama.cpp's rope aborts unless its sum fits the rotary dims, head_dim x
+# partial_rotary_factor ("GGML_ASSERT(sect_dims <= ne0)", ggml-cpu/ops.cpp)
+LLAMA_CPP_QWEN35_MROPE_DEFAULT = (11, 11, 10)
+LLAMA_CPP_MROPE_FAMILIES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # the backbone llama.cpp's DFlash / DSpark converter reads: `class DFlashModel(Qwen3Model)` (conversion/qwen.py)
 LLAMA_CPP_DFLASH_BACKBONE = "qwen3"
 # (kind, export format) llama.cpp's converter reads -> the `--spec-type` that runs it (EAGLE-3: never

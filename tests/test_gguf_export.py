@@ -100,6 +100,9 @@ def test_eagle3_gguf_folder_serves_greedy_equal(eagle3_gguf, tiny_target_dir, tm
                              progress=lambda m: None)
     assert r["verdict"] == "PASS", r["problems"]
     assert r["greedy_equal"] and r["drafted"] > 0 and r["tok_s"]["plain"] and r["tok_s"]["spec"]
+    # the gpt-2 pre-tokenizer named for the tiny target's unknown hash splits text as the HF tokenizer does
+    assert r["conversions"]["target"]["pre_tokenizer"]["fallback_applied"] == "gpt-2"
+    assert r["tokenizer_agreement"] == {"texts": 3, "equal": 3, "differ": []}
 
 
 @pytest.mark.engine

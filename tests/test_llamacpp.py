@@ -126,6 +126,14 @@ def test_dflash_dspark_and_mtp_refusals_quote_the_converter(tmp_path):
         lc.draft_spec(mtp)
     (mtp / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"]}))
     assert lc.draft_spec(mtp)[0] == "draft-mtp"
+    qwen35 = {"architectures": ["Qwen3_5ForCausalLM"], "head_dim": 256, "hidden_size": 1024, "num_attention_heads": 8,
+              "rope_parameters": {"partial_rotary_factor": 0.25}}  # 64 rotary dims hold the default 11 + 11 + 10
+    (mtp / "config.json").write_text(json.dumps(qwen35))
+    assert lc.draft_spec(mtp)[0] == "draft-mtp"
+    (mtp / "config.json").write_text(json.dumps({**qwen35, "head_dim": 8}))  # 2 rotary dims: llama.cpp aborts
+    with pytest.raises(lc.RefusedExport, match=r"mrope_section \[11, 11, 10\] .* gives 2 rotary dims; .*"
+                       r"GGML_ASSERT\(sect_dims <= ne0\) failed"):
+        lc.draft_spec(mtp)
 
 
 def test_cli_refuses_a_bad_export_before_building_anything(tmp_path, capsys, monkeypatch):

@@ -124,6 +124,11 @@ def acceptance_problem(llama: float | None, mine: float | None, tolerance: float
             f"({rel:.1%} apart, tolerance {tolerance:.0%})")
 
 
+def pre_tokenizer_name(g: Ggufs) -> str | None:
+    """The pre-tokenizer our shim named for the target's GGUF, if it had to."""
+    return ((g.conversions.get("target") or {}).get("pre_tokenizer") or {}).get("fallback_applied")
+
+
 def draft_n_max(g: Ggufs, n_max: int | None) -> int | None:
     if g.spec_type in BLOCK_TYPES:
         return None
@@ -132,14 +137,16 @@ def draft_n_max(g: Ggufs, n_max: int | None) -> int | None:
 
 def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | None = None, limit: int = 8,
           n_predict: int = 64, threads: int = 2, n_max: int | None = None, require_accepted: bool = True,
-          compare_ours: bool = False, omp: str | None = None, progress=print, draft_override: Path | None = None) -> dict:
+          compare_ours: bool = False, omp: str | None = None, progress=print, draft_override: Path | None = None,
+          prepared: Ggufs | None = None) -> dict:
     """Plain vs speculative llama.cpp on the same prompts (see the module docstring); `draft_override`
-    decodes with that sidecar instead of the export's (fault injection)."""
+    decodes with that sidecar instead of the export's (fault injection); `prepared`: GGUFs already
+    converted by `prepare` for this export."""
     refuse_early(Path(export_dir))  # before llama.cpp is looked for (or built)
     b = lc.ensure(progress=progress)
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    g = prepare(Path(export_dir), Path(target_dir), work, b, progress)
+    g = prepared or prepare(Path(export_dir), Path(target_dir), work, b, progress)
     draft = draft_override or g.draft
     sidecar = sidecar_problems(draft, g.source) if draft is not None else []
     problems = list(sidecar)
@@ -147,7 +154,14 @@ def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | N
     k = draft_n_max(g, n_max)
     load0 = server.load_average()
     plain, plain_s = server.decode_all(b, g.target, server.SpecSettings(), prompts, n_predict, threads,
-                                   work / "server-plain.log", omp=omp)
+                                       work / "server-plain.log", omp=omp)
+    texts = [t for _, t in server.prompt_texts(prompts_file, limit)] + [server.SPLIT_PROBE]
+    with server.Server(b, g.target, threads=threads, log=work / "server-tokenize.log") as s:
+        tokens = server.tokenizer_agreement(s, Path(target_dir), texts)
+    if tokens["differ"]:
+        problems.append(f"llama.cpp tokenizes {len(tokens['differ'])} of {tokens['texts']} texts differently from "
+                        f"the HF tokenizer (pre-tokenizer: {pre_tokenizer_name(g) or 'the converter choice'}): "
+                        f"{tokens['differ'][:2]}")
     spec_settings = server.SpecSettings((g.spec_type,), draft, n_max=k)
     spec, spec_s = server.decode_all(b, g.target, spec_settings, prompts, n_predict, threads, work / "server-spec.log", omp=omp)
     rows = [row(pid, ids, p, s) for (pid, ids), p, s in zip(prompts, plain, spec)]
@@ -168,6 +182,7 @@ def check(export_dir: Path, target_dir: Path, work: Path, prompts_file: Path | N
         mine["same_tokens_as_llama_cpp_plain"] = f"{sum(same)}/{len(same)}"
         problems += [p for p in [acceptance_problem(rate, mine["accepted_per_drafted"])] if p]
     return {"verdict": "PASS" if not problems else "FAIL", "problems": problems, "sidecar_problems": sidecar,
+            "tokenizer_agreement": tokens,
             "engine": LLAMA_CPP.label,
             "version": b.version(), "export": str(export_dir), "target": str(target_dir), "kind": g.kind,
             "spec_type": g.spec_type, "spec_draft_n_max": k, "threads": threads, "omp_wait_policy": server.omp_label(omp),
@@ -188,19 +203,21 @@ def row(pid: str, ids: list[int], p: server.Completion, s: server.Completion) ->
             "spec_tok_s": s.timings.get("predicted_per_second")}
 
 
-def fault_check(export_dir: Path, target_dir: Path, work: Path, fault: str, **kw) -> dict:
+def fault_check(export_dir: Path, target_dir: Path, work: Path, fault: str, prepared: Ggufs | None = None,
+                **kw) -> dict:
     """The check on a copy of the sidecar with `fault` (llamacpp_gguf.FAULTS): caught = it did not PASS
     (None: the fault does not apply, e.g. no d2t in a full-vocabulary head)."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    g = prepare(Path(export_dir), Path(target_dir), work / "clean", lc.ensure(progress=lambda m: None), lambda m: None)
+    g = prepared or prepare(Path(export_dir), Path(target_dir), work / "clean", lc.ensure(progress=lambda m: None),
+                            lambda m: None)
     if g.draft is None:
         raise lc.RefusedExport(f"{export_dir}: no sidecar (a {g.kind} head runs from the target GGUF): nothing to fault")
     faulty = FAULTS[fault](g.draft, work / f"draft-{fault}.gguf")
     if faulty is None:
         return {"fault": fault, "caught": None, "how": "not applicable to this sidecar"}
     try:
-        r = check(export_dir, target_dir, work, draft_override=faulty, **kw)
+        r = check(export_dir, target_dir, work, draft_override=faulty, prepared=g, **kw)
     except lc.LlamaCppError as e:
         return {"fault": fault, "caught": True, "how": f"llama.cpp refused the sidecar: {str(e).splitlines()[0][:300]}",
                 "detail": str(e)[-1500:]}
@@ -214,6 +231,8 @@ def format_check(r: dict) -> str:
     lines = [f"llama.cpp check: {r['verdict']}  ({r['version']})",
              f"  {r['prompts']} prompts x {r['n_predict']} tokens, {r['spec_type']} k={r['spec_draft_n_max'] or 'default'}, "
              f"threads {r['threads']}, OMP_WAIT_POLICY {r['omp_wait_policy']}, {r['quantization']}, load {r['load_average']}",
+             f"  tokenization equal to the HF tokenizer: {r['tokenizer_agreement']['equal']}/"
+             f"{r['tokenizer_agreement']['texts']} texts",
              f"  greedy-equal: {sum(x['equal'] for x in r['rows'])}/{len(r['rows'])}; accepted/drafted "
              f"{r['accepted']}/{r['drafted']} = {rate}; tok/s plain {speed['plain'] or 0:.1f}, with the draft "
              f"{speed['spec'] or 0:.1f}"]

@@ -147,6 +147,13 @@ class Server:
             raise LlamaCppError(f"/completion: HTTP {e.code}: {e.read()[:500]!r}\n{self.log_tail()}") from None
         return Completion(out.get("content", ""), list(out.get("tokens") or []), out.get("timings") or {})
 
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's token ids of `text` (no special tokens added)."""
+        data = json.dumps({"content": text, "add_special": False}).encode()
+        req = urllib.request.Request(self.url("/tokenize"), data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return [int(t) for t in json.loads(r.read()).get("tokens") or []]
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -161,18 +168,36 @@ class Server:
 
 
 # --- prompts ------------------------------------------------------------------------------------------
+BUILTIN_PROMPTS = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+                   "Write a function that reverses a list in place.", "import os\n\n\ndef walk(root):")
+# text that exercises a BPE pre-tokenizer's split (spaces, newlines, digits, contractions, punctuation)
+SPLIT_PROBE = "  two spaces\n\n\ttab 3 33 3333 3.14 I've 'RE they'll ... !!! ```code``` naïve 😀 über"
+
+
+def prompt_texts(prompts_file: Path | None, limit: int) -> list[tuple[str, str]]:
+    """(id, first user turn) of the prompts (default: 3 built-in ones)."""
+    if prompts_file is None:
+        return [(f"builtin-{i}", t) for i, t in enumerate(BUILTIN_PROMPTS[:limit])]
+    return [(row.id, row.turns[0]) for row in read_prompts(prompts_file, limit)]
+
+
 def prompt_ids(target_dir: Path, prompts_file: Path | None, limit: int) -> list[tuple[str, list[int]]]:
     """(id, token ids) of the prompts, chat-templated exactly as our eval does (data/prompts.py); the
     ids go to llama.cpp as they are, so both engines see the same tokens."""
     from transformers import AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    return [(pid, encode_chat(tok, user_turn(t))) for pid, t in prompt_texts(prompts_file, limit)]
+
+
+def tokenizer_agreement(server: Server, target_dir: Path, texts: list[str]) -> dict:
+    """llama.cpp's tokenization of `texts` (the GGUF's vocabulary and pre-tokenizer) against the HF
+    tokenizer's, no special tokens: where the pre-tokenizer choice would show."""
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    if prompts_file is None:
-        texts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-                 "Write a function that reverses a list in place.", "import os\n\n\ndef walk(root):"]
-        return [(f"builtin-{i}", encode_chat(tok, user_turn(t))) for i, t in enumerate(texts[:limit])]
-    return [(row.id, encode_chat(tok, user_turn(row.turns[0]))) for row in read_prompts(prompts_file, limit)]
+    differ = [t[:60] for t in texts if server.tokenize(t) != tok.encode(t, add_special_tokens=False)]
+    return {"texts": len(texts), "equal": len(texts) - len(differ), "differ": differ}
 
 
 # --- the engine check ---------------------------------------------------------------------------------

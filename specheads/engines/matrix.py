@@ -173,8 +173,10 @@ def llamacpp_row(row: Row, report: EngineCheck, work: Path, log=print) -> None:
     """Fill `report` with one row's llama.cpp stages (a head llama.cpp cannot run: REFUSED, in its words)."""
     target = row.target or row.export  # MTP: the export is the target
     try:
+        llamacpp_check.refuse_early(row.export)
+        g = llamacpp_check.prepare(row.export, target, work, lc.ensure(progress=log), log)
         r = llamacpp_check.check(row.export, target, work, limit=3, n_predict=48, require_accepted=row.trained,
-                                 compare_ours=row.trained, omp="PASSIVE", progress=log)
+                                 compare_ours=row.trained, omp="PASSIVE", progress=log, prepared=g)
     except lc.RefusedExport as e:
         report.stages["config"] = Stage(REFUSED, str(e))
         return
@@ -184,7 +186,7 @@ def llamacpp_row(row: Row, report: EngineCheck, work: Path, log=print) -> None:
     pre = ((r["conversions"].get("target") or {}).get("pre_tokenizer") or {}).get("fallback_applied")
     report.stages["config"] = Stage(PASS, "converted to GGUF and loaded" + (f" (pre-tokenizer {pre})" if pre else ""))
     static = r["sidecar_problems"]
-    faults = [llamacpp_check.fault_check(row.export, target, work / "faults" / f, f, limit=2, n_predict=32,
+    faults = [llamacpp_check.fault_check(row.export, target, work / "faults" / f, f, g, limit=2, n_predict=32,
                                          compare_ours=row.trained, omp="PASSIVE", progress=lambda m: None)
               for f in (llamacpp_check.FAULTS if r["spec_type"] == "draft-eagle3" else ())]
     missed = [f["fault"] for f in faults if f["caught"] is False]

@@ -30,8 +30,10 @@ from specheads.engine_facts import (
     LLAMA_CPP_DFLASH_BACKBONE,
     LLAMA_CPP_EAGLE3_LAYERS,
     LLAMA_CPP_GGUF,
+    LLAMA_CPP_MROPE_FAMILIES,
     LLAMA_CPP_MTP_FAMILIES,
     LLAMA_CPP_PRE_TOKENIZERS,
+    LLAMA_CPP_QWEN35_MROPE_DEFAULT,
     LLAMA_CPP_SPEC,
 )
 
@@ -318,7 +320,22 @@ def check_mtp(export_dir: Path, cfg: dict) -> dict:
                             "converter exports MTP blocks (supports_mtp_export) for "
                             f"{', '.join(LLAMA_CPP_MTP_FAMILIES)} of the families specheads trains MTP on; serve this "
                             "export with vLLM or SGLang")
+    if arch in LLAMA_CPP_MROPE_FAMILIES:
+        check_mrope(export_dir, cfg.get("text_config") or cfg)
     return cfg
+
+
+def check_mrope(export_dir: Path, cfg: dict) -> None:
+    """Qwen3.5: the M-RoPE sections the converter writes must fit the rotary dims, or llama.cpp aborts."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    sections = list(rope.get("mrope_section") or LLAMA_CPP_QWEN35_MROPE_DEFAULT)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = int(head_dim * (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0))
+    if sum(sections) > rotary:
+        raise RefusedExport(f"{export_dir / 'config.json'}: rope mrope_section {sections} (the converter's default when "
+                            f"the config has none) spans {sum(sections)} dims but head_dim {head_dim} x "
+                            f"partial_rotary_factor gives {rotary} rotary dims; llama.cpp {LLAMA_CPP.series} aborts "
+                            "decoding this target (\"GGML_ASSERT(sect_dims <= ne0) failed\", ggml-cpu/ops.cpp)")
 
 
 def convert_draft(export_dir: Path, target_dir: Path, out_gguf: Path, outtype: str = "f32",
