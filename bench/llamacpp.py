@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 from specheads.atomic import write_json, write_text
 from specheads.engines import llamacpp as lc
+from specheads.engines import llamacpp_check
+from specheads.eval.predict import StepCosts, predict
 
 DRAFTLESS_ROWS = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
@@ -67,10 +70,182 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- cost curve: llama.cpp's own draft and verification costs, and the speed-up they predict ---------
+def cond_acceptance(mine: dict) -> list[float]:
+    """Conditional acceptance per draft position from our verifier's counts (llamacpp_check.ours)."""
+    out, prev = [], mine["drafts"]
+    for n in mine["accepted_per_pos"]:
+        out.append(n / prev if prev else 0.0)
+        prev = n
+    return out
+
+
+def verify_costs(server: lc.Server, base: list[int], pool: list[int], ns: list[int], reps: int) -> dict[int, list[float]]:
+    """Milliseconds llama.cpp takes to evaluate n new tokens after a cached prefix (its `prompt_ms`),
+    for each n, `reps` times, interleaved so that drift hits every n alike. Each request's first new
+    token differs from the last one's, so exactly n tokens are evaluated (recorded: `prompt_n`)."""
+    server.complete(base, 1, cache_prompt=True)  # the prefix, cached from now on
+    out: dict[int, list[float]] = {n: [] for n in ns}
+    for r in range(reps):
+        for n in ns:
+            start = (r * len(ns) + n) % max(1, len(pool) - n)
+            extra = pool[start:start + n]
+            t = server.complete(base + extra, 1, cache_prompt=True).timings
+            if int(t.get("prompt_n") or 0) == n:
+                out[n].append(float(t["prompt_ms"]))
+    return out
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def draft_step_ms(outs: list[lc.Completion]) -> tuple[float, int]:
+    """(median over requests of generation ms per decoding step, steps in all): each step emits 1 + its
+    accepted drafts; the first generated token comes from the prompt's logits (no step). Plain
+    decoding has no drafts: one token per step."""
+    per, total = [], 0
+    for o in outs:
+        steps = int(o.timings.get("predicted_n") or 0) - 1 - o.accepted
+        if steps > 0:
+            per.append(float(o.timings.get("predicted_ms") or 0.0) / steps)
+            total += steps
+    return (statistics.median(per) if per else float("nan")), total
+
+
+def fit_draft_costs(step_ms: dict[int, float], verify_ms: dict[int, float]) -> tuple[float, float]:
+    """(fixed ms, ms per draft token) of the drafter: least squares of step(k) - verify(k + 1) on k."""
+    ks = [k for k in step_ms if k + 1 in verify_ms]
+    ys = [step_ms[k] - verify_ms[k + 1] for k in ks]
+    if len(ks) == 1:
+        return 0.0, ys[0] / ks[0]
+    mk, my = statistics.mean(ks), statistics.mean(ys)
+    slope = sum((k - mk) * (y - my) for k, y in zip(ks, ys)) / sum((k - mk) ** 2 for k in ks)
+    return max(0.0, my - slope * mk), max(0.0, slope)
+
+
+def cost_run(a, b: lc.LlamaCpp, target_gguf: Path, draft_gguf: Path, spec_type: str, prompts, out: Path) -> dict:
+    """Plain decoding, v(n) for n = 1..K+1, and the draft at each k = 1..K, each in llama-server."""
+    ks, ns = list(range(1, a.max_k + 1)), list(range(1, a.max_k + 2))
+    env = lc.omp_env(a.omp_wait_policy)
+    load = {"before": lc.load_average()}
+    plain, _ = lc.decode_all(b, target_gguf, lc.SpecSettings(), prompts * a.spec_reps, a.n_predict, a.threads,
+                             out / "cost-plain.log", omp=a.omp_wait_policy, warmup=2)
+    pool = [t for _, ids in prompts[1:] for t in ids] + [t for o in plain for t in o.tokens]
+    with lc.Server(b, target_gguf, threads=a.threads, log=out / "cost-verify.log", env=env) as server:
+        samples = verify_costs(server, prompts[0][1], pool, ns, a.reps)
+    spec_rows = {}
+    for k in ks:
+        outs, _ = lc.decode_all(b, target_gguf, lc.SpecSettings((spec_type,), draft_gguf, n_max=k), prompts * a.spec_reps,
+                                a.n_predict, a.threads, out / f"cost-spec-k{k}.log", omp=a.omp_wait_policy, warmup=1)
+        ms, steps = draft_step_ms(outs)
+        accepted = sum(o.accepted for o in outs)
+        spec_rows[k] = {"k": k, "step_ms": ms, "steps": steps, "tok_s": llamacpp_check.tok_s(outs),
+                        "tokens_per_step": (steps + accepted) / steps if steps else None,
+                        "drafted": sum(o.drafted for o in outs), "accepted": sum(o.accepted for o in outs),
+                        "greedy_equal": all(o.tokens == p.tokens for o, p in zip(outs, plain))}
+    load["after"] = lc.load_average()
+    return {"plain_tok_s": llamacpp_check.tok_s(plain), "plain_step_ms": draft_step_ms(plain)[0],
+            "verify_samples_ms": samples, "spec": spec_rows, "load_average": load}
+
+
+def cost_curve(run: dict) -> dict:
+    """t(n) (batch of n, per request overhead removed), v(n) = t(n) / plain step, the drafter's c
+    per draft token (and fixed part per step) relative to a plain step. A request's `prompt_ms` for one
+    new token exceeds a plain decoding step by the request's own overhead (slot start, prompt-cache
+    match): that difference is taken off every t(n)."""
+    raw = {n: median(xs) for n, xs in run["verify_samples_ms"].items() if xs}
+    plain_ms = run["plain_step_ms"]
+    overhead = max(0.0, raw[1] - plain_ms)
+    t = {n: max(x - overhead, 1e-6) for n, x in raw.items()}
+    step_ms = {k: r["step_ms"] for k, r in run["spec"].items() if r["steps"] > 0}
+    fixed, per = fit_draft_costs(step_ms, t)
+    return {"t_raw_ms": raw, "request_overhead_ms": overhead, "t_ms": t, "v": {n: x / plain_ms for n, x in t.items()},
+            "plain_step_ms": plain_ms, "c": per / plain_ms, "draft_fixed": fixed / plain_ms,
+            "draft_per_token_ms": per, "draft_fixed_ms": fixed, "step_ms": step_ms,
+            "c_per_k": {k: (ms - t[k + 1]) / k / plain_ms for k, ms in step_ms.items() if k + 1 in t}}
+
+
+def predicted(curve: dict, cond: list[float], ks: list[int]):
+    """eval/predict.py's chain prediction from llama.cpp's measured costs."""
+    costs = StepCosts({n: ms / 1000 for n, ms in curve["t_ms"].items()}, draft_fixed_s=curve["draft_fixed_ms"] / 1000,
+                      draft_per_level_s=curve["draft_per_token_ms"] / 1000, plain_step_s=curve["plain_step_ms"] / 1000)
+    return predict(cond, costs, ks=ks)
+
+
+def cost_markdown(r: dict) -> str:
+    c = r["curve"]
+    lines = [f"llama.cpp {r['version']} cost curve: target `{r['target']}` ({r['quantization']}), draft `{r['draft']}` "
+             f"({r['spec_type']}); threads {r['threads']}, OMP_WAIT_POLICY {r['omp_wait_policy']}, load average "
+             f"{r['load_average']['before']} -> {r['load_average']['after']} (a shared machine: compare within this "
+             "table only). Verification cost t(n): llama-server's `prompt_ms` for n new tokens after a cached "
+             f"prefix, median of {r['reps']}, less the request's own overhead ({c['request_overhead_ms']:.2f} ms: "
+             "prompt_ms of one token minus a plain step); v(n) = t(n) / plain step. The draft's cost: llama-server's "
+             "generation time per speculative step at each k (median over requests) minus t(k+1), fitted as fixed + c "
+             "per draft token.", "",
+             f"plain: {r['plain_tok_s']:.1f} tok/s in total, {c['plain_step_ms']:.3f} ms per step (median). "
+             f"Draft cost c = {c['c']:.3f} of a "
+             f"plain step per draft token (+ {c['draft_fixed']:.3f} fixed per step; per k: "
+             f"{ {k: round(x, 3) for k, x in c['c_per_k'].items()} }).", "",
+             "| n | prompt_ms (raw) | t(n) ms | v(n) |", "|---|---|---|---|"]
+    lines += [f"| {n} | {c['t_raw_ms'][n]:.3f} | {c['t_ms'][n]:.3f} | {c['v'][n]:.2f} |" for n in sorted(c["t_ms"])]
+    lines += ["", "Measured: llama.cpp's tokens per step x plain step / speculative step (medians over requests, as "
+              "the costs); tok/s: totals, which outlier requests on a shared machine move more.", "",
+              "| k | E tokens/step (ours) | predicted | tokens/step (llama.cpp) | measured | tok/s | accepted/drafted "
+              "| greedy-equal |", "|---|---|---|---|---|---|---|---|"]
+    for row in r["prediction"]["chains"]:
+        m = r["measured"].get(row["k"]) or r["measured"].get(str(row["k"])) or {}
+        ratio = f"{measured_speedup(m, c):.2f}x" if m.get("tokens_per_step") else "-"
+        rate = f"{m['accepted']}/{m['drafted']}" if m.get("drafted") else "-"
+        tps = f"{m['tokens_per_step']:.2f}" if m.get("tokens_per_step") else "-"
+        speed = f"{m['tok_s']:.0f}" if m.get("tok_s") else "-"
+        lines.append(f"| {row['k']} | {row['expected_tokens']:.2f} | {row['speedup']:.2f}x | {tps} | {ratio} | {speed} | "
+                     f"{rate} | {m.get('greedy_equal', '-')} |")
+    lines += ["", f"Acceptance profile (conditional, per position): {[round(x, 3) for x in r['cond_acceptance']]} "
+              f"({r['acceptance_source']}).", "", f"**Recommendation: {r['recommendation']}**"]
+    return "\n".join(lines) + "\n"
+
+
+def measured_speedup(m: dict, curve: dict) -> float:
+    """llama.cpp's own speed-up at one k, from the same medians the costs come from."""
+    return m["tokens_per_step"] * curve["plain_step_ms"] / m["step_ms"]
+
+
+def recommendation(pred) -> str:
+    best = pred.best_chain()
+    if not pred.speculate():
+        return (f"no speculation (best predicted: k={best['k']} at {best['speedup']:.2f}x of plain llama.cpp)")
+    return f"--spec-draft-n-max {best['k']} (predicted {best['speedup']:.2f}x of plain llama.cpp)"
+
+
+def cost_main(a, b: lc.LlamaCpp, out: Path) -> dict:
+    """The --cost mode: GGUFs (converted unless given), prompts, the run, the curve and the prediction."""
+    g = llamacpp_check.prepare(Path(a.draft), Path(a.target), out / "gguf", b, print,
+                               Path(a.target_gguf) if a.target_gguf else None)
+    target_gguf = g.target
+    draft_gguf = Path(a.draft_gguf) if a.draft_gguf else g.draft
+    prompts = lc.prompt_ids(Path(a.target), Path(a.prompts) if a.prompts else None, a.limit)
+    run = cost_run(a, b, target_gguf, draft_gguf, g.spec_type, prompts, out)
+    curve = cost_curve(run)
+    if a.acceptance:
+        cond, source = [float(x) for x in a.acceptance.split(",")], "given with --acceptance"
+    else:
+        mine = llamacpp_check.ours(Path(a.target), g.source, prompts, a.n_predict, a.max_k)
+        cond, source = cond_acceptance(mine), f"our verifier, chain k={a.max_k}, the same prompt ids"
+    pred = predicted(curve, cond, list(range(1, a.max_k + 1)))
+    return {"version": b.version(), "target": a.target, "target_gguf": str(target_gguf),
+            "draft": a.draft, "spec_type": g.spec_type, "quantization": a.quantization, "threads": a.threads,
+            "omp_wait_policy": lc.omp_label(a.omp_wait_policy), "prompts": len(prompts), "n_predict": a.n_predict,
+            "reps": a.reps, "load_average": run["load_average"], "plain_tok_s": run["plain_tok_s"],
+            "curve": curve, "verify_samples_ms": run["verify_samples_ms"], "measured": run["spec"],
+            "cond_acceptance": cond, "acceptance_source": source, "prediction": pred.to_dict(),
+            "recommendation": recommendation(pred)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True, help="a specheads EAGLE-3 export (--format vllm)")
+    p.add_argument("--draft", required=True, help="a specheads EAGLE-3 export (--format vllm or gguf)")
     p.add_argument("--prompts", default=None)
     p.add_argument("--out", required=True)
     p.add_argument("--limit", type=int, default=16)
@@ -80,9 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
                    help="the servers' OMP_WAIT_POLICY (default: inherited; recorded per row)")
     p.add_argument("--mix", default="ngram-mod", help="the draftless type mixed with the draft in the last row")
+    p.add_argument("--cost", action="store_true", help="measure llama.cpp's cost curve (t(n), the draft's c) and "
+                   "predict the speed-up per k instead of the side-by-side rows")
+    p.add_argument("--max-k", type=int, default=4, help="--cost: draft lengths 1..K (verification of 1..K+1 tokens)")
+    p.add_argument("--reps", type=int, default=15, help="--cost: repetitions of each verification size")
+    p.add_argument("--spec-reps", type=int, default=3, help="--cost: each prompt decoded this many times per k "
+                   "(and plain); step costs are medians over requests")
+    p.add_argument("--target-gguf", default=None, help="--cost: an existing target GGUF (e.g. Q4_1) instead of f32")
+    p.add_argument("--draft-gguf", default=None, help="--cost: an existing sidecar instead of the export's")
+    p.add_argument("--quantization", default="f32", help="--cost: what --target-gguf holds, for the record")
+    p.add_argument("--acceptance", default=None, help="--cost: conditional acceptance per position, comma-separated "
+                   "(default: our verifier's on the same prompts)")
+    p.add_argument("--name", default="llamacpp_cost", help="--cost: file stem of the JSON and markdown")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.cost:
+        try:
+            result = cost_main(a, lc.ensure(), out)
+        except lc.LlamaCppError as e:
+            print(f"bench/llamacpp: {e}", file=sys.stderr)
+            return 2
+        write_json(out / f"{a.name}.json", result)
+        write_text(out / f"{a.name}.md", cost_markdown(result))
+        print(cost_markdown(result))
+        return 0
     try:
         spec_type, _ = lc.draft_spec(Path(a.draft))
         b = lc.ensure()

@@ -17,18 +17,22 @@ def _train(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from specheads.export import ALL_FORMATS, export
+    from specheads.export import CLI_FORMATS, export
 
     p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
     p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
-    p.add_argument("--format", required=True, choices=ALL_FORMATS,
-                   help="the export formats of engine_facts.FORMATS (each kind accepts some of them)")
+    p.add_argument("--format", required=True, choices=CLI_FORMATS,
+                   help="the export formats of engine_facts.FORMATS (each kind accepts some of them), and gguf: "
+                        "llama.cpp's sidecar, made by its own converter from one of them")
     p.add_argument("--out", required=True, help="export folder (written atomically); an existing folder is "
                    "replaced only when it is an earlier export")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export even if that drops its eval attachments or added files")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--verifier", default=None, help="hub id of the target, for the speculators config")
+    p.add_argument("--verifier", default=None, help="hub id of the target, for the speculators config (gguf: "
+                   "the target's local HF folder, when the recipe's is elsewhere)")
+    p.add_argument("--no-target-gguf", action="store_true",
+                   help="gguf: do not convert the target's HF folder to target.gguf (you have one)")
     p.add_argument("--adapter", default=None, choices=["merge", "ship"],
                    help="medusa2 only: merge the LoRA into a full target folder (default) or ship a peft adapter")
     a = p.parse_args(argv)
@@ -37,7 +41,8 @@ def _export(argv: list[str]) -> int:
     from specheads.export import read_export_meta
 
     out = export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens,
-                 verifier=a.verifier, adapter=a.adapter, overwrite=a.overwrite)
+                 verifier=a.verifier, adapter=a.adapter, overwrite=a.overwrite,
+                 target_gguf=not a.no_target_gguf)
     print(f"exported {a.format} -> {out}")
     for cmd in read_export_meta(out).serve_commands:
         print(cmd)

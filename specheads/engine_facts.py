@@ -59,14 +59,7 @@ class LlamaCppBuild:
 
 
 LLAMA_CPP_BUILD = LlamaCppBuild()
-# (kind, export format) llama.cpp's converter reads -> the `--spec-type` that runs it (EAGLE-3: never
-# auto-detected; llama.cpp takes exactly 3 target layers, src/models/eagle3.cpp). DFlash / DSpark: the
-# converter's DFlashModel / DSparkModel (conversion/qwen.py) read our Qwen3-layer drafts (on any target
-# whose tokenizer it reads); measured on the tiny Llama target: they convert, draft and decode greedy-
-# equal. DFlash's speculators format (DFlashSpeculator) is not registered there: "Model DFlashSpeculator
-# is not supported"
-LLAMA_CPP_SPEC = {("eagle3", "vllm"): "draft-eagle3", ("dflash", "vllm-native"): "draft-dflash",
-                  ("dspark", "vllm-native"): "draft-dspark", ("dspark", "vllm"): "draft-dspark"}
+# llama.cpp's EAGLE-3 "requires exactly 3 entries in 'extract_layers'" (src/models/eagle3.cpp)
 LLAMA_CPP_EAGLE3_LAYERS = 3
 # the draftless `--spec-type`s (common/speculative.cpp); mixed with a draft model they take precedence
 LLAMA_CPP_DRAFTLESS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -74,6 +67,48 @@ LLAMA_CPP_DRAFTLESS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mo
 # way, used only when the converter does not know the tokenizer's hash (get_vocab_base_pre): HF's
 # ByteLevel with use_regex is GPT-2's split regex, llama.cpp's "gpt-2" (src/llama-vocab.cpp)
 LLAMA_CPP_PRE_TOKENIZERS = {("ByteLevel", True, False): "gpt-2"}  # (type, use_regex, add_prefix_space)
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """How `specheads export --format gguf` makes a kind's llama.cpp sidecar: the export of ours that
+    llama.cpp's converter reads, the `--spec-type` that runs the GGUF, and whether the converter needs
+    `--target-model-dir` (a sidecar without its own tokenizer and target sizes)."""
+
+    format: str
+    spec_type: str
+    needs_target_dir: bool = True
+    in_target: bool = False  # the drafter lives in the target GGUF itself (no -md)
+
+
+# kind -> its GGUF sidecar (docs/engines.md §5). A draft model is a complete LM (its own tokenizer
+# files); MTP lives in the target checkpoint and llama.cpp's `draft-mtp` runs "MTP heads from the main
+# model": the MTP export converts to the target GGUF (families in LLAMA_CPP_MTP_FAMILIES)
+LLAMA_CPP_GGUF = {
+    "eagle3": GgufSource("vllm", "draft-eagle3"),
+    "dflash": GgufSource("vllm-native", "draft-dflash"),
+    "dspark": GgufSource("vllm-native", "draft-dspark"),
+    "draft": GgufSource("vllm", "draft-simple", needs_target_dir=False),
+    "mtp": GgufSource("vllm", "draft-mtp", needs_target_dir=False, in_target=True),
+}
+# target architectures whose converter class exports an MTP block with `--mtp` (supports_mtp_export)
+LLAMA_CPP_MTP_FAMILIES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# Qwen3.5: the converter writes rope mrope_section, or [11, 11, 10] when the config has none
+# (conversion/qwen.py); llama.cpp's rope aborts unless its sum fits the rotary dims, head_dim x
+# partial_rotary_factor ("GGML_ASSERT(sect_dims <= ne0)", ggml-cpu/ops.cpp)
+LLAMA_CPP_QWEN35_MROPE_DEFAULT = (11, 11, 10)
+LLAMA_CPP_MROPE_FAMILIES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# the backbone llama.cpp's DFlash / DSpark converter reads: `class DFlashModel(Qwen3Model)` (conversion/qwen.py)
+LLAMA_CPP_DFLASH_BACKBONE = "qwen3"
+# (kind, export format) llama.cpp's converter reads -> the `--spec-type` that runs it (EAGLE-3: never
+# auto-detected). DFlash / DSpark: measured on the tiny Llama target: they convert, draft and decode
+# greedy-equal. DFlash's speculators format (DFlashSpeculator) is not registered in the converter:
+# "Model DFlashSpeculator is not supported"; DSpark's (DSparkSpeculator) is
+LLAMA_CPP_SPEC = {**{(kind, s.format): s.spec_type for kind, s in LLAMA_CPP_GGUF.items()},
+                  ("dspark", "vllm"): "draft-dspark"}
+GGUF_FORMAT = "gguf"  # the derived --format (not in FORMATS: no writer plans it; export/gguf.py converts)
+GGUF_TITLE = f"{LLAMA_CPP.label}, GGUF for llama-server"
+LLAMA_CPP_SERVE = "llama-server -m {target}{draft} --spec-type {spec_type} --spec-draft-n-max {k} --host 127.0.0.1 --port 8080"
 
 
 @dataclass(frozen=True)

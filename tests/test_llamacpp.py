@@ -14,6 +14,7 @@ import torch
 
 from specheads.engine_facts import LLAMA_CPP_BUILD
 from specheads.engines import llamacpp as lc
+from specheads.engines import llamacpp_check
 
 FAKE = lc.LlamaCpp(Path("/opt/llama.cpp"))
 
@@ -79,7 +80,8 @@ def test_pre_tokenizer_rule_matches_only_gpt2_byte_level(tmp_path, tiny_target_d
 def fake_export(folder: Path, kind: str = "eagle3", fmt: str = "vllm", layers=(2, 4, 5)) -> Path:
     folder.mkdir(parents=True)
     (folder / "specheads.json").write_text(json.dumps({"kind": kind, "format": fmt, "num_speculative_tokens": 3}))
-    (folder / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": list(layers)}))
+    cfg = {"model_type": "qwen3"} if kind in ("dflash", "dspark") else {"eagle_aux_hidden_state_layer_ids": list(layers)}
+    (folder / "config.json").write_text(json.dumps(cfg))
     return folder
 
 
@@ -93,12 +95,45 @@ def test_refusals_name_what_to_pass(tmp_path):
         lc.draft_spec(fake_export(tmp_path / "sg", fmt="sglang"))
     with pytest.raises(lc.RefusedExport, match="a dflash export in format vllm"):  # DFlashSpeculator: unsupported
         lc.draft_spec(fake_export(tmp_path / "df", kind="dflash"))
+    with pytest.raises(lc.RefusedExport, match="a medusa export in format vllm-0.32"):
+        lc.draft_spec(fake_export(tmp_path / "me", kind="medusa", fmt="vllm-0.32"))
     peagle = fake_export(tmp_path / "pe")
     (peagle / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
     with pytest.raises(lc.RefusedExport, match="has no P-EAGLE"):
         lc.draft_spec(peagle)
-    with pytest.raises(lc.RefusedExport, match=r"taps 4 target layers .* takes exactly 3"):
+    with pytest.raises(lc.RefusedExport, match=r"eagle_aux_hidden_state_layer_ids \[1, 2, 3, 4\] taps 4 target layers; "
+                       r"llama.cpp 0c1e570 says \"EAGLE3 requires exactly 3 entries in 'extract_layers'\""):
         lc.draft_spec(fake_export(tmp_path / "four", layers=(1, 2, 3, 4)))
+
+
+def test_dflash_dspark_and_mtp_refusals_quote_the_converter(tmp_path):
+    llama = fake_export(tmp_path / "llama", "dflash", "vllm-native", ())
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(lc.RefusedExport, match=r"config.json: model_type 'llama'; .* Qwen3 stack only .*"
+                       r"class DFlashModel\(Qwen3Model\)"):
+        lc.draft_spec(llama)
+    qwen = fake_export(tmp_path / "qwen", "dflash", "vllm-native", ())
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert lc.draft_spec(qwen)[0] == "draft-dflash"
+    gated = fake_export(tmp_path / "gated", "dspark", "vllm", ())
+    (gated / "config.json").write_text(json.dumps({"transformer_layer_config": {"model_type": "qwen3"},
+                                                   "markov_head_type": "gated"}))
+    with pytest.raises(lc.RefusedExport, match=r"unsupported markov_head_type 'gated' \(only 'vanilla' is supported\)"):
+        lc.draft_spec(gated)
+    mtp = fake_export(tmp_path / "mtp", "mtp", "vllm", ())
+    (mtp / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(lc.RefusedExport, match=r"architectures \['DeepseekV3ForCausalLM'\]; .* \(supports_mtp_export\)"):
+        lc.draft_spec(mtp)
+    (mtp / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"]}))
+    assert lc.draft_spec(mtp)[0] == "draft-mtp"
+    qwen35 = {"architectures": ["Qwen3_5ForCausalLM"], "head_dim": 256, "hidden_size": 1024, "num_attention_heads": 8,
+              "rope_parameters": {"partial_rotary_factor": 0.25}}  # 64 rotary dims hold the default 11 + 11 + 10
+    (mtp / "config.json").write_text(json.dumps(qwen35))
+    assert lc.draft_spec(mtp)[0] == "draft-mtp"
+    (mtp / "config.json").write_text(json.dumps({**qwen35, "head_dim": 8}))  # 2 rotary dims: llama.cpp aborts
+    with pytest.raises(lc.RefusedExport, match=r"mrope_section \[11, 11, 10\] .* gives 2 rotary dims; .*"
+                       r"GGML_ASSERT\(sect_dims <= ne0\) failed"):
+        lc.draft_spec(mtp)
 
 
 def test_cli_refuses_a_bad_export_before_building_anything(tmp_path, capsys, monkeypatch):
@@ -111,7 +146,7 @@ def test_missing_build_and_missing_tools_say_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     with pytest.raises(lc.LlamaCppError, match="is not built under .*specheads.engines.llamacpp ensure"):
         lc.ensure(build=False)
-    monkeypatch.setattr(lc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(lc.LlamaCppError, match=r"needs cmake, a C compiler .*apt-get install cmake build-essential"):
         lc.ensure(progress=lambda m: None)
     assert not (tmp_path / "engines").exists()  # nothing downloaded
@@ -206,7 +241,7 @@ def test_tiny_eagle3_export_converts(tiny_export, tmp_path):
 @needs_build
 def test_speculative_equals_plain_and_drafts_are_accepted(tiny_export, tmp_path):
     export_dir, tiny = tiny_export
-    random = lc.check(export_dir, tiny, tmp_path / "random", n_predict=24, limit=2, require_accepted=False,
+    random = llamacpp_check.check(export_dir, tiny, tmp_path / "random", n_predict=24, limit=2, require_accepted=False,
                       progress=lambda m: None)
     assert random["verdict"] == "PASS" and random["greedy_equal"] and random["drafted"] > 0
     # the tiny target's greedy continuation of these prompts: draft its most frequent token
@@ -215,7 +250,7 @@ def test_speculative_equals_plain_and_drafts_are_accepted(tiny_export, tmp_path)
     tokens = [t for o in plain for t in o.tokens]
     token = max(set(tokens), key=tokens.count)
     accepting = always_drafting(export_dir, tmp_path / "accepting", token)
-    r = lc.check(accepting, tiny, tmp_path / "accept", n_predict=24, limit=2, progress=lambda m: None)
+    r = llamacpp_check.check(accepting, tiny, tmp_path / "accept", n_predict=24, limit=2, progress=lambda m: None)
     assert r["verdict"] == "PASS", r["problems"]
     assert r["greedy_equal"] and r["accepted"] > 0 and r["accepted_per_drafted"] > 0.5
 
@@ -250,3 +285,40 @@ def test_omp_wait_policy_is_passed_and_recorded(monkeypatch):
     server = lc.Server(FAKE, Path("/m.gguf"), env=lc.omp_env("PASSIVE"))
     assert server.env == {"OMP_WAIT_POLICY": "PASSIVE"} and FAKE.env(**server.env)["OMP_WAIT_POLICY"] == "PASSIVE"
     assert FAKE.env()["LD_LIBRARY_PATH"].split(":")[0] == "/opt/llama.cpp/build/bin"
+
+
+# --- the cost curve (bench/llamacpp.py --cost): arithmetic on llama.cpp's counters, no binaries ---------
+def test_cost_curve_from_llama_cpp_counters():
+    from bench.llamacpp import cond_acceptance, cost_curve, draft_step_ms, fit_draft_costs
+
+    assert cond_acceptance({"drafts": 10, "accepted_per_pos": [8, 4, 1]}) == [0.8, 0.5, 0.25]
+    assert cond_acceptance({"drafts": 0, "accepted_per_pos": [0]}) == [0.0]
+    outs = [lc.Completion("", [], {"predicted_n": 11, "predicted_ms": 40.0, "draft_n": 12, "draft_n_accepted": 2}),
+            lc.Completion("", [], {"predicted_n": 5, "predicted_ms": 40.0}),
+            lc.Completion("", [], {"predicted_n": 3, "predicted_ms": 1.0})]
+    # 11 tokens = the first + 8 steps (+ 2 accepted over them): 5 ms a step; plain 4 steps of 10 ms, 2 of 0.5
+    assert draft_step_ms(outs) == (5.0, 14)
+    verify = {2: 3.0, 3: 4.0, 4: 5.0}
+    fixed, per = fit_draft_costs({1: 3.5, 2: 5.0, 3: 6.5}, verify)  # step - verify = 0.5 + 0.5 k
+    assert fixed == pytest.approx(0.0) and per == pytest.approx(0.5)
+    run = {"plain_tok_s": 500.0, "plain_step_ms": 2.0, "verify_samples_ms": {1: [2.9, 3.0, 3.1], 2: [4.0], 3: [5.0]},
+           "spec": {1: {"step_ms": 5.0, "steps": 10}, 2: {"step_ms": 6.2, "steps": 10}}}
+    c = cost_curve(run)  # plain step 2 ms, request overhead 3 - 2 = 1 ms taken off every t(n)
+    assert c["request_overhead_ms"] == pytest.approx(1.0) and c["t_ms"] == pytest.approx({1: 2.0, 2: 3.0, 3: 4.0})
+    assert c["v"] == pytest.approx({1: 1.0, 2: 1.5, 3: 2.0})
+    assert c["c_per_k"] == pytest.approx({1: 1.0, 2: 0.55})  # (5 - 3) / 1 / 2, (6.2 - 4) / 2 / 2
+
+
+def test_cost_prediction_says_no_speculation_when_the_draft_costs_more_than_it_saves():
+    from bench.llamacpp import predicted, recommendation
+
+    flat = {"t_ms": {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, "plain_step_ms": 1.0, "draft_fixed_ms": 0.0,
+            "draft_per_token_ms": 0.14}  # verifying 4 tokens barely costs more than 1
+    cheap = predicted(flat, [0.9, 0.85, 0.8], [1, 2, 3])
+    # k = 3: 3.28 tokens per step / (1.3 + 3 x 0.14)
+    assert cheap.speculate() and recommendation(cheap) == "--spec-draft-n-max 3 (predicted 1.91x of plain llama.cpp)"
+    # the hand measurement on SmolLM2 Q4_1 (v(2) 1.8, v(3) 2.4, v(4) 3.3, c 0.14): even 90% acceptance loses
+    cpu = {**flat, "t_ms": {1: 1.0, 2: 1.8, 3: 2.4, 4: 3.3}}
+    dear = predicted(cpu, [0.9, 0.85, 0.8], [1, 2, 3])
+    assert not dear.speculate() and recommendation(dear) == (
+        "no speculation (best predicted: k=1 at 0.98x of plain llama.cpp)")

@@ -11,8 +11,10 @@ Exits non-zero when any check fails.
 
 `--engines llama.cpp` (opt-in, not in the default) also decodes every export llama.cpp runs
 (engine_facts.LLAMA_CPP_SPEC) plain and speculatively in `llama-server` on the CPU
-(specheads.engines.llamacpp.check): config = converted to GGUF, forward = every speculative output
-equal to plain, and for a trained run's export drafts accepted (random-weight heads are rarely accepted).
+(specheads.engines.llamacpp_check): config = converted to GGUF and loaded, weights = the sidecar records
+the export's aux layer ids and d2t and three injected faults are caught (EAGLE-3), forward = every
+speculative output equal to plain, and for a trained run's export drafts accepted at our verifier's
+rate (random-weight heads are rarely accepted).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from specheads.builtin.family_targets import save_family_target
 from specheads.builtin.tiny_target import cached_tiny_target
 from specheads.engine_facts import FORMAT_ENGINES, LLAMA_CPP, LLAMA_CPP_SPEC
 from specheads.engines import llamacpp as lc
-from specheads.engines.check import FAIL, PASS, PROBES, EngineCheck, Stage, format_report, prepare, run_jobs
+from specheads.engines import llamacpp_check
+from specheads.engines.check import FAIL, PASS, PROBES, REFUSED, EngineCheck, Stage, format_report, prepare, run_jobs
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint, save_checkpoint
 from specheads.export.contract_rules import META_FILE
@@ -150,28 +153,52 @@ def run_checks(rows: list[Row], engines: list[str], work: Path, log=print) -> li
 
 
 def llamacpp_checks(rows: list[Row], work: Path, log=print) -> list[tuple[Row, EngineCheck]]:
-    """Every row llama.cpp runs, decoded plain and speculatively (specheads.engines.llamacpp.check)."""
-
+    """Every row llama.cpp runs, decoded plain and speculatively (specheads.engines.llamacpp_check):
+    config = converted and loaded, weights = the sidecar records what the export says and each injected
+    fault (EAGLE-3) is caught, forward = greedy-equal (and, trained EAGLE-3, acceptance within
+    llamacpp_check.ACCEPTANCE_TOLERANCE of our verifier's)."""
     out = []
-    for row in (r for r in rows if (r.kind, r.format) in LLAMA_CPP_SPEC and r.target is not None):
+    for row in (r for r in rows if (r.kind, r.format) in LLAMA_CPP_SPEC):
         log(f"== llama.cpp: {row.name} ({row.kind}, {row.format})")
         report = EngineCheck(str(row.export), LLAMA_CPP_KEY, row.kind, row.format, engine_version=LLAMA_CPP.series)
         started = time.time()
-        try:
-            r = lc.check(row.export, row.target, work / row.name / LLAMA_CPP_KEY, limit=3, n_predict=48,
-                         require_accepted=row.trained, progress=log)
-        except lc.LlamaCppError as e:
-            report.stages["config"] = Stage(FAIL, str(e)[-1500:])
-        else:
-            pre = r["conversions"]["target"]["pre_tokenizer"]["fallback_applied"]
-            report.stages["config"] = Stage(PASS, "converted to GGUF" + (f" (pre-tokenizer {pre})" if pre else ""))
-            report.stages["forward"] = Stage(PASS if r["verdict"] == "PASS" else FAIL, "; ".join(r["problems"]))
-            report.numbers = {k: r[k] for k in ("prompts", "drafted", "accepted", "accepted_per_drafted", "greedy_equal",
-                                                "threads", "load_average")}
+        llamacpp_row(row, report, work / row.name / LLAMA_CPP_KEY, log)
         report.seconds = time.time() - started
         log(f"   {report.stages.get('forward', report.stages['config']).status}")
         out.append((row, report))
     return out
+
+
+def llamacpp_row(row: Row, report: EngineCheck, work: Path, log=print) -> None:
+    """Fill `report` with one row's llama.cpp stages (a head llama.cpp cannot run: REFUSED, in its words)."""
+    target = row.target or row.export  # MTP: the export is the target
+    try:
+        llamacpp_check.refuse_early(row.export)
+        g = llamacpp_check.prepare(row.export, target, work, lc.ensure(progress=log), log)
+        r = llamacpp_check.check(row.export, target, work, limit=3, n_predict=48, require_accepted=row.trained,
+                                 compare_ours=row.trained, omp="PASSIVE", progress=log, prepared=g)
+    except lc.RefusedExport as e:
+        report.stages["config"] = Stage(REFUSED, str(e))
+        return
+    except lc.LlamaCppError as e:
+        report.stages["config"] = Stage(FAIL, str(e)[-1500:])
+        return
+    pre = ((r["conversions"].get("target") or {}).get("pre_tokenizer") or {}).get("fallback_applied")
+    report.stages["config"] = Stage(PASS, "converted to GGUF and loaded" + (f" (pre-tokenizer {pre})" if pre else ""))
+    static = r["sidecar_problems"]
+    faults = [llamacpp_check.fault_check(row.export, target, work / "faults" / f, f, g, limit=2, n_predict=32,
+                                         compare_ours=row.trained, omp="PASSIVE", progress=lambda m: None)
+              for f in (llamacpp_check.FAULTS if r["spec_type"] == "draft-eagle3" else ())]
+    missed = [f["fault"] for f in faults if f["caught"] is False]
+    caught = [f["fault"] for f in faults if f["caught"]]
+    report.stages["weights"] = Stage(FAIL if static or missed else PASS, "; ".join(
+        static + [f"injected fault not caught: {m}" for m in missed]) or f"injected faults caught: {', '.join(caught)}")
+    dynamic = [p for p in r["problems"] if p not in static]
+    report.stages["forward"] = Stage(PASS if not dynamic else FAIL, "; ".join(dynamic))
+    report.numbers = {k: r[k] for k in ("prompts", "drafted", "accepted", "accepted_per_drafted", "greedy_equal",
+                                        "threads", "omp_wait_policy", "quantization", "tok_s", "load_average")}
+    report.numbers["ours_accepted_per_drafted"] = (r["ours"] or {}).get("accepted_per_drafted")
+    report.numbers["faults"] = faults
 
 
 def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
@@ -190,7 +217,12 @@ def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
                 break
         if "accepted_per_drafted" in r.numbers:
             n = r.numbers
-            notes.append(f"decoded: greedy-equal {n['greedy_equal']}, accepted/drafted {n['accepted']}/{n['drafted']}")
+            ours = n.get("ours_accepted_per_drafted")
+            speed = n.get("tok_s") or {}
+            notes.append(f"decoded: greedy-equal {n['greedy_equal']}, accepted/drafted {n['accepted']}/{n['drafted']}"
+                         + (f" (ours {ours:.3f})" if ours is not None else "")
+                         + (f", tok/s {speed['plain']:.0f} plain / {speed['spec']:.0f} drafted" if speed.get("spec") else "")
+                         + (f", {sum(bool(f['caught']) for f in n['faults'])} faults caught" if n.get("faults") else ""))
         if row.note:
             notes.append(row.note)
         lines.append(f"| {row.kind} | {row.format} | {r.engine} {r.engine_version or ''} | {row.name} | "

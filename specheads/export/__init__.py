@@ -20,21 +20,22 @@ from specheads.export.load import ExportMeta
 from specheads.export.plan import ExportRefused, check_dtype, float_dtype
 from specheads.export.readme import readme_text, serve_commands, target_ref
 from specheads.export.record import export_record, write_json
-from specheads.export.registry import LOADERS, WRITERS, load, load_with_meta, read_export_meta, validate, writer_for
+from specheads.export.registry import DERIVED, LOADERS, WRITERS, load, load_with_meta, read_export_meta, validate, writer_for
 from specheads.protocols import ExportPlan, ExportRequest
 
 __all__ = [
-    "ALL_FORMATS", "LOADERS", "WRITERS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta",
+    "ALL_FORMATS", "CLI_FORMATS", "LOADERS", "WRITERS", "Checkpoint", "CheckpointError", "ContractError", "ExportMeta",
     "ExportRefused", "export", "load", "load_with_meta", "read_export_meta", "validate",
 ]
 
 log = logging.getLogger(__name__)
-ALL_FORMATS = tuple(engine_facts.FORMATS)  # any kind: the --format choices
+ALL_FORMATS = tuple(engine_facts.FORMATS)  # any kind: the formats the writers plan
+CLI_FORMATS = (*ALL_FORMATS, *DERIVED)  # the --format choices: those and the converted ones (gguf)
 
 
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
            verifier: str | None = None, dtype: str | None = None, adapter: str | None = None,
-           overwrite: bool = False) -> Path:
+           overwrite: bool = False, target_gguf: bool = True) -> Path:
     """Write `checkpoint` (a path or Checkpoint) as an `fmt` folder at `out_dir`; returns out_dir.
 
     `verifier` names the target for the serve commands (a hub id, or a local folder); `dtype`
@@ -46,6 +47,13 @@ def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: in
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     ckpt.check_finite("the training diverged: export an earlier checkpoint, or train again (e.g. a lower train.lr)")
+    if fmt in DERIVED:  # gguf: our export converted by the engine's own tool (`target_gguf`: the target too)
+        check_options(WRITERS.get(ckpt.kind), ckpt.kind, num_speculative_tokens, dtype, adapter)
+        def source_export(source_fmt: str, folder: Path) -> Path:
+            return export(ckpt, source_fmt, folder, num_speculative_tokens, verifier, dtype)
+
+        readme = WRITERS[ckpt.kind].README if ckpt.kind in WRITERS else None
+        return DERIVED[fmt](ckpt, Path(out_dir), source_export, readme, verifier, dtype, overwrite, target_gguf)
     writer = writer_for(ckpt.kind, fmt)
     check_options(writer, ckpt.kind, num_speculative_tokens, dtype, adapter)
     out_dir, ident = Path(out_dir), identity(ckpt, fmt, dtype)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from specheads.engine_facts import (
     FORMATS,
+    GGUF_FORMAT,
+    GGUF_TITLE,
     LAUNCHERS,
     SERVING,
     SGLANG_DRAFT,
@@ -133,6 +135,8 @@ def notes(fmt: str, target: TargetRef) -> list[str]:
 
 def readme_title(fmt: str, kind: str) -> str:
     """The engine and format named in the README's heading (speculators: EAGLE-3 in `vllm` only)."""
+    if fmt == GGUF_FORMAT:
+        return GGUF_TITLE
     return SERVING[(kind, fmt)].title or FORMATS[fmt].title
 
 

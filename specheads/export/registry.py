@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specheads.engine_facts import REFUSED
-from specheads.export import dflash, draft, dspark, eagle1, eagle3, medusa, medusa2, mtp
+from specheads.engine_facts import GGUF_FORMAT, REFUSED
+from specheads.export import dflash, draft, dspark, eagle1, eagle3, gguf, medusa, medusa2, mtp
 from specheads.export.contract_rules import META_FILE
 from specheads.export.folder import verify_export
 from specheads.export.foreign import load_foreign, read_foreign_meta
@@ -29,6 +29,8 @@ WRITERS = {
     "dspark": dspark,
 }
 LOADERS = WRITERS  # each kind's writer module also reads its folders back (`load`)
+# format -> module converting another format's export for an engine without a format of its own
+DERIVED = {GGUF_FORMAT: gguf.export_gguf}
 
 
 def writer_for(kind: str, fmt: str):
