@@ -61,6 +61,10 @@ class LlamaCppBuild:
 LLAMA_CPP_BUILD = LlamaCppBuild()
 # llama.cpp's EAGLE-3 "requires exactly 3 entries in 'extract_layers'" (src/models/eagle3.cpp)
 LLAMA_CPP_EAGLE3_LAYERS = 3
+# what llama.cpp's EAGLE-3 graph runs of EAGLE 3.1 (src/models/eagle3.cpp reads norm_before_residual and
+# norm_before_fc only; conversion/llama.py reads a Llama draft layer): options it would not run
+LLAMA_CPP_EAGLE3_UNREAD = ("fc_norm", "norm_output")
+LLAMA_CPP_EAGLE3_LAYER = "llama"
 # the draftless `--spec-type`s (common/speculative.cpp); mixed with a draft model they take precedence
 LLAMA_CPP_DRAFTLESS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 # tokenizer.json pre_tokenizer -> the llama.cpp pre-tokenizer (tokenizer.ggml.pre) that splits text the same

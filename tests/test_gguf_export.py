@@ -36,6 +36,9 @@ def ckpts(tiny_target_dir, tmp_path_factory):
     heads = {kind: KINDS[kind].example.build(target, KINDS[kind].example.seed)
              for kind in ("eagle3", "medusa", "dflash", "dspark", "draft")}
     heads["peagle"] = next(e for e in KINDS["eagle3"].examples if e.name == "peagle").build(target, 7)
+    for name in ("eagle31", "eagle3-qwen3"):  # EAGLE 3.1 norms / a Qwen3 layer llama.cpp's graph does not run
+        heads[name] = next(e for e in KINDS["eagle3"].examples if e.name == name).build(target, 7)
+    heads["qwen3-layer"] = random_head(Eagle3Head, Eagle3Options(ttt_steps=3, qk_norm=True), target, 3, 0.05)
     heads["four"] = random_head(Eagle3Head, Eagle3Options(ttt_steps=3, aux_layers=[1, 2, 3, 4]), target, 3, 0.05)
     return {name: save_example(root / name, head, tiny_target_dir, prov) for name, head in heads.items()}
 
@@ -44,6 +47,11 @@ REFUSALS = {
     "medusa": r"llama.cpp 0c1e570 has no speculative type for a 'medusa' head; --format gguf exports eagle3, dflash, "
               r"dspark, draft, mtp",
     "peagle": r"a P-EAGLE head \(parallel drafting\); llama.cpp 0c1e570 has no P-EAGLE",
+    "eagle31": r"fc_norm, norm_output true; llama.cpp 0c1e570's EAGLE-3 graph \(src/models/eagle3.cpp\) reads only "
+               r"norm_before_residual and norm_before_fc",
+    "eagle3-qwen3": r"norm_output true; llama.cpp 0c1e570's EAGLE-3 graph",
+    "qwen3-layer": r"transformer_layer_config.model_type 'qwen3'; llama.cpp 0c1e570's converter reads an EAGLE-3 "
+                   r"draft layer as llama",
     "four": r"eagle_aux_hidden_state_layer_ids \[1, 2, 3, 4\] taps 4 target layers; llama.cpp 0c1e570 says "
             r"\"EAGLE3 requires exactly 3 entries in 'extract_layers'\"",
 }

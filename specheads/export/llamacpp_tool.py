@@ -28,7 +28,9 @@ from specheads.engine_facts import (
     LLAMA_CPP,
     LLAMA_CPP_BUILD,
     LLAMA_CPP_DFLASH_BACKBONE,
+    LLAMA_CPP_EAGLE3_LAYER,
     LLAMA_CPP_EAGLE3_LAYERS,
+    LLAMA_CPP_EAGLE3_UNREAD,
     LLAMA_CPP_GGUF,
     LLAMA_CPP_MROPE_FAMILIES,
     LLAMA_CPP_MTP_FAMILIES,
@@ -287,6 +289,7 @@ def draft_spec(export_dir: Path) -> tuple[str, dict]:
     if cfg.get("speculators_model_type") == "peagle" or cfg.get("parallel_drafting"):
         raise RefusedExport(f"{export_dir}: a P-EAGLE head (parallel drafting); llama.cpp {LLAMA_CPP.series} has no "
                             "P-EAGLE: --spec-type draft-eagle3 drafts one token per step")
+    check_eagle31(export_dir, cfg)
     layers = cfg.get("eagle_aux_hidden_state_layer_ids") or []
     if len(layers) != LLAMA_CPP_EAGLE3_LAYERS:
         raise RefusedExport(f"{export_dir / 'config.json'}: eagle_aux_hidden_state_layer_ids {layers} taps {len(layers)} "
@@ -294,6 +297,20 @@ def draft_spec(export_dir: Path) -> tuple[str, dict]:
                             f"{LLAMA_CPP_EAGLE3_LAYERS} entries in 'extract_layers'\" (src/models/eagle3.cpp): train "
                             f"with {LLAMA_CPP_EAGLE3_LAYERS} aux layers to serve it in llama.cpp")
     return spec, cfg
+
+
+def check_eagle31(export_dir: Path, cfg: dict) -> None:
+    """EAGLE 3.1 options llama.cpp's EAGLE-3 graph does not run (it would serve a different draft)."""
+    unread = [key for key in LLAMA_CPP_EAGLE3_UNREAD if cfg.get(key)]
+    if unread:
+        raise RefusedExport(f"{export_dir / 'config.json'}: {', '.join(unread)} true; llama.cpp {LLAMA_CPP.series}'s "
+                            "EAGLE-3 graph (src/models/eagle3.cpp) reads only norm_before_residual and norm_before_fc: "
+                            "train with norm_before_fc instead to serve it in llama.cpp")
+    layer = (cfg.get("transformer_layer_config") or {}).get("model_type", LLAMA_CPP_EAGLE3_LAYER)
+    if layer != LLAMA_CPP_EAGLE3_LAYER:
+        raise RefusedExport(f"{export_dir / 'config.json'}: transformer_layer_config.model_type {layer!r}; llama.cpp "
+                            f"{LLAMA_CPP.series}'s converter reads an EAGLE-3 draft layer as {LLAMA_CPP_EAGLE3_LAYER} "
+                            "(conversion/llama.py): train without head.qk_norm to serve it in llama.cpp")
 
 
 def check_dflash(export_dir: Path, cfg: dict) -> dict:
