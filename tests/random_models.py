@@ -40,3 +40,15 @@ def save_family_target(folder: Path, family: str, vocab: int, tokenizer_dir: Pat
     from specheads.builtin.family_targets import save_family_target as save
 
     return save(folder, family, vocab, tokenizer_dir, seed)
+
+
+def overfit(head, inputs: dict, opt, steps: int = 60):
+    """`steps` optimizer steps on one batch; returns (the first loss, the last forward's result)."""
+    first = None
+    for _ in range(steps):
+        res = head(**inputs)
+        first = first if first is not None else res.loss.item()
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+    return first, res

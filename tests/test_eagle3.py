@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_models import overfit
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options, shift, ttt_attention_mask
@@ -92,13 +93,7 @@ def test_head_overfits_one_batch(setup):
     mask = torch.ones_like(ids)
     inputs = dict(aux=aux, embeds=target.embed(ids), target_logits=out.logits, loss_mask=mask, attention_mask=mask)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    first = None
-    for _ in range(60):
-        res = head(**inputs)
-        first = first if first is not None else res.loss.item()
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
+    first, res = overfit(head, inputs, opt)
     assert res.loss.item() < 0.5 * first
     summary = ttt_summary(*[res.counts[k].tolist() for k in ("rows", "reached", "cond_rows")])
     assert summary["acc_uncond"][0] > 0.5 and summary["tau_est"] > 1.5

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from random_models import overfit
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -216,13 +217,7 @@ def test_each_option_overfits_one_batch(options, optimizer):
     if options.get("parallel_drafting"):
         inputs["mask_embed"] = torch.zeros(32)
     opt = build_optimizer(head, optimizer, 3e-3, 0.0)
-    first = None
-    for _ in range(60):
-        res = head(**inputs)
-        first = first if first is not None else res.loss.item()
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
+    first, _ = overfit(head, inputs, opt)
     head.eval()
     res = head(**inputs)
     assert res.loss.item() < 0.5 * first
