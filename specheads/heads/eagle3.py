@@ -104,26 +104,21 @@ class Eagle3Config:
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
-        cfg = LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, num_hidden_layers=1,
-            rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
-            attention_bias=self.attention_bias, mlp_bias=False,
-        )
-        cfg._attn_implementation = attn_implementation
-        return cfg
+        return self._layer_config(LlamaConfig, attn_implementation, mlp_bias=False)
 
     def qwen3_config(self, attn_implementation: str = "sdpa") -> Qwen3Config:
         """The Qwen3Config of a Qwen3-style layer (qk_norm): its attention brings the q/k norms."""
-        cfg = Qwen3Config(
+        return self._layer_config(Qwen3Config, attn_implementation, use_sliding_window=False)
+
+    def _layer_config(self, cls, attn_implementation: str, **extra):
+        """One decoder layer's transformers config of class `cls`, from these options."""
+        cfg = cls(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings, num_hidden_layers=1,
             rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
-            attention_bias=self.attention_bias, use_sliding_window=False,
+            attention_bias=self.attention_bias, **extra,
         )
         cfg._attn_implementation = attn_implementation
         return cfg
