@@ -209,20 +209,46 @@ def evaluate(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_to
     return summary(m, out / "outputs.jsonl", rc)
 
 
+ROWS = {"speculative": "EAGLE-3", "ngram": "prompt lookup", "suffix": "suffix decoding",
+        "hybrid": "hybrid (choose)", "union": "hybrid (union tree)", "adaptive": "hybrid + adaptive k"}
+MIX_ROWS = ("hybrid", "union", "adaptive")  # decoded in eval's second pass, against that pass's own plain
+
+
+def row_summary(m: dict, name: str) -> dict | None:
+    """One method's headline numbers from metrics.json (None when the eval has no such row)."""
+    r = m.get(name)
+    if not r:
+        return None
+    return {"tau": r["tau"], "measured_speedup": r["measured_speedup"], "greedy_equal": r["greedy_equal"],
+            "predicted_speedup": r.get("predicted_speedup"), "acceptance_per_position": r.get("acceptance_per_position")}
+
+
+def per_category(outputs: Path) -> dict:
+    """Per category and method: tau (decode tokens / target forwards) and measured speed-up (plain wall /
+    method wall, summed over the category's turns; the hybrid rows against their own pass's plain)."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for row in (json.loads(line) for line in outputs.read_text().splitlines()):
+        cat = sums.setdefault(row.get("category") or "-", {})
+        for method, t in row["methods"].items():
+            acc = cat.setdefault(method, [0.0, 0.0, 0.0, 0])
+            acc[0] += t["tokens"]; acc[1] += t["forwards"]; acc[2] += t["wall_s"]; acc[3] += 1  # noqa: E702
+    out = {}
+    for cat, methods in sorted(sums.items()):
+        row = {}
+        for method, (tokens, forwards, wall, n) in methods.items():
+            if method in ("plain", "mix_plain"):
+                continue
+            base = methods["mix_plain" if method.startswith("mix_") else "plain"][2]
+            row[method.removeprefix("mix_")] = {"prompts": n, "tau": tokens / forwards if forwards else 0.0,
+                                                "measured_speedup": base / wall if wall else 0.0}
+        out[cat] = row
+    return out
+
+
 def summary(m: dict, outputs: Path, rc: int) -> dict:
-    """The numbers the report shows, per category too (token-weighted: tokens / target forwards)."""
+    """The numbers the report shows: every method's row, and per category."""
     d, n = m["speculative"], m["ngram"]
     chains = {r["k"]: r for r in (m.get("prediction") or {}).get("chains", [])}
-    cats: dict[str, dict] = {}
-    for row in (json.loads(line) for line in outputs.read_text().splitlines()):
-        c = cats.setdefault(row.get("category") or "-", {"tokens": 0, "forwards": 0, "ngram_forwards": 0.0, "n": 0})
-        c["tokens"] += row["decode_tokens"]
-        c["forwards"] += row["decode_forwards"]
-        c["ngram_forwards"] += row["decode_tokens"] / row["ngram_tau"] if row["ngram_tau"] else 0.0
-        c["n"] += 1
-    per_cat = {k: {"prompts": c["n"], "tau": c["tokens"] / c["forwards"] if c["forwards"] else 0.0,
-                   "ngram_tau": c["tokens"] / c["ngram_forwards"] if c["ngram_forwards"] else 0.0}
-               for k, c in sorted(cats.items())}
     return {"k": m["k"], "prompts": m["num_prompts"], "tau": d["tau"], "ngram_tau": n["tau"],
             "ratio_to_ngram": d["tau"] / n["tau"] if n["tau"] else None,
             "acceptance_per_position": d["acceptance_per_position"],
@@ -232,7 +258,10 @@ def summary(m: dict, outputs: Path, rc: int) -> dict:
             "predicted_speedup_cost_model": (chains.get(m["k"]) or {}).get("speedup"),
             "recommended_k": ((m.get("advice") or {}).get("vllm") or {}).get("num_speculative_tokens"),
             "plain_tokens_per_s": m["plain"]["tokens"] / m["plain"]["wall_s"] if m["plain"]["wall_s"] else None,
-            "per_category": per_cat, "eval_wall_s": m["eval_wall_s"]}
+            "rows": {name: row_summary(m, name) for name in ROWS if m.get(name)},
+            "calibration": {k: (m.get("calibration") or {}).get(k) for k in ("ece", "records")},
+            "engine_advice": (m.get("advice") or {}).get("engines"),
+            "per_category": per_category(outputs), "eval_wall_s": m["eval_wall_s"]}
 
 
 def parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
@@ -267,10 +296,26 @@ def markdown(r: dict) -> str:
                      f"{' / '.join(f'{a:.2f}' for a in e['acceptance_per_position'])} | {e['greedy_equal']} | "
                      f"{'-' if pm is None else f'{pm:.2f}x'} / {e['predicted_speedup_seed_formula']:.2f}x | "
                      f"{e['measured_speedup']:.2f}x | {e['ngram_measured_speedup']:.2f}x |")
+    for name, e in r["evals"].items():
+        lines += ["", f"### Every method, {name} (greedy; measured = plain wall / method wall over the same prompts)", "",
+                  "| method | tau | measured speed-up | predicted speed-up | within 10% | greedy equal |",
+                  "|---|---:|---:|---:|:---:|:---:|"]
+        for key, row in (e.get("rows") or {}).items():
+            pred = row["predicted_speedup"] if key != "speculative" else (e["predicted_speedup_cost_model"]
+                                                                        or row["predicted_speedup"])
+            close = abs(pred / row["measured_speedup"] - 1) <= 0.10 if pred and row["measured_speedup"] else None
+            lines.append(f"| {ROWS[key]} | {row['tau']:.2f} | {row['measured_speedup']:.2f}x | "
+                         f"{'-' if pred is None else f'{pred:.2f}x'} | {close} | {row['greedy_equal']} |")
     first = next(iter(r["evals"].values()))
-    lines += ["", "### Per category (MT-bench first turns, k = 3)", "", "| category | prompts | tau | n-gram tau |",
-              "|---|---:|---:|---:|"]
-    lines += [f"| {c} | {v['prompts']} | {v['tau']:.2f} | {v['ngram_tau']:.2f} |" for c, v in first["per_category"].items()]
+    cats = first["per_category"]
+    methods = [m for m in ROWS if any(m in c for c in cats.values())]
+    lines += ["", "### Per category (MT-bench first turns, k = 3): tau / measured speed-up", "",
+              "| category | prompts | " + " | ".join(ROWS[m] for m in methods) + " |",
+              "|---|---:|" + "---:|" * len(methods)]
+    for c, v in cats.items():
+        n = next(iter(v.values()))["prompts"]
+        lines.append(f"| {c} | {n} | " + " | ".join(
+            f"{v[m]['tau']:.2f} / {v[m]['measured_speedup']:.2f}x" if m in v else "-" for m in methods) + " |")
     lines += ["", "## Parity (offline tau of the checkpoint on the MT-bench answers vs online tau)", "",
               f"`{json.dumps(r['parity'])}`", "", "## Data and epochs -> held-out tau (teacher-forced, k = TTT steps)", "",
               "| data share | samples | epoch | step | offline tau | conditional acceptance |", "|---:|---:|---:|---:|---:|---|"]

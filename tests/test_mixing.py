@@ -124,3 +124,20 @@ def test_serve_with_a_hybrid_answers_plain_greedy(tiny_target_dir, evaluated_exp
         assert answer == text_of(engine.target, reference(engine.target, prompt, 20))
         metrics = parse_metrics(get(f"{url}/metrics"))
         assert metrics[PREFIX + 'drafts_total{engine="0",model_name="mixed"}'] > 0
+
+
+def test_outputs_keep_each_methods_decode_of_each_turn(evaluated_export):
+    """outputs.jsonl holds every method's tokens / forwards / seconds per turn, the hybrid rows and
+    their own plain pass included; summed, they give metrics.json's rows exactly."""
+    root = evaluated_export.parent
+    rows = [json.loads(line) for line in (root / "eval" / "outputs.jsonl").read_text().splitlines()]
+    metrics = json.loads((root / "eval" / "metrics.json").read_text())
+    assert {*rows[0]["methods"]} == {"plain", "speculative", "ngram", "suffix", "mix_plain", "mix_hybrid",
+                                     "mix_union", "mix_adaptive"}
+    for method, key in (("speculative", "speculative"), ("mix_union", "union"), ("mix_adaptive", "adaptive")):
+        tokens = sum(r["methods"][method]["tokens"] for r in rows)
+        forwards = sum(r["methods"][method]["forwards"] for r in rows)
+        assert tokens / forwards == pytest.approx(metrics[key]["tau"]), method
+    plain_wall = sum(r["methods"]["mix_plain"]["wall_s"] for r in rows)
+    union_wall = sum(r["methods"]["mix_union"]["wall_s"] for r in rows)
+    assert plain_wall / union_wall == pytest.approx(metrics["union"]["measured_speedup"])

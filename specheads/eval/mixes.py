@@ -79,6 +79,11 @@ def free_step_seconds(stats: DecodeStats) -> float:
 # --- the rows ------------------------------------------------------------------------------------
 
 
+def turn_tally(stats: DecodeStats) -> dict:
+    """One method's decode of one turn, as outputs.jsonl keeps it: enough to sum tau and speed per category."""
+    return {"tokens": stats.decode_tokens, "forwards": stats.decode_forwards, "wall_s": stats.wall_s}
+
+
 @dataclass
 class MixTally:
     """One row's decodes summed over turns, and the proposers' step mix."""
@@ -88,9 +93,11 @@ class MixTally:
     levels: int = 0
     model_steps: int = 0
     mismatches: list[str] = field(default_factory=list)
+    per_turn: list[dict] = field(default_factory=list)  # turn_tally of each turn, in order (per-category tables)
 
     def add(self, proposer, result, plain_tokens: list[int], row_id: str) -> None:
         self.stats = self.stats.add(result.stats)
+        self.per_turn.append(turn_tally(result.stats))
         summary = proposer.summary()
         self.steps.update(summary["steps"])
         self.levels += summary.get("levels", 0)
@@ -124,9 +131,12 @@ def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, cos
     calibrations = cross_fitted(records, cond) if records else {}
     lengths = LengthCosts.from_step_costs(costs, k_max)
     plain, tallies = DecodeStats(), {name: MixTally() for name in MIXES}
+    tallies["plain"] = MixTally()  # this pass's own plain decodes, the rows' measured baseline
     with Progress(len(turns), "eval: hybrid rows", "turns", quiet=quiet) as bar:
         for turn in turns:
-            plain = plain.add(session.plain(turn.ids, max_new_tokens).stats)
+            again = session.plain(turn.ids, max_new_tokens).stats
+            plain = plain.add(again)
+            tallies["plain"].per_turn.append(turn_tally(again))
             cal = calibrations.get(turn.fold, Calibration(position_rates=list(cond)))
             for name in MIXES:
                 proposer = mix_proposer(name, session, frees[name], cal, lengths, k_max)
@@ -144,6 +154,8 @@ def mix_metrics(tallies: dict[str, MixTally], plain: DecodeStats, costs: StepCos
     free_s = free_step_seconds(free_stats) if free_stats is not None else 0.0
     rows = {}
     for name, t in tallies.items():
+        if name == "plain":
+            continue
         rows[name] = {
             **t.stats.summary(), "free": free_name, "free_note": note,
             "measured_speedup": plain.wall_s / t.stats.wall_s if t.stats.wall_s else 0.0,

@@ -23,7 +23,16 @@ from pathlib import Path
 from specheads.atomic import write_text
 from specheads.data.prompts import NoChatTemplate, PromptRow, PromptsError, encode_chat, read_prompts, user_turn
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
-from specheads.eval.mixes import Turn, engine_advice, evaluate_mixes, free_step_seconds, in_situ_costs, mix_metrics, row_speedup
+from specheads.eval.mixes import (
+    Turn,
+    engine_advice,
+    evaluate_mixes,
+    free_step_seconds,
+    in_situ_costs,
+    mix_metrics,
+    row_speedup,
+    turn_tally,
+)
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import StepCosts, prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
@@ -194,6 +203,9 @@ def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, free: dict, 
             **{f"{name}_tau": r.stats.summary()["tau"] for name, r in others.items()},
             "stop_reason": plain.stop_reason,
             "decode_tokens": draft.stats.decode_tokens, "decode_forwards": draft.stats.decode_forwards,
+            # each method's decode of this turn (the hybrid rows add theirs, and their own plain, as mix_*)
+            "methods": {"plain": turn_tally(plain.stats), "speculative": turn_tally(draft.stats),
+                        **{name: turn_tally(r.stats) for name, r in others.items()}},
         })
         bar.update(1)
 
@@ -291,7 +303,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         metrics.update(prediction)
         use_prediction(metrics)
         if prediction:
-            add_mixes(metrics, session, totals, max_new_tokens, quiet)
+            add_mixes(metrics, session, totals, outputs, max_new_tokens, quiet)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     write_report(out, metrics, outputs, verifier, bench)
@@ -299,8 +311,10 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         attach_to_export(draft_dir, out)
     return metrics
 
-def add_mixes(metrics: dict, session: Session, totals: Totals, max_new_tokens: int, quiet: bool) -> None:
-    """The hybrid rows (eval/mixes.py), the free rows' step-mix predictions and the advice per engine."""
+def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dict], max_new_tokens: int,
+              quiet: bool) -> None:
+    """The hybrid rows (eval/mixes.py), the free rows' step-mix predictions and the advice per engine;
+    each output row gets its turn's decodes of the hybrid rows as methods["mix_<row>"]."""
     costs = StepCosts.from_dict(metrics["prediction"]["costs"])
     cond = metrics["speculative"]["acceptance_per_position_conditional"]
     k_max = max(session.k, metrics["prediction"]["best_chain_k"])
@@ -310,6 +324,9 @@ def add_mixes(metrics: dict, session: Session, totals: Totals, max_new_tokens: i
                                                      cond, k_max, quiet)
     if note:
         log.warning("hybrid rows: %s", note)
+    for name, tally in tallies.items():  # outputs and turns are one entry per decoded turn, in order
+        for row, turn in zip(outputs, tally.per_turn, strict=True):
+            row["methods"][f"mix_{name}"] = turn
     metrics.update(mix_metrics(tallies, plain, costs, free_name, note, totals.free.get(free_name)))
     # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (specheads/mixing.py)
     metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
