@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.protocols import TreeProposer
 from specheads.target import TargetOutput
 from specheads.verify.ngram_proposers import NO_DRAFT
 from specheads.verify.ragged import (
@@ -44,103 +43,15 @@ from specheads.verify.ragged import (
     select_rows,
 )
 from specheads.verify.rules import AcceptRule, make_rule, one_row
+from specheads.verify.shapes import ChainShape, Plan, TreeShape, draft_shape
 from specheads.verify.steps import (
     Clock,
     DecodeError,
     DecodeResult,
-    DecodeStats,
-    check_tree_attention,
     cut_at_eos,
-    fit_tree,
-    gather_rows,
     new_cache,
     prepare_prompt,
 )
-from specheads.verify.trees import Tree, chain_tree
-
-Plan = tuple[Tree, torch.Tensor, torch.Tensor | None]  # a row's tree, its tokens [N], q [1, n, V]
-
-
-# --- draft shapes (one per sequence) -------------------------------------------------------------
-
-
-@dataclass
-class ChainShape:
-    """A chain of <= k drafts per step (verified with a causal mask, the path a prefix)."""
-
-    k: int
-    _trees: dict[int, Tree] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self):
-        if self.k < 0:
-            raise DecodeError(f"k (draft length) must be >= 0, got {self.k}")
-
-    def check(self, target) -> None:
-        pass
-
-    def new_stats(self) -> DecodeStats:
-        return DecodeStats(accepted_per_pos=[0] * self.k)
-
-    def drafts_with(self, proposer) -> bool:
-        return self.k > 0
-
-    def depth(self, tree: Tree) -> int:
-        return tree.size - 1  # a path
-
-    def tree(self, n: int) -> Tree:
-        """The chain of n drafts as a tree (built once per length)."""
-        if n not in self._trees:
-            self._trees[n] = chain_tree(n)
-        return self._trees[n]
-
-    def draft(self, proposer, rule: AcceptRule, remaining: int, vocab_size: int) -> Plan:
-        nodes, q = rule.draft_chain(proposer, min(self.k, remaining - 1), vocab_size)  # [n], [n, V]
-        return self.tree(nodes.numel()), nodes, None if q is None else q[None]
-
-    def fit(self, tree: Tree, tokens: torch.Tensor, remaining: int, past: int, ctx):
-        return tree, tokens  # k <= remaining - 1 <= context room already
-
-    def accepted(self, tokens: torch.Tensor, out: TargetOutput,
-                 path: list[int]) -> tuple[torch.Tensor, TargetOutput]:
-        """The accepted inputs [1, m+1] and the rows of `out` behind them (a prefix: as is)."""
-        return tokens[None, : len(path)], out
-
-
-class TreeShape:
-    """Any draft tree per step: tree-mask verification, the cache compacted to the accepted path."""
-
-    def check(self, target) -> None:
-        check_tree_attention(target.config)
-
-    def new_stats(self) -> DecodeStats:
-        return DecodeStats()
-
-    def drafts_with(self, proposer) -> bool:
-        return True
-
-    def depth(self, tree: Tree) -> int:
-        return tree.max_depth
-
-    def tree(self, n: int) -> Tree:
-        return chain_tree(n)
-
-    def draft(self, proposer, rule: AcceptRule, remaining: int, vocab_size: int) -> Plan:
-        tree, nodes = proposer.propose_tree()  # nodes [N-1]
-        return tree, nodes.reshape(-1), None
-
-    def fit(self, tree: Tree, tokens: torch.Tensor, remaining: int, past: int, ctx):
-        return fit_tree(tree, tokens, remaining, past, ctx)  # tokens [N']
-
-    def accepted(self, tokens: torch.Tensor, out: TargetOutput,
-                 path: list[int]) -> tuple[torch.Tensor, TargetOutput]:
-        path_t = torch.tensor(path)
-        return tokens[path_t][None], gather_rows(out, path_t)
-
-
-def draft_shape(proposer, k: int) -> ChainShape | TreeShape:
-    """The proposer decides: a tree proposer drafts trees, any other a chain of <= k."""
-    return TreeShape() if isinstance(proposer, TreeProposer) else ChainShape(k)
-
 
 # --- requests ------------------------------------------------------------------------------------
 
