@@ -1,21 +1,27 @@
-"""The decoder: propose a draft, verify it in one target forward, keep what a rule accepts.
+"""The decoder: propose a draft per sequence, verify every sequence's draft in one target
+forward, keep what each sequence's rule accepts.
 
-`decode` is the one loop (docs/algorithms.md §8); `greedy_decode` is plain greedy decoding (the
-reference) through it. Two choices set a decode:
+`decode_batch` is the one loop (docs/algorithms.md §8) over `Request`s: up to batch_size
+sequences share every target forward, each with its own proposer, rule, draft, accepted length
+and cache length (`verify.ragged`: right-padded cache, per-row 4-D masks and positions), and a
+sequence that finishes leaves the batch while the next waiting one joins it (continuous
+batching). `decode` is one sequence through it (a batch of one row: the same masks and cache
+operations as a sequential decoder); `greedy_decode` is plain greedy decoding (the reference).
 
-* the draft shape, decided by the proposer: a `protocols.TreeProposer` drafts any tree, verified
-  with a 4-D tree mask and the cache compacted to the accepted path (`TreeShape`; sdpa / eager);
-  any other proposer drafts a chain of <= k, verified with a causal mask and the rejected slots
-  cropped (`ChainShape`; any attention kernel). `NO_DRAFT` (or k == 0) decodes plainly;
+Two choices set a sequence's decode:
+
+* the draft shape, decided by its proposer: a `protocols.TreeProposer` drafts any tree, verified
+  with a tree mask and the cache compacted to the accepted path (`TreeShape`); any other
+  proposer drafts a chain of <= k (`ChainShape`; a single row needs no tree mask, so any
+  attention kernel); `NO_DRAFT` (or k == 0) decodes plainly;
 * the acceptance rule (`verify.rules`): "greedy", "exact" speculative sampling (Leviathan / Chen
-  on chains, EAGLE point mass on trees) or "typical" (LOSSY).
+  on chains, EAGLE point mass on trees) or "typical" (LOSSY); a rule decides one sequence and
+  holds its own generator, so a row samples as it would alone.
 
-Greedy and the exact rules leave the output distributed as plain decoding (greedy: token for
-token). Never more than max_new_tokens tokens; generation stops after an eos id.
-
-Batch: prompts, drafts and verification tensors are [B, ...] at the loop's boundaries, and a
-proposer is reached through `BatchProposer`; B must be 1 today (a clear error otherwise), so
-batching later changes this module and the rules, not the callers.
+Greedy and the exact rules leave every sequence's output distributed as its plain decoding
+(greedy: token for token). Never more than max_new_tokens tokens; a sequence stops after an eos.
+A batch's forward seconds (and its wall seconds) are shared equally among its rows, so the stats
+summed over the rows are the batch's.
 """
 
 from __future__ import annotations
@@ -26,171 +32,41 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.protocols import TreeProposer
 from specheads.target import TargetOutput
 from specheads.verify.ngram_proposers import NO_DRAFT
+from specheads.verify.ragged import (
+    batch_forward,
+    check_batch_attention,
+    keep_paths,
+    merge_rows,
+    row_output,
+    select_rows,
+)
 from specheads.verify.rules import AcceptRule, make_rule, one_row
+from specheads.verify.shapes import ChainShape, Plan, TreeShape, draft_shape
 from specheads.verify.steps import (
     Clock,
     DecodeError,
     DecodeResult,
-    DecodeStats,
-    check_tree_attention,
-    compact_cache,
     cut_at_eos,
-    fit_tree,
-    gather_rows,
-    prefill,
+    new_cache,
     prepare_prompt,
-    target_step,
-    tree_forward,
-    trim_cache,
 )
-from specheads.verify.trees import Tree, chain_tree
 
-
-class BatchProposer:
-    """A per-sequence proposer (`protocols.Proposer` or `TreeProposer`, `[n]` tensors) behind the
-    loop's batched boundary: [B, ...] in and out, B == 1."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.layers = list(getattr(inner, "layers", ()))
-
-    def start(self, prompt_ids: torch.Tensor, first: list[int], out: TargetOutput) -> None:
-        """prompt_ids [B, P], first [B]: the prefill's forward and the token it emitted."""
-        self.inner.start(one_row(prompt_ids, "the prompt ids"), first[0], out)
-
-    def propose_chain(self, k: int, rule: AcceptRule,
-                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """<= k drafts [B, n] drawn the way the rule needs, and their q [B, n, V] (or None)."""
-        tokens, q = rule.draft_chain(self.inner, k, vocab_size)  # [n], [n, V]
-        return tokens.reshape(1, -1), None if q is None else q[None]
-
-    def propose_tree(self) -> tuple[Tree, torch.Tensor]:
-        """A tree (shared by the batch) and its node tokens [B, N-1], root excluded."""
-        tree, nodes = self.inner.propose_tree()
-        return tree, nodes.reshape(1, -1)
-
-    def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput,
-               start: int) -> None:
-        """inputs [B, n] fed at start.., following [B, n]: the token settled after each."""
-        self.inner.accept(one_row(inputs, "the accepted inputs"),
-                          one_row(following, "the emitted tokens"), out, start)
-
-
-# --- draft shapes --------------------------------------------------------------------------------
+# --- requests ------------------------------------------------------------------------------------
 
 
 @dataclass
-class ChainShape:
-    """A chain of <= k drafts per step: causal-mask verification, rejected cache slots cropped."""
+class Request:
+    """One sequence to decode: its checked prompt and budget, its own proposer (stateful: never
+    shared by two requests), its own rule (its own generator) and its draft shape."""
 
-    k: int
-    _trees: dict[int, Tree] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self):
-        if self.k < 0:
-            raise DecodeError(f"k (draft length) must be >= 0, got {self.k}")
-
-    def check(self, target) -> None:
-        pass
-
-    def new_stats(self) -> DecodeStats:
-        return DecodeStats(accepted_per_pos=[0] * self.k)
-
-    def drafts_with(self, proposer) -> bool:
-        return self.k > 0
-
-    def depth(self, tree: Tree) -> int:
-        return tree.size - 1  # a path
-
-    def tree(self, n: int) -> Tree:
-        """The chain of n drafts as a tree (built once per length)."""
-        if n not in self._trees:
-            self._trees[n] = chain_tree(n)
-        return self._trees[n]
-
-    def draft(self, drafts: BatchProposer, rule: AcceptRule, remaining: int,
-              vocab_size: int) -> tuple[Tree, torch.Tensor, torch.Tensor | None]:
-        nodes, q = drafts.propose_chain(min(self.k, remaining - 1), rule, vocab_size)  # [B, n]
-        return self.tree(nodes.shape[1]), nodes, q
-
-    def fit(self, tree: Tree, tokens: torch.Tensor, remaining: int, past: int, ctx):
-        return tree, tokens  # k <= remaining - 1 <= context room already
-
-    def forward(self, target, tokens: torch.Tensor, tree: Tree, past: int, cache, layers):
-        return target_step(target, tokens, past, cache, layers)  # tokens [B, N]
-
-    def keep(self, cache, past: int, path: list[int]) -> None:
-        trim_cache(cache, past + len(path))
-
-    def accepted(self, tokens: torch.Tensor, out: TargetOutput,
-                 path: list[int]) -> tuple[torch.Tensor, TargetOutput]:
-        """The accepted inputs [B, m+1] and the rows of `out` behind them (a prefix: as is)."""
-        return tokens[:, : len(path)], out
-
-
-class TreeShape:
-    """Any draft tree per step: tree-mask verification, the cache compacted to the accepted path."""
-
-    def check(self, target) -> None:
-        check_tree_attention(target.config)
-
-    def new_stats(self) -> DecodeStats:
-        return DecodeStats()
-
-    def drafts_with(self, proposer) -> bool:
-        return True
-
-    def depth(self, tree: Tree) -> int:
-        return tree.max_depth
-
-    def tree(self, n: int) -> Tree:
-        return chain_tree(n)
-
-    def draft(self, drafts: BatchProposer, rule: AcceptRule, remaining: int,
-              vocab_size: int) -> tuple[Tree, torch.Tensor, None]:
-        tree, nodes = drafts.propose_tree()  # nodes [B, N-1]
-        return tree, nodes, None
-
-    def fit(self, tree: Tree, tokens: torch.Tensor, remaining: int, past: int, ctx):
-        tree, kept = fit_tree(tree, one_row(tokens, "the draft tokens"), remaining, past, ctx)
-        return tree, kept[None]  # [B, N']
-
-    def forward(self, target, tokens: torch.Tensor, tree: Tree, past: int, cache, layers):
-        return tree_forward(target, tokens, tree, past, cache, layers)  # tokens [B, N]
-
-    def keep(self, cache, past: int, path: list[int]) -> None:
-        compact_cache(cache, past, path)
-
-    def accepted(self, tokens: torch.Tensor, out: TargetOutput,
-                 path: list[int]) -> tuple[torch.Tensor, TargetOutput]:
-        path_t = torch.tensor(path, device=tokens.device)
-        return tokens[:, path_t], gather_rows(out, path_t)
-
-
-# --- the loop ------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Run:
-    """One generation's state: the target cache holds every position of `seq` but the last."""
-
-    target: object
+    ids: torch.Tensor  # [1, P] on the target's device
+    budget: int  # new tokens, clamped to the context
+    proposer: object
     rule: AcceptRule
     shape: ChainShape | TreeShape
-    drafts: BatchProposer | None
     eos: frozenset[int]
-    budget: int
-    result: DecodeResult
-    layers: list[int]  # target hidden states the proposer reads
-    tgt_clock: Clock
-    prop_clock: Clock
-    context: int | None  # the target's max_position_embeddings
-    seq: list[int] = field(default_factory=list)
-    cache: object = None
-    done: bool = False
 
 
 def as_batch(prompt_ids) -> torch.Tensor:
@@ -201,9 +77,227 @@ def as_batch(prompt_ids) -> torch.Tensor:
     return ids.reshape(1, -1) if ids.dim() < 2 else ids
 
 
-def draft_shape(proposer, k: int) -> ChainShape | TreeShape:
-    """The proposer decides: a tree proposer drafts trees, any other a chain of <= k."""
-    return TreeShape() if isinstance(proposer, TreeProposer) else ChainShape(k)
+def make_request(target, proposer, prompt_ids: torch.Tensor, max_new_tokens: int,
+                 rule: AcceptRule, shape: ChainShape | TreeShape,
+                 eos_token_ids: Iterable[int] = ()) -> Request:
+    """A Request of prompt_ids [1, P], checked against the target now (before any decoding)."""
+    shape.check(target)
+    ids, budget = prepare_prompt(target, one_row(prompt_ids, "prompt_ids"), max_new_tokens)
+    return Request(ids, budget, proposer, rule, shape, frozenset(int(e) for e in eos_token_ids))
+
+
+def request(target, proposer, prompt_ids, max_new_tokens: int, k: int = 0,
+            eos_token_ids: Iterable[int] = (), *, rule: str | AcceptRule = "greedy",
+            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+            epsilon: float = 0.09, delta: float = 0.3) -> Request:
+    """A Request with `decode`'s arguments (prompt_ids [P] or [1, P]; see `decode`)."""
+    if proposer is None:
+        raise DecodeError("decode needs a proposer: pass ngram_proposers.NO_DRAFT to decode plainly")
+    shape = draft_shape(proposer, k)
+    if isinstance(rule, str):
+        rule = make_rule(rule, isinstance(shape, TreeShape), target.device, temperature, top_p,
+                         top_k, seed, epsilon, delta)
+    return make_request(target, proposer, as_batch(prompt_ids), max_new_tokens, rule, shape,
+                        eos_token_ids)
+
+
+# --- one row of the batch ------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    """One sequence's state: the batch cache holds every position of `seq` but the last."""
+
+    index: int  # the request's place in decode_batch's list
+    req: Request
+    result: DecodeResult
+    drafts: object | None  # the proposer, None when this sequence drafts nothing
+    layers: list[int]  # target hidden states its proposer reads
+    prop_clock: Clock
+    seq: list[int] = field(default_factory=list)
+    done: bool = False  # an eos was emitted
+
+    @property
+    def past(self) -> int:
+        return len(self.seq) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.done or len(self.result.tokens) >= self.req.budget
+
+
+def new_row(index: int, req: Request, device) -> _Row:
+    drafts = req.proposer if req.shape.drafts_with(req.proposer) else None
+    return _Row(index, req, req.rule.new_result(req.shape.new_stats()), drafts,
+                list(getattr(drafts, "layers", ())), Clock(device))
+
+
+def start_row(row: _Row, ids: torch.Tensor, out: TargetOutput) -> None:
+    """Its prompt ids [P] were prefilled (`out`: its rows, [1, P, ...]): first token, proposer."""
+    first = row.req.rule.first_token(out.logits[:, -1])[0]  # logits [1, V]
+    row.seq = ids.tolist() + [first]
+    row.result.tokens.append(first)
+    row.done = first in row.req.eos
+    if row.drafts is not None and not row.finished:
+        with row.prop_clock:
+            row.drafts.start(ids, first, out)
+        row.result.stats.proposer_start_s, row.prop_clock.seconds = row.prop_clock.seconds, 0.0
+
+
+def propose(row: _Row, target) -> Plan:
+    """This step's tree and its tokens [N] (root first, on the CPU), cut to budget and context."""
+    req = row.req
+    remaining = req.budget - len(row.result.tokens)
+    root = torch.tensor([row.seq[-1]])
+    tree, nodes, q = req.shape.tree(0), root[:0], None
+    if row.drafts is not None and remaining > 1:
+        with row.prop_clock:
+            tree, nodes, q = req.shape.draft(row.drafts, req.rule, remaining, target.vocab_size)
+    tokens = torch.cat([root, nodes.reshape(-1).cpu()])
+    tree, tokens = req.shape.fit(tree, tokens, remaining, row.past, target.context)
+    return tree, tokens, q
+
+
+def settle(row: _Row, b: int, plan: Plan, path: list[int], nxt: int, out: TargetOutput,
+           target_s: float, device) -> None:
+    """Emit row b's accepted tokens and bonus, count the step, let its proposer catch up."""
+    tree, tokens, _ = plan
+    past, toks = row.past, tokens.tolist()
+    emitted, row.done = cut_at_eos([toks[i] for i in path[1:]] + [nxt], row.req.eos)
+    row.result.record_step(len(emitted), len(path) - 1, tree.size - 1, row.req.shape.depth(tree), target_s)
+    row.seq.extend(emitted)
+    row.result.tokens.extend(emitted)
+    if row.drafts is not None and not row.finished:
+        inputs, rows = row.req.shape.accepted(tokens, row_output(out, b, tokens.numel(), row.layers), path)
+        following = torch.tensor([emitted], device=device)  # [1, n]
+        with row.prop_clock:
+            row.drafts.accept(inputs[0].to(device), following[0], rows, past)
+
+
+def finish(row: _Row) -> DecodeResult:
+    """Stop reason and totals (its seconds were added up step by step)."""
+    result, stats = row.result, row.result.stats
+    if row.done:
+        result.stop_reason = "eos"
+    stats.tokens = len(result.tokens)
+    stats.proposer_s = row.prop_clock.seconds
+    return result
+
+
+# --- the batch -----------------------------------------------------------------------------------
+
+
+def union_layers(rows: list[_Row]) -> list[int]:
+    return sorted({i for row in rows for i in row.layers})
+
+
+class Batch:
+    """Rows decoding together: `admit` prefills new requests into the batch, `step` runs one
+    verification forward over every row; both return the (index, result) of rows that finished."""
+
+    def __init__(self, target):
+        self.target = target
+        self.rows: list[_Row] = []
+        self.cache = None
+        self.clock = Clock(target.device)
+
+    def admit(self, items: list[tuple[int, Request]]) -> list[tuple[int, DecodeResult]]:
+        """Prefill the requests' prompts in one forward of their own, then join the batch."""
+        t0 = time.perf_counter()
+        rows = [new_row(i, req, self.target.device) for i, req in items]
+        live = [row for row in rows if row.req.budget > 0]
+        if live:
+            self._prefill(live)
+        self._share_wall(rows, t0)
+        self.rows += live
+        return [(row.index, finish(row)) for row in rows if row.req.budget <= 0] + self._retire()
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        prompts = [row.req.ids[0] for row in rows]  # [P_b] each
+        cache = new_cache(self.target)
+        before = self.clock.seconds
+        with self.clock:
+            out = batch_forward(self.target, prompts, [torch.arange(p.numel()) for p in prompts],
+                                [torch.ones(p.numel(), p.numel(), dtype=torch.bool).tril() for p in prompts],
+                                [0] * len(rows), cache, union_layers(rows))
+        share = (self.clock.seconds - before) / len(rows)
+        self.cache = merge_rows(self.cache, cache)
+        for b, (row, ids) in enumerate(zip(rows, prompts)):
+            row.result.stats.prefill_forwards, row.result.stats.target_prefill_s = 1, share
+            start_row(row, ids, row_output(out, b, ids.numel(), row.layers))
+
+    def step(self) -> list[tuple[int, DecodeResult]]:
+        """One verification forward: every row proposes, is verified, accepts and emits."""
+        if not self.rows:
+            return []
+        t0 = time.perf_counter()
+        plans = [propose(row, self.target) for row in self.rows]
+        pasts, cache_len = [row.past for row in self.rows], self.cache.get_seq_length()
+        before = self.clock.seconds
+        with self.clock:
+            out = batch_forward(self.target, [p[1] for p in plans], [p[0].depths for p in plans],
+                                [p[0].mask for p in plans], pasts, self.cache, union_layers(self.rows))
+            decided = [row.req.rule.decide(tree, tokens[None], out.logits[b: b + 1, : tokens.numel()], q)
+                       for b, (row, (tree, tokens, q)) in enumerate(zip(self.rows, plans))]  # [1, N_b, V]
+            paths = [paths[0] for paths, _ in decided]
+            keep_paths(self.cache, pasts, cache_len, paths)
+        share = (self.clock.seconds - before) / len(self.rows)
+        for b, (row, plan, path, (_, nexts)) in enumerate(zip(self.rows, plans, paths, decided)):
+            row.result.stats.target_decode_s += share
+            settle(row, b, plan, path, nexts[0], out, share, self.target.device)
+        self._share_wall(self.rows, t0)
+        return self._retire()
+
+    def _share_wall(self, rows: list[_Row], t0: float) -> None:
+        share = (time.perf_counter() - t0) / max(len(rows), 1)
+        for row in rows:
+            row.result.stats.wall_s += share
+
+    def _retire(self) -> list[tuple[int, DecodeResult]]:
+        """Rows that emitted an eos or their budget leave the batch (and their cache rows)."""
+        keep = [b for b, row in enumerate(self.rows) if not row.finished]
+        if len(keep) == len(self.rows):
+            return []
+        done = [row for row in self.rows if row.finished]
+        if not keep:
+            self.cache = None
+        else:
+            select_rows(self.cache, keep, [self.rows[b].past for b in keep])
+        self.rows = [self.rows[b] for b in keep]
+        return [(row.index, finish(row)) for row in done]
+
+
+def check_requests(target, requests: list[Request], batch_size: int) -> None:
+    """Refuse a batch the ragged path cannot run, or two requests sharing a stateful proposer."""
+    if batch_size < 1:
+        raise DecodeError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size > 1 and len(requests) > 1:
+        check_batch_attention(target.config)
+    drafting = [id(r.proposer) for r in requests
+                if r.shape.drafts_with(r.proposer) and r.proposer is not NO_DRAFT]
+    if len(set(drafting)) != len(drafting):
+        raise DecodeError("two requests share one proposer object: proposers keep per-sequence "
+                          "state, give every request its own")
+
+
+@torch.no_grad()
+def decode_batch(target, requests: list[Request], batch_size: int | None = None) -> list[DecodeResult]:
+    """Decode every request with up to `batch_size` (default: all) sequences per target forward;
+    a finished sequence's place goes to the next waiting request. -> results in request order."""
+    size = len(requests) if batch_size is None else batch_size
+    check_requests(target, requests, size)
+    results: list[DecodeResult | None] = [None] * len(requests)
+    waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
+    batch = Batch(target)
+    while waiting or batch.rows:
+        room = size - len(batch.rows)
+        if room > 0 and waiting:
+            done = batch.admit([waiting.pop() for _ in range(min(room, len(waiting)))])
+        else:
+            done = batch.step()
+        for i, result in done:
+            results[i] = result
+    return results
 
 
 @torch.no_grad()
@@ -217,16 +311,12 @@ def decode(target, proposer, prompt_ids, max_new_tokens: int, k: int = 0,
     The sampling settings (warp, seed; typical's thresholds min(epsilon, delta * exp(-H))) apply
     to the sampling rules only. The same seed reproduces the same tokens; temperature 0 and the
     greedy rule equal plain greedy decoding token for token. A sampling result is a SampleResult
-    (rule name, seed, `lossy`).
+    (rule name, seed, `lossy`). Several prompts: `decode_batch` of `request`s.
     """
-    if proposer is None:
-        raise DecodeError("decode needs a proposer: pass ngram_proposers.NO_DRAFT to decode plainly")
-    shape = draft_shape(proposer, k)
-    if isinstance(rule, str):
-        rule = make_rule(rule, isinstance(shape, TreeShape), target.device, temperature, top_p,
-                         top_k, seed, epsilon, delta)
-    return run_loop(target, proposer, as_batch(prompt_ids), max_new_tokens, rule, shape,
-                    eos_token_ids)[0]
+    req = request(target, proposer, prompt_ids, max_new_tokens, k, eos_token_ids, rule=rule,
+                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, epsilon=epsilon,
+                  delta=delta)
+    return decode_batch(target, [req])[0]
 
 
 def greedy_decode(target, prompt_ids, max_new_tokens: int,
@@ -237,79 +327,6 @@ def greedy_decode(target, prompt_ids, max_new_tokens: int,
 
 def run_loop(target, proposer, prompt_ids: torch.Tensor, max_new_tokens: int, rule: AcceptRule,
              shape: ChainShape | TreeShape, eos_token_ids: Iterable[int] = ()) -> list[DecodeResult]:
-    """prompt_ids [B, P] -> one result per sequence (B == 1): prefill, then verification steps."""
-    shape.check(target)
-    ids, budget = prepare_prompt(target, one_row(prompt_ids, "prompt_ids"), max_new_tokens)  # [1, P]
-    drafts = BatchProposer(proposer) if shape.drafts_with(proposer) else None
-    run = _Run(target, rule, shape, drafts, frozenset(int(e) for e in eos_token_ids), budget,
-               rule.new_result(shape.new_stats()), drafts.layers if drafts else [],
-               Clock(target.device), Clock(target.device), target.context)
-    t_start = time.perf_counter()
-    if budget > 0:
-        begin(run, ids)
-    while not run.done and len(run.result.tokens) < budget:
-        step(run)
-    return [finish(run, t_start)]
-
-
-def begin(run: _Run, ids: torch.Tensor) -> None:
-    """Prefill the prompt ids [B, P], choose the first token, start the proposer."""
-    stats = run.result.stats
-    run.cache, out = prefill(run.target, ids, run.layers, stats, run.tgt_clock)
-    first = run.rule.first_token(out.logits[:, -1])[0]  # logits [B, V]
-    run.seq = ids[0].tolist() + [first]
-    run.result.tokens.append(first)
-    run.done = first in run.eos
-    if run.drafts is not None and not run.done and run.budget > 1:
-        with run.prop_clock:
-            run.drafts.start(ids, [first], out)
-        stats.proposer_start_s, run.prop_clock.seconds = run.prop_clock.seconds, 0.0
-
-
-def propose(run: _Run, remaining: int, past: int) -> tuple[Tree, torch.Tensor, torch.Tensor | None]:
-    """This step's tree and its tokens [B, N] (root first), cut to the budget and context."""
-    device = run.target.device
-    root = torch.tensor([[run.seq[-1]]], device=device)  # [B, 1]
-    tree, nodes, q = run.shape.tree(0), root[:, :0], None
-    if run.drafts is not None and remaining > 1:
-        with run.prop_clock:
-            tree, nodes, q = run.shape.draft(run.drafts, run.rule, remaining,
-                                             run.target.vocab_size)
-    tokens = torch.cat([root, nodes.to(device)], dim=1)  # [B, N]
-    tree, tokens = run.shape.fit(tree, tokens, remaining, past, run.context)
-    return tree, tokens, q
-
-
-def step(run: _Run) -> None:
-    """One verification forward: propose, verify, accept, emit, let the proposer catch up."""
-    result, shape = run.result, run.shape
-    remaining, past = run.budget - len(result.tokens), len(run.seq) - 1
-    tree, tokens, q = propose(run, remaining, past)
-    before = run.tgt_clock.seconds
-    with run.tgt_clock:
-        out = shape.forward(run.target, tokens, tree, past, run.cache, run.layers)
-        paths, nexts = run.rule.decide(tree, tokens, out.logits, q)  # logits [B, N, V]
-        path, nxt = paths[0], nexts[0]
-        shape.keep(run.cache, past, path)
-    toks = tokens[0].tolist()
-    emitted, run.done = cut_at_eos([toks[i] for i in path[1:]] + [nxt], run.eos)
-    result.record_step(len(emitted), len(path) - 1, tree.size - 1, shape.depth(tree), run.tgt_clock.seconds - before)
-    run.seq.extend(emitted)
-    result.tokens.extend(emitted)
-    if run.drafts is not None and not run.done and len(result.tokens) < run.budget:
-        inputs, rows = shape.accepted(tokens, out, path)
-        following = torch.tensor([emitted], device=run.target.device)  # [B, n]
-        with run.prop_clock:
-            run.drafts.accept(inputs, following, rows, past)
-
-
-def finish(run: _Run, t_start: float) -> DecodeResult:
-    """Stop reason, totals and seconds."""
-    result, stats = run.result, run.result.stats
-    if run.done:
-        result.stop_reason = "eos"
-    stats.tokens = len(result.tokens)
-    stats.target_decode_s = run.tgt_clock.seconds
-    stats.proposer_s = run.prop_clock.seconds
-    stats.wall_s = time.perf_counter() - t_start
-    return result
+    """prompt_ids [1, P] with an explicit rule and shape -> [its result] (one sequence)."""
+    return decode_batch(target, [make_request(target, proposer, prompt_ids, max_new_tokens, rule,
+                                              shape, eos_token_ids)])
