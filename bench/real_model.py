@@ -211,14 +211,10 @@ def evaluate(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_to
 
 ROWS = {"speculative": "EAGLE-3", "ngram": "prompt lookup", "suffix": "suffix decoding",
         "hybrid": "hybrid (choose)", "union": "hybrid (union tree)", "adaptive": "hybrid + adaptive k"}
-MIX_ROWS = ("hybrid", "union", "adaptive")  # decoded in eval's second pass, against that pass's own plain
 
 
-def row_summary(m: dict, name: str) -> dict | None:
-    """One method's headline numbers from metrics.json (None when the eval has no such row)."""
-    r = m.get(name)
-    if not r:
-        return None
+def row_summary(r: dict) -> dict:
+    """One method's headline numbers from its metrics.json row."""
     return {"tau": r["tau"], "measured_speedup": r["measured_speedup"], "greedy_equal": r["greedy_equal"],
             "predicted_speedup": r.get("predicted_speedup"), "acceptance_per_position": r.get("acceptance_per_position")}
 
@@ -258,7 +254,7 @@ def summary(m: dict, outputs: Path, rc: int) -> dict:
             "predicted_speedup_cost_model": (chains.get(m["k"]) or {}).get("speedup"),
             "recommended_k": ((m.get("advice") or {}).get("vllm") or {}).get("num_speculative_tokens"),
             "plain_tokens_per_s": m["plain"]["tokens"] / m["plain"]["wall_s"] if m["plain"]["wall_s"] else None,
-            "rows": {name: row_summary(m, name) for name in ROWS if m.get(name)},
+            "rows": {name: row_summary(m[name]) for name in ROWS if m.get(name)},
             "calibration": {k: (m.get("calibration") or {}).get(k) for k in ("ece", "records")},
             "engine_advice": (m.get("advice") or {}).get("engines"),
             "per_category": per_category(outputs), "eval_wall_s": m["eval_wall_s"]}

@@ -95,9 +95,13 @@ class MixTally:
     mismatches: list[str] = field(default_factory=list)
     per_turn: list[dict] = field(default_factory=list)  # turn_tally of each turn, in order (per-category tables)
 
+    def count(self, stats: DecodeStats) -> None:
+        """One turn's decode into the sums and the per-turn list."""
+        self.stats = self.stats.add(stats)
+        self.per_turn.append(turn_tally(stats))
+
     def add(self, proposer, result, plain_tokens: list[int], row_id: str) -> None:
-        self.stats = self.stats.add(result.stats)
-        self.per_turn.append(turn_tally(result.stats))
+        self.count(result.stats)
         summary = proposer.summary()
         self.steps.update(summary["steps"])
         self.levels += summary.get("levels", 0)
@@ -123,20 +127,17 @@ class Turn:
 
 
 def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, costs: StepCosts, records: list[Record],
-                   cond: list[float], k_max: int, quiet: bool = True) -> tuple[DecodeStats, dict[str, MixTally], str, str | None]:
-    """Decode every turn plainly and with each of MIXES -> (the plain stats, the rows' tallies, the free
+                   cond: list[float], k_max: int, quiet: bool = True) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
+    """Decode every turn plainly and with each of MIXES -> (the plain decodes, the rows' tallies, the free
     proposer's name, why it is not suffix decoding)."""
     free_name, make_free, note = mix_free()
     frees = {name: make_free() for name in MIXES}  # one global cache per row, across its turns
     calibrations = cross_fitted(records, cond) if records else {}
     lengths = LengthCosts.from_step_costs(costs, k_max)
-    plain, tallies = DecodeStats(), {name: MixTally() for name in MIXES}
-    tallies["plain"] = MixTally()  # this pass's own plain decodes, the rows' measured baseline
+    plain, tallies = MixTally(), {name: MixTally() for name in MIXES}  # plain: this pass's own baseline
     with Progress(len(turns), "eval: hybrid rows", "turns", quiet=quiet) as bar:
         for turn in turns:
-            again = session.plain(turn.ids, max_new_tokens).stats
-            plain = plain.add(again)
-            tallies["plain"].per_turn.append(turn_tally(again))
+            plain.count(session.plain(turn.ids, max_new_tokens).stats)
             cal = calibrations.get(turn.fold, Calibration(position_rates=list(cond)))
             for name in MIXES:
                 proposer = mix_proposer(name, session, frees[name], cal, lengths, k_max)
@@ -154,8 +155,6 @@ def mix_metrics(tallies: dict[str, MixTally], plain: DecodeStats, costs: StepCos
     free_s = free_step_seconds(free_stats) if free_stats is not None else 0.0
     rows = {}
     for name, t in tallies.items():
-        if name == "plain":
-            continue
         rows[name] = {
             **t.stats.summary(), "free": free_name, "free_note": note,
             "measured_speedup": plain.wall_s / t.stats.wall_s if t.stats.wall_s else 0.0,

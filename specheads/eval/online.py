@@ -324,10 +324,10 @@ def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dic
                                                      cond, k_max, quiet)
     if note:
         log.warning("hybrid rows: %s", note)
-    for name, tally in tallies.items():  # outputs and turns are one entry per decoded turn, in order
+    for name, tally in {"plain": plain, **tallies}.items():  # outputs and turns: one entry per decoded turn
         for row, turn in zip(outputs, tally.per_turn, strict=True):
             row["methods"][f"mix_{name}"] = turn
-    metrics.update(mix_metrics(tallies, plain, costs, free_name, note, totals.free.get(free_name)))
+    metrics.update(mix_metrics(tallies, plain.stats, costs, free_name, note, totals.free.get(free_name)))
     # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (specheads/mixing.py)
     metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
     for name, stats in totals.free.items():
