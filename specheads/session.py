@@ -22,7 +22,7 @@ from specheads.export import load_with_meta
 from specheads.export.load import ExportMeta
 from specheads.mixing import Mixing, mix_free
 from specheads.target import Target
-from specheads.verify.loop import decode
+from specheads.verify.loop import Request, decode_batch, request
 from specheads.verify.ngram_proposers import NO_DRAFT
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import Sampling, TreeSpec, check_tree_fits, with_default_k
@@ -70,17 +70,23 @@ def load_draft(folder: str | Path, target: Target, allow_missing_fingerprint: bo
     return Draft(head.to(device=target.device, dtype=target.dtype).eval(), meta, checked)
 
 
-def run(spec: TreeSpec | None, target, proposer, ids: list[int], max_new_tokens: int, eos,
-        sampling: Sampling = GREEDY) -> DecodeResult:
-    """One decode with `sampling`'s rule: `spec` None decodes plainly (no drafts; plain sampling
-    when sampled), else speculatively with `proposer`'s drafts (a chain of spec.k, or trees)."""
+def run_request(spec: TreeSpec | None, target, proposer, ids: list[int], max_new_tokens: int, eos,
+                sampling: Sampling = GREEDY) -> Request:
+    """One decode's request with `sampling`'s rule: `spec` None decodes plainly (no drafts; plain
+    sampling when sampled), else speculatively with `proposer`'s drafts (a chain of spec.k, or trees)."""
     if spec is None:
         proposer, k, rule = NO_DRAFT, 0, "greedy" if sampling.greedy else "exact"
     else:
         k, rule = spec.k or 0, sampling.rule
-    return decode(target, proposer, ids, max_new_tokens, k, eos, rule=rule,
-                  temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-                  epsilon=sampling.epsilon, delta=sampling.delta)
+    return request(target, proposer, ids, max_new_tokens, k, eos, rule=rule,
+                   temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                   epsilon=sampling.epsilon, delta=sampling.delta)
+
+
+def run(spec: TreeSpec | None, target, proposer, ids: list[int], max_new_tokens: int, eos,
+        sampling: Sampling = GREEDY) -> DecodeResult:
+    """One decode (`run_request`'s), alone."""
+    return decode_batch(target, [run_request(spec, target, proposer, ids, max_new_tokens, eos, sampling)])[0]
 
 
 @dataclass
@@ -136,7 +142,8 @@ class Session:
         if spec is not None or not self.mixing.active:
             return make_proposer(spec or self.spec, self.draft.head, self.target, sampled)
         model = make_proposer(self.spec, self.draft.head, self.target, sampled or self.mixing.adaptive)
-        return self.mixing.proposer(model, self.free, self.k, self.target.vocab_size if sampled else None)
+        free = self.free.fork()  # this request's view of the session's free proposer (one global cache)
+        return self.mixing.proposer(model, free, self.k, self.target.vocab_size if sampled else None)
 
     @property
     def loop_spec(self) -> TreeSpec:
@@ -161,6 +168,22 @@ class Session:
     def plain(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> DecodeResult:
         """The reference: plain greedy decoding, or plain sampling with the same seed."""
         return run(None, self.target, None, ids, max_new_tokens, self.eos, sampling)
+
+    def request(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
+                drafted: bool = True) -> Request:
+        """One sequence for `decode_many` / a serving batch: with a fresh proposer of the draft
+        (`drafted`, as `decode`), else plain (as `plain`)."""
+        if not drafted:
+            return run_request(None, self.target, None, ids, max_new_tokens, self.eos, sampling)
+        return run_request(self.loop_spec, self.target, self.proposer(not sampling.greedy), ids,
+                           max_new_tokens, self.eos, sampling)
+
+    def decode_many(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+                    batch_size: int = 1, drafted: bool = True) -> list[DecodeResult]:
+        """Every prompt decoded (`request`'s way), up to `batch_size` sequences per target forward;
+        each result equals the prompt's decode alone (greedy: token for token)."""
+        reqs = [self.request(ids, max_new_tokens, sampling, drafted) for ids in prompts]
+        return decode_batch(self.target, reqs, batch_size)
 
     def warm_up(self) -> None:
         """Short untimed decodes (plain, the chain of k, the tree) so first-call overheads stay

@@ -16,6 +16,7 @@ from specheads.data.prompts import encode_chat
 from specheads.export import export, read_export_meta
 from specheads.export.checkpoint import save_checkpoint
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+from specheads.mixing import Mixing
 from specheads.provenance import provenance
 from specheads.serve.server import load_engine
 from specheads.session import Session, eos_ids, load_draft
@@ -196,3 +197,25 @@ def test_sampled_session_decodes_are_reproducible(target, random_export_dir):
     sampling = Sampling(temperature=0.9, top_p=0.95, seed=3)
     first, second = (session.decode(ids, 12, sampling).result for _ in range(2))
     assert first.tokens == second.tokens and first.tokens
+
+
+@pytest.mark.parametrize("mixing", [Mixing(), Mixing("choose"), Mixing("union")], ids=["drafter", "hybrid", "union"])
+def test_decode_many_equals_each_prompt_decoded_alone(target, random_export_dir, mixing):
+    """A batch of requests (each with its own proposer and its own view of the free proposer) gives
+    every prompt its decode alone: greedy token for token; sampled with the same seed where no
+    state is shared (the suffix cache's drafts depend on which requests finished before)."""
+    session = Session(target, load_draft(random_export_dir, target), mixing=mixing)
+    prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": text}])
+               for text in (PROMPT, "print('hi')", "for i in range(3):", "x = [1, 2, 3]", "class A:")]
+    many = session.decode_many(prompts, 14, batch_size=3)
+    for ids, result in zip(prompts, many):
+        assert result.tokens == greedy_decode(target, ids, 14, eos_ids(target)).tokens
+    assert sum(r.stats.proposed_tokens for r in many) > 0
+    plain = session.decode_many(prompts, 14, batch_size=4, drafted=False)
+    assert [r.stats.proposed_tokens for r in plain] == [0] * len(prompts)
+    assert [r.tokens for r in plain] == [r.tokens for r in many]
+    if mixing.active:
+        return
+    sampling = Sampling(temperature=0.9, seed=7)
+    sampled = session.decode_many(prompts[:3], 10, sampling, batch_size=3)
+    assert [r.tokens for r in sampled] == [session.decode(ids, 10, sampling).result.tokens for ids in prompts[:3]]

@@ -10,7 +10,7 @@ import torch
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 from random_models import make_target
 
-from specheads.verify.loop import decode, greedy_decode
+from specheads.verify.loop import decode, decode_batch, greedy_decode, request
 from specheads.verify.suffix_proposers import SuffixProposer, SuffixSettings, SuffixTreeProposer
 from specheads.verify.trees import SettingsError
 
@@ -80,6 +80,22 @@ def test_the_global_cache_serves_later_requests_and_stays_bounded():
         proposer.accept(None, torch.tensor([6, 7, 8]))
         assert len(proposer.cache.cached_requests) <= 3
     assert len(proposer.cache.active_requests) == 1
+
+
+@pytest.mark.parametrize("make", [SuffixProposer, SuffixTreeProposer])
+def test_forks_decode_a_batch_over_one_cache_and_close_their_requests(target, make):
+    """Batch rows get forks (one global cache, a request each); each row equals its plain greedy
+    decode and, once finished, leaves the cache with no active request and <= max_cached_requests."""
+    shared = make(SuffixSettings(max_cached_requests=3))
+    prompts = [torch.tensor(stream(40 + 2 * i, seed=i)) for i in range(5)]
+    forks = [shared.fork() for _ in prompts]
+    assert all(f.cache is shared.cache for f in forks) and len({id(f) for f in forks}) == len(forks)
+    results = decode_batch(target, [request(target, f, p, 30, 4) for f, p in zip(forks, prompts)], 3)
+    for prompt, res in zip(prompts, results):
+        assert res.tokens == greedy_decode(target, prompt, 30).tokens
+    assert sum(r.stats.proposed_tokens for r in results) > 0
+    assert len(shared.cache.active_requests) == 0
+    assert len(shared.cache.cached_requests) == 3
 
 
 def test_a_missing_library_names_the_make_target(monkeypatch):

@@ -31,7 +31,7 @@ import torch
 from specheads.protocols import SampledProposer, StoppingProposer
 from specheads.target import TargetOutput
 from specheads.verify.calibration import Calibration, ConfidenceWarper
-from specheads.verify.hybrid_proposers import AcceptanceMeter, as_ids, check_chain, merged_layers
+from specheads.verify.hybrid_proposers import AcceptanceMeter, as_ids, check_chain, close_proposers, merged_layers
 from specheads.verify.sampling import point_mass
 from specheads.verify.trees import SettingsError
 
@@ -172,6 +172,9 @@ class AdaptiveProposer:
         if self.free is not None:
             self.free.start(prompt_ids, first_token, out)
         self.pending = []
+
+    def close(self) -> None:
+        close_proposers(self.model, self.free)
 
     def expected_model_rate(self, k: int) -> float:
         """The rate of the model's best draft of <= k on average (the measured per-position acceptance;

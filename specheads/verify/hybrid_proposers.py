@@ -34,6 +34,14 @@ RULES = ("arctic", "measured")  # choose mode: how the model draft is priced
 # --- expected accepted length ---------------------------------------------------------------------
 
 
+def close_proposers(*proposers) -> None:
+    """End the request in each proposer that keeps one open (suffix decoding's active request)."""
+    for proposer in proposers:
+        close = getattr(proposer, "close", None)
+        if close is not None:
+            close()
+
+
 @dataclass
 class AcceptanceMeter:
     """Online per-token acceptance rate a of one proposer's drafts (Beta prior), and the expected
@@ -110,6 +118,9 @@ class HybridProposer:
     def start(self, prompt_ids: torch.Tensor, first_token: int, out) -> None:
         self.model.start(prompt_ids, first_token, out)
         self.free.start(prompt_ids, first_token, out)
+
+    def close(self) -> None:
+        close_proposers(self.model, self.free)
 
     def cap(self, k: int, own: int | None) -> int:
         return k if own is None else min(k, own)
@@ -276,6 +287,9 @@ class UnionProposer:
     def start(self, prompt_ids: torch.Tensor, first_token: int, out) -> None:
         self.model.start(prompt_ids, first_token, out)
         self.free.start(prompt_ids, first_token, out)
+
+    def close(self) -> None:
+        close_proposers(self.model, self.free)
 
     @torch.no_grad()
     def propose_tree(self) -> tuple[Tree, torch.Tensor]:

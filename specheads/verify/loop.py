@@ -177,6 +177,9 @@ def settle(row: _Row, b: int, plan: Plan, path: list[int], nxt: int, out: Target
 def finish(row: _Row) -> DecodeResult:
     """Stop reason and totals (its seconds were added up step by step)."""
     result, stats = row.result, row.result.stats
+    close = getattr(row.drafts, "close", None)  # a request a proposer keeps open (suffix decoding's)
+    if close is not None:
+        close()
     if row.done:
         result.stop_reason = "eos"
     stats.tokens = len(result.tokens)

@@ -64,6 +64,10 @@ class NgramProposer:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.context = torch.empty(0, dtype=torch.long)
 
+    def fork(self) -> NgramProposer:
+        """The same lookup for another concurrent request (its own context)."""
+        return NgramProposer(self.max_ngram, self.min_ngram)
+
     def start(self, prompt_ids: torch.Tensor, first_token: int, out=None) -> None:
         self.context = torch.cat([prompt_ids.reshape(-1).cpu().long(), torch.tensor([first_token])])
 

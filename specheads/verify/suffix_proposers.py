@@ -45,14 +45,21 @@ class SuffixProposer:
 
     layers: list[int] = []  # reads no target states
 
-    def __init__(self, settings: SuffixSettings | None = None):
-        self.settings = settings or SuffixSettings()
-        self.cache = new_suffix_cache(self.settings.max_tree_depth, self.settings.max_cached_requests)
-        self._ids = itertools.count()
+    def __init__(self, settings: SuffixSettings | None = None, shared: SuffixProposer | None = None):
+        self.settings = shared.settings if shared is not None else settings or SuffixSettings()
+        if shared is None:
+            self.cache = new_suffix_cache(self.settings.max_tree_depth, self.settings.max_cached_requests)
+            self._ids = itertools.count()
+        else:  # a view: the same global cache and request numbering, its own request
+            self.cache, self._ids = shared.cache, shared._ids
         self.request: int | None = None
         self.context: list[int] = []
         self.score = 0.0  # the last draft's expected accepted tokens (sum of its probabilities)
         self.probs: list[float] = []  # the last draft's cumulative path probability per token
+
+    def fork(self) -> SuffixProposer:
+        """A proposer for one more concurrent request over the same global cache (a batch row)."""
+        return type(self)(shared=self)
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, out=None) -> None:
         self.close()
