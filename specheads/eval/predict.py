@@ -279,7 +279,7 @@ def monotone(values: list[float]) -> list[float]:
     return [m for m, w in blocks for _ in range(int(w))]
 
 
-def _median_round_robin(calls: dict, reps: int, device) -> dict:
+def median_round_robin(calls: dict, reps: int, device) -> dict:
     """Median seconds per key, keys interleaved per repetition so load bursts hit all of them."""
     import statistics
 
@@ -315,7 +315,7 @@ def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, re
 
     with torch.no_grad():
         target_step(target, ids, 0, cache)
-        med = _median_round_robin({n: call(n) for n in counts}, reps, target.device)
+        med = median_round_robin({n: call(n) for n in counts}, reps, target.device)
     return dict(zip(counts, monotone([med[n] for n in counts])))
 
 
@@ -329,7 +329,7 @@ def time_proposals(target, head, prompt_ids: list[int], ks, reps: int = 7) -> tu
     with torch.no_grad():
         out = target_step(target, ids[None], 0, new_cache(target), proposer.layers)
         proposer.start(ids, int(out.logits[0, -1].argmax()), out)
-        med = _median_round_robin({k: (lambda k=k: proposer.propose(k)) for k in ks}, reps, target.device)
+        med = median_round_robin({k: (lambda k=k: proposer.propose(k)) for k in ks}, reps, target.device)
     xs, ys = list(med), list(med.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
