@@ -32,3 +32,6 @@ def test_demo_pipeline_smoke(tmp_path):
         assert label in proc.stdout and metrics[key]["greedy_equal"] is True and metrics[key]["predicted_speedup"] > 0
     assert "best per engine:" in proc.stdout
     assert len((run / "eval" / "outputs.jsonl").read_text().splitlines()) >= 3
+    conc = json.loads((run / "concurrency" / "concurrency.json").read_text())  # the speed-up by concurrency table
+    assert [r["batch_size"] for r in conc["rows"]] == [1, 8, 32] and all(r["greedy_equal"] == 3 for r in conc["rows"])
+    assert "speed-up by concurrency" in proc.stdout and "num_speculative_tokens_per_batch_size" in proc.stdout
