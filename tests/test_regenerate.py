@@ -246,7 +246,7 @@ def test_speculative_batches_forward_their_prompts_together(tiny_target_dir, ran
     """SessionDecoder hands a whole batch to one decode_many call with its batch size (rows share
     target forwards), and sums the decodes' counts for tau."""
     from specheads.data.regenerate_turns import SessionDecoder
-    from specheads.session import Session, load_draft
+    from specheads.session import GREEDY, Session, load_draft
 
     target = Target.load(str(tiny_target_dir), device="cpu")
     session = Session(target, load_draft(random_export_dir, target), eos=[target.tokenizer.eos_token_id])
@@ -259,6 +259,8 @@ def test_speculative_batches_forward_their_prompts_together(tiny_target_dir, ran
     assert calls == [(3, 3)] and len(out) == 3
     assert out == [greedy_decode(target, p, 6, eos_token_ids=[target.tokenizer.eos_token_id]).tokens for p in prompts]
     assert decoder.stats.tokens == sum(len(t) for t in out) and decoder.stats.summary()["tau"] >= 1.0
+    with pytest.raises(ValueError, match="1 samplings for 3 prompts"):
+        decode_many(prompts, 6, [GREEDY], 3)
 
 
 def test_sampled_speculative_regeneration_is_seeded_per_prompt(tiny_target_dir, random_export_dir, tmp_path, capsys):

@@ -12,9 +12,9 @@ encoded by data/prompts.py's `encode_chat`, answered a batch at a time by `answe
 decoder: plain transformers `generate` (`generate_batch`), or, with `--draft`, a speculation
 session's batched decode loop (`SessionDecoder`); both batched across conversations per turn)
 and `OpenAIBackend` (any OpenAI-compatible server, conversations in parallel on a bounded thread
-pool). `data/regenerate_run.py` is the resumable
-run (files in, rows out append-only with an index of finished ids, data/resume.py);
-`specheads/regenerate_command.py` is the `specheads regenerate` command (options, backend choice).
+pool). `data/regenerate_run.py` is the resumable run (files in, rows out append-only with an index
+of finished ids, data/resume.py); `specheads/regenerate_command.py` is the `specheads regenerate`
+command (options, backend choice).
 """
 
 from __future__ import annotations
