@@ -1,9 +1,10 @@
 """`specheads regenerate`: the command's options and backend choice (the resumable run:
 data/regenerate_run.py; the turn-by-turn engine: data/regenerate_turns.py).
 
-With `--draft` the local target decodes through a speculation session (session.py), so answers
-come from the one decode loop: greedy answers are exactly plain greedy decoding's, sampled ones
-keep the target's distribution (docs/algorithms.md §8).
+With `--draft` the local target decodes through a speculation session (session.py), `--batch-size`
+rows per target forward, so answers come from the one decode loop: greedy answers are exactly plain
+greedy decoding's, sampled ones keep the target's distribution (docs/algorithms.md §8), each seeded
+from --seed and its prompt (`prompt_seed`), whatever the batch.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from pathlib import Path
 from specheads.cli_options import add_fingerprint_argument, add_mixing_arguments, mixing_from_args
 from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate_run import read_rows, run_regenerate
-from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, one_by_one
+from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, SessionDecoder
 from specheads.data.resume import check_resumable
 from specheads.session import Session, load_draft
 from specheads.target import Target
-from specheads.verify.settings import Sampling, TreeSpec
+from specheads.verify.settings import TreeSpec
 
 
 def check_options(a: argparse.Namespace) -> None:
@@ -64,7 +65,7 @@ def make_backend(a: argparse.Namespace, opts: RegenOptions):
 
 
 def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBackend:
-    """The target and the draft in one session; each answer decoded speculatively."""
+    """The target and the draft in one session; each batch of answers decoded speculatively."""
     target = Target.load(a.target, dtype=a.dtype, device=a.device)
     draft = load_draft(a.draft, target, a.allow_missing_fingerprint)
     # a turn ends at the tokenizer's eos only, as in the batched path (generate's eos_token_id)
@@ -72,12 +73,8 @@ def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBacke
                       mixing=mixing_from_args(a, a.draft))
     print(f"[specheads] regenerate: speculation: {session.mixing.label()} ({session.mixing.reason})"
           + (f"; {session.free_note}" if session.free_note else ""), file=sys.stderr, flush=True)
-    sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
-
-    def decode(ids: list[int], max_new_tokens: int) -> list[int]:
-        return session.decode(ids, max_new_tokens, sampling).result.tokens
-
-    return LocalBackend(session.target, opts, a.batch_size, one_by_one(decode), draft=str(Path(a.draft).resolve()))
+    decoder = SessionDecoder(session, opts, a.batch_size)
+    return LocalBackend(session.target, opts, a.batch_size, decoder, draft=str(Path(a.draft).resolve()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--timeout", type=float, default=300.0, help="seconds per request (endpoint)")
     g.add_argument("--retries", type=int, default=4, help="retries per request (endpoint)")
     g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubling")
-    g.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (local)")
+    g.add_argument("--batch-size", type=int, default=16,
+                   help="prompts per target forward (local; plain generate, or speculative with --draft)")
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--draft", default=None,
-                   help="an export folder of the target's drafter: decode speculatively, one prompt at a "
-                        "time (greedy: the same answers as plain decoding; sampled: the same distribution)")
+                   help="an export folder of the target's drafter: decode speculatively, --batch-size "
+                        "prompts at a time (greedy: the same answers as plain decoding; sampled: the same "
+                        "distribution, each answer seeded from --seed and its prompt)")
     add_fingerprint_argument(g)
     add_mixing_arguments(g)
     s = p.add_argument_group("sampling and content")
@@ -121,9 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)
     read_rows(a.source, a.format, a.limit)  # a bad dataset fails before a target is loaded
     check_resumable(a.out)  # before the target loads
-    report = run_regenerate(a.source, a.out, make_backend(a, opts), opts, a.format, a.limit,
+    backend = make_backend(a, opts)
+    report = run_regenerate(a.source, a.out, backend, opts, a.format, a.limit,
                             a.concurrency, chunk=a.batch_size * 4, quiet=a.quiet)
     print(json.dumps(asdict(report), indent=2))
+    if isinstance(getattr(backend, "decoder", None), SessionDecoder) and backend.decoder.stats.decode_forwards:
+        print(f"regenerate: speculation tau {backend.decoder.stats.summary()['tau']:.2f} "
+              f"(tokens per target forward, this run)", file=sys.stderr)
     print(f"regenerate: {report.finished} finished now, {report.resumed} from earlier runs, "
           f"{report.failed} failed, {report.truncated} truncated -> {a.out}", file=sys.stderr)
     return 1 if report.failed else 0

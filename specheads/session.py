@@ -178,11 +178,16 @@ class Session:
         return run_request(self.loop_spec, self.target, self.proposer(not sampling.greedy), ids,
                            max_new_tokens, self.eos, sampling)
 
-    def decode_many(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
-                    batch_size: int = 1, drafted: bool = True) -> list[DecodeResult]:
+    def decode_many(self, prompts: list[list[int]], max_new_tokens: int,
+                    sampling: Sampling | list[Sampling] = GREEDY, batch_size: int = 1,
+                    drafted: bool = True) -> list[DecodeResult]:
         """Every prompt decoded (`request`'s way), up to `batch_size` sequences per target forward;
-        each result equals the prompt's decode alone (greedy: token for token)."""
-        reqs = [self.request(ids, max_new_tokens, sampling, drafted) for ids in prompts]
+        each result equals the prompt's decode alone (greedy: token for token). `sampling`: one
+        for every prompt, or one per prompt (a seed of its own)."""
+        each = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError(f"decode_many: {len(each)} samplings for {len(prompts)} prompts")
+        reqs = [self.request(ids, max_new_tokens, s, drafted) for ids, s in zip(prompts, each)]
         return decode_batch(self.target, reqs, batch_size)
 
     def warm_up(self) -> None:

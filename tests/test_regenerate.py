@@ -217,22 +217,81 @@ def test_local_rows_are_yielded_per_batch_and_resume_counts_all_runs(tiny_target
 
 
 def test_speculative_regeneration_gives_plain_greedy_answers(tiny_target_dir, random_export_dir, tmp_path, capsys):
-    """--draft: every answer comes from speculative decoding in a session, and greedy answers are
-    token for token those of batched plain generate; meta.json names the draft."""
+    """--draft: every answer comes from speculative decoding in a session, batched or one prompt at
+    a time, and greedy answers are token for token those of batched plain generate; meta.json
+    names the draft."""
     from specheads.regenerate_command import main
 
     common = [str(SLICE), "--max-new-tokens", "12", "--limit", "12", "--target", str(tiny_target_dir),
               "--device", "cpu"]
     assert main([*common, "--out", str(tmp_path / "plain.jsonl"), "--batch-size", "4"]) == 0
-    assert main([*common, "--out", str(tmp_path / "spec.jsonl"), "--draft", str(random_export_dir)]) == 0
-    capsys.readouterr()
+    for size in ("3", "1"):
+        assert main([*common, "--out", str(tmp_path / f"spec{size}.jsonl"), "--draft", str(random_export_dir),
+                     "--batch-size", size]) == 0
+        assert "speculation tau" in capsys.readouterr().err
     plain = {r["id"]: r for r in read_out(tmp_path / "plain.jsonl")}
-    spec = read_out(tmp_path / "spec.jsonl")
-    assert len(spec) == len(plain) == 12
-    assert sum(r["regenerated"]["turns"] for r in spec) > 12  # multi-turn rows: later turns see new answers
-    for row in spec:
-        assert row["messages"] == plain[row["id"]]["messages"], row["id"]
-        assert row["regenerated"] == plain[row["id"]]["regenerated"], row["id"]
-    meta = json.loads((tmp_path / "spec.jsonl.meta.json").read_text())
+    for size in ("3", "1"):
+        spec = read_out(tmp_path / f"spec{size}.jsonl")
+        assert len(spec) == len(plain) == 12
+        assert sum(r["regenerated"]["turns"] for r in spec) > 12  # multi-turn rows: later turns see new answers
+        for row in spec:
+            assert row["messages"] == plain[row["id"]]["messages"], (size, row["id"])
+            assert row["regenerated"] == plain[row["id"]]["regenerated"], (size, row["id"])
+    meta = json.loads((tmp_path / "spec3.jsonl.meta.json").read_text())
     assert meta["backend"]["draft"] == str(Path(random_export_dir).resolve())
     assert "draft" not in json.loads((tmp_path / "plain.jsonl.meta.json").read_text())["backend"]
+
+
+def test_speculative_batches_forward_their_prompts_together(tiny_target_dir, random_export_dir):
+    """SessionDecoder hands a whole batch to one decode_many call with its batch size (rows share
+    target forwards), and sums the decodes' counts for tau."""
+    from specheads.data.regenerate_turns import SessionDecoder
+    from specheads.session import GREEDY, Session, load_draft
+
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    session = Session(target, load_draft(random_export_dir, target), eos=[target.tokenizer.eos_token_id])
+    calls, decode_many = [], session.decode_many
+    session.decode_many = lambda prompts, n, sampling, size: calls.append((len(prompts), size)) or decode_many(
+        prompts, n, sampling, size)
+    decoder = SessionDecoder(session, RegenOptions(max_new_tokens=6), 3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    out = decoder(prompts, 6)
+    assert calls == [(3, 3)] and len(out) == 3
+    assert out == [greedy_decode(target, p, 6, eos_token_ids=[target.tokenizer.eos_token_id]).tokens for p in prompts]
+    assert decoder.stats.tokens == sum(len(t) for t in out) and decoder.stats.summary()["tau"] >= 1.0
+    with pytest.raises(ValueError, match="1 samplings for 3 prompts"):
+        decode_many(prompts, 6, [GREEDY], 3)
+
+
+def test_sampled_speculative_regeneration_is_seeded_per_prompt(tiny_target_dir, random_export_dir, tmp_path, capsys):
+    """Sampled --draft answers are seeded per prompt (prompt_seed: --seed and the prompt's ids):
+    the same at --batch-size 3 and 1 and equal to the prompt decoded alone with that seed; another
+    --seed changes them; a run killed between rows and resumed writes the same rows."""
+    from specheads.data.regenerate_turns import prompt_seed
+    from specheads.regenerate_command import main
+    from specheads.session import Session, load_draft
+    from specheads.verify.settings import Sampling
+
+    common = [str(SLICE), "--max-new-tokens", "10", "--target", str(tiny_target_dir), "--device", "cpu",
+              "--draft", str(random_export_dir), "--temperature", "0.9", "--top-p", "0.95"]
+    runs = {"b3": ["--batch-size", "3", "--limit", "8"], "b1": ["--batch-size", "1", "--limit", "8"],
+            "seed": ["--batch-size", "3", "--limit", "8", "--seed", "5"],
+            "resumed": ["--batch-size", "3", "--limit", "3"]}
+    for name, extra in runs.items():
+        assert main([*common, "--out", str(tmp_path / f"{name}.jsonl"), *extra]) == 0
+    assert main([*common, "--out", str(tmp_path / "resumed.jsonl"), "--batch-size", "2", "--limit", "8"]) == 0
+    capsys.readouterr()
+    out = {name: {r["id"]: r["messages"] for r in read_out(tmp_path / f"{name}.jsonl")} for name in runs}
+    assert out["b3"] == out["b1"] == out["resumed"] and len(out["b3"]) == 8
+    assert out["seed"] != out["b3"]
+    # the first answer of a row, decoded alone with its own seed
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    session = Session(target, load_draft(random_export_dir, target), eos=[target.tokenizer.eos_token_id])
+    row = read_rows(SLICE, limit=1)[0]
+    first = next(i for i, m in enumerate(row.messages) if m["role"] == "assistant")
+    ids = encode_chat(target.tokenizer, [dict(m) for m in row.messages[:first]], row.tools)
+    alone = session.decode(ids, 10, Sampling(temperature=0.9, top_p=0.95, seed=prompt_seed(0, ids))).result.tokens
+    eos = target.tokenizer.eos_token_id
+    alone = alone[: alone.index(eos)] if eos in alone else alone
+    assert out["b3"][row.id][first]["content"] == target.tokenizer.decode(alone, skip_special_tokens=True)
+    assert prompt_seed(0, ids) != prompt_seed(0, ids + [1]) and prompt_seed(0, ids) != prompt_seed(1, ids)
