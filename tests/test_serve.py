@@ -1,8 +1,12 @@
-"""`specheads serve`: a real server process on loopback, checked against plain greedy decoding."""
+"""`specheads serve`: a real server process on loopback, checked against plain greedy decoding.
+
+The server batches concurrent requests (`--max-batch 4` here, so that with 8 clients rows join
+while others are mid-flight); every answer must equal the same request sent alone."""
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 
@@ -39,7 +43,7 @@ def sse_events(text: str) -> list:
 @pytest.fixture(scope="module")
 def server(tiny_target_dir, random_export_dir):
     proc, url = start_server(["--target", str(tiny_target_dir), "--draft", str(random_export_dir),
-                              "--device", "cpu"])
+                              "--device", "cpu", "--max-batch", "4"])
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -145,6 +149,46 @@ def test_metrics_count_drafts_with_vllm_names(server):
     assert delta("vllm:generation_tokens_total") == out["usage"]["completion_tokens"]
     # every new token is an accepted draft, a bonus token or the prefill's token
     assert out["usage"]["completion_tokens"] <= accepted + drafts + 1 + 32
+
+
+def concurrently(calls: list) -> list:
+    """Run the zero-argument `calls` at once, one thread each (released together) -> their results."""
+    results, start = [None] * len(calls), threading.Barrier(len(calls))
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def answer(url: str, body: dict) -> tuple[str, dict]:
+    """(text, usage) of a chat request, read from the stream when it streams."""
+    if not body.get("stream"):
+        out = post(f"{url}/v1/chat/completions", body)
+        return out["choices"][0]["message"]["content"], out["usage"]
+    chunks = [json.loads(e) for e in sse_events(post(f"{url}/v1/chat/completions", body, raw=True))[:-1]]
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]), chunks[-1]["usage"]
+
+
+def test_concurrent_requests_equal_each_request_alone(server, target):
+    """8 clients at once on 4 rows: greedy answers equal plain greedy, seeded sampled ones equal
+    the same request alone, streamed or not (rows of other lengths join and leave around them)."""
+    prompts = PROMPTS + ["def mean(xs):", "import os\n", "for i in range(10):", "x = [", "# sort a list"]
+    bodies = [{"messages": [{"role": "user", "content": p}], "max_tokens": 6 + 5 * i,
+               "temperature": 0.8 if i in (2, 5) else 0, "seed": i,
+               "stream": i % 2 == 1, "stream_options": {"include_usage": True}} for i, p in enumerate(prompts)]
+    together = concurrently([lambda b=b: answer(server, b) for b in bodies])
+    for i, (body, (text, usage)) in enumerate(zip(bodies, together)):
+        assert (text, usage) == answer(server, body), i  # the same request alone
+        if body["temperature"] == 0:
+            ref = reference(target, body["messages"][0]["content"], body["max_tokens"])
+            assert text == text_of(target, ref) and usage["completion_tokens"] == len(ref), i
 
 
 def test_models_health_and_errors(server):
