@@ -1,6 +1,7 @@
 """`specheads serve`: a real server process on loopback, checked against plain greedy decoding.
 
-The server batches concurrent requests (`--max-batch 4` here, so that with 8 clients rows join
+The target is the tiny one with random weights (conftest `varied_target_dir`), whose greedy text
+differs from prompt to prompt. The server batches concurrent requests (`--max-batch 4` here, so that with 8 clients rows join
 while others are mid-flight); every answer must equal the same request sent alone."""
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def sse_events(text: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_target_dir, random_export_dir):
-    proc, url = start_server(["--target", str(tiny_target_dir), "--draft", str(random_export_dir),
+def server(varied_target_dir, varied_export_dir):
+    proc, url = start_server(["--target", str(varied_target_dir), "--draft", str(varied_export_dir),
                               "--device", "cpu", "--max-batch", "4"])
     yield url
     proc.terminate()
@@ -50,8 +51,8 @@ def server(tiny_target_dir, random_export_dir):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target_dir):
-    return Target.load(str(tiny_target_dir), device="cpu")
+def target(varied_target_dir):
+    return Target.load(str(varied_target_dir), device="cpu")
 
 
 def reference(target, prompt: str, n: int) -> list[int]:
