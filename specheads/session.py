@@ -13,6 +13,7 @@ that records no fingerprint is refused unless `allow_missing_fingerprint`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,12 +171,13 @@ class Session:
         return run(None, self.target, None, ids, max_new_tokens, self.eos, sampling)
 
     def request(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
-                drafted: bool = True) -> Request:
+                drafted: bool = True, wrap: Callable | None = None) -> Request:
         """One sequence for `decode_many` / a serving batch: with a fresh proposer of the draft
-        (`drafted`, as `decode`), else plain (as `plain`)."""
+        (`drafted`, as `decode`; `wrap`, e.g. a server's text streaming, wraps it), else plain (as `plain`)."""
         if not drafted:
             return run_request(None, self.target, None, ids, max_new_tokens, self.eos, sampling)
-        return run_request(self.loop_spec, self.target, self.proposer(not sampling.greedy), ids,
+        proposer = self.proposer(not sampling.greedy)
+        return run_request(self.loop_spec, self.target, proposer if wrap is None else wrap(proposer), ids,
                            max_new_tokens, self.eos, sampling)
 
     def decode_many(self, prompts: list[list[int]], max_new_tokens: int,

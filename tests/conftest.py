@@ -46,9 +46,9 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def random_export_dir(tiny_target_dir, tmp_path_factory):
-    """A random EAGLE-3 head for the tiny target, checkpointed and exported the way users do it."""
+def random_export(target_dir, root):
+    """A random EAGLE-3 head for the target at `target_dir`, checkpointed and exported under `root`
+    the way users do it."""
     import torch
 
     from specheads.export import export
@@ -57,10 +57,42 @@ def random_export_dir(tiny_target_dir, tmp_path_factory):
     from specheads.provenance import provenance
     from specheads.target import Target
 
-    target = Target.load(str(tiny_target_dir), device="cpu")
+    target = Target.load(str(target_dir), device="cpu")
     torch.manual_seed(0)
     head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=256), target.config)
-    root = tmp_path_factory.mktemp("draft")
     ckpt = save_checkpoint(root / "run", 1, head, recipe={},
                            provenance=provenance(target=target.fingerprint()), trainer_state={})
     return export(ckpt, "vllm", root / "export")
+
+
+@pytest.fixture(scope="session")
+def random_export_dir(tiny_target_dir, tmp_path_factory):
+    """A random EAGLE-3 head for the tiny target, checkpointed and exported the way users do it."""
+    return random_export(tiny_target_dir, tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="session")
+def varied_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target's folder (tokenizer, chat template, architecture) with random weights (std
+    0.1, seeded). The trained tiny target's greedy text collapses to one repeated token; this one's
+    continuations differ from prompt to prompt, so a row decoded with another row's cache shows."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("varied") / "tiny"
+    shutil.copytree(tiny_target_dir, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(0)
+    for param in model.parameters():
+        if param.dim() > 1:
+            torch.nn.init.normal_(param.data, std=0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def varied_export_dir(varied_target_dir, tmp_path_factory):
+    """A random EAGLE-3 head for `varied_target_dir`, exported."""
+    return random_export(varied_target_dir, tmp_path_factory.mktemp("varied-draft"))

@@ -220,6 +220,8 @@ def test_port_in_use_is_named_before_the_target_loads(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--port", "70000"], "--port 70000"),
     (["--port", "0", "--max-queue", "-1"], "--max-queue"),
+    (["--port", "0", "--max-batch", "0"], "--max-batch must be an integer >= 1"),
+    (["--port", "0", "--max-batch", "-3"], "--max-batch must be an integer >= 1"),
     (["--port", "0", "--read-timeout", "0"], "--read-timeout"),
     (["--port", "0", "--host", "no-such-host.invalid"], "--host 'no-such-host.invalid'"),
 ])
@@ -229,4 +231,13 @@ def test_bad_serve_options_fail_fast_naming_the_flag(tmp_path, args, words):
                            str(tmp_path / "no-such-target"), *args],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1 and words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_max_batch_that_is_not_an_integer_names_the_flag(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "specheads", "serve", "--target",
+                           str(tmp_path / "no-such-target"), "--max-batch", "many"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0 and "--max-batch" in proc.stderr and "'many'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -150,6 +150,40 @@ def test_a_row_joining_mid_flight_decodes_as_alone(big):
         assert got[i].tokens == greedy_decode(target, prompt, 20).tokens, i
 
 
+class ClosingNgram(NgramProposer):
+    """An n-gram proposer that records being closed (as suffix decoding closes its request)."""
+
+    closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_dropped_row_leaves_its_cache_and_the_others_decode_as_alone(big):
+    target, head = big
+    p = random_prompts(3, seed=13)
+    gone = ClosingNgram()
+    reqs = [request(target, Eagle3Proposer(head, target), p[0], 20, 3), request(target, gone, p[1], 20, 2),
+            request(target, Eagle3StaticTreeProposer(head, target, STATIC), p[2], 20)]
+    batch = Batch(target)
+    batch.admit(list(enumerate(reqs)))
+    batch.step()
+    batch.step()
+    assert batch.drop([7]) == []  # no such row: nothing changes
+    [(index, partial)] = batch.drop([1])
+    assert index == 1 and gone.closed == 1 and [row.index for row in batch.rows] == [0, 2]
+    assert 2 < len(partial.tokens) < 20 and partial.tokens == greedy_decode(target, p[1], 20).tokens[: len(partial.tokens)]
+    assert batch.cache.layers[0].keys.shape[0] == 2  # its cache row is released
+    got = {}
+    while batch.rows:
+        got.update(batch.step())
+    assert got[0].tokens == greedy_decode(target, p[0], 20).tokens
+    assert got[2].tokens == greedy_decode(target, p[2], 20).tokens
+    batch.admit([(3, request(target, NgramProposer(), p[1], 20, 2))])
+    batch.drop([3])
+    assert batch.rows == [] and batch.cache is None
+
+
 def test_continuous_batching_keeps_request_order(big):
     target, head = big
     prompts = random_prompts(7, seed=9)

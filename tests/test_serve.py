@@ -1,19 +1,33 @@
-"""`specheads serve`: a real server process on loopback, checked against plain greedy decoding."""
+"""`specheads serve`: a real server process on loopback, checked against plain greedy decoding.
+
+The target is the tiny one with random weights (conftest `varied_target_dir`), whose greedy text
+differs from prompt to prompt. The server batches concurrent requests (`--max-batch 4` here, so that with 8 clients rows join
+while others are mid-flight); every answer must equal the same request sent alone."""
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
+from unittest.mock import ANY
 
 import pytest
+from random_models import make_head, make_target
 from servers import start_server
+from test_verify import random_prompts
 
 from specheads.data.prompts import encode_chat
+from specheads.serve.engine import Engine, Guarded
 from specheads.serve.metrics import parse_metrics
-from specheads.session import eos_ids
+from specheads.serve.server import ServeOptions, build_app, serve_in_thread
+from specheads.serve.transport import ServeError
+from specheads.session import Session, eos_ids
 from specheads.target import Target
-from specheads.verify.loop import greedy_decode
+from specheads.verify.eagle3_proposers import Eagle3Proposer, Eagle3StaticTreeProposer, SampledEagle3Proposer
+from specheads.verify.loop import decode_batch, greedy_decode
+from specheads.verify.loop import request as loop_request
+from specheads.verify.ngram_proposers import NullProposer
 
 PROMPTS = ["def add(a, b):\n    \"\"\"Sum.\"\"\"", "def read_config(path):", "class Stack:"]
 PREFIX = 'vllm:spec_decode_num_'
@@ -37,17 +51,17 @@ def sse_events(text: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_target_dir, random_export_dir):
-    proc, url = start_server(["--target", str(tiny_target_dir), "--draft", str(random_export_dir),
-                              "--device", "cpu"])
+def server(varied_target_dir, varied_export_dir):
+    proc, url = start_server(["--target", str(varied_target_dir), "--draft", str(varied_export_dir),
+                              "--device", "cpu", "--max-batch", "4"])
     yield url
     proc.terminate()
     proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target_dir):
-    return Target.load(str(tiny_target_dir), device="cpu")
+def target(varied_target_dir):
+    return Target.load(str(varied_target_dir), device="cpu")
 
 
 def reference(target, prompt: str, n: int) -> list[int]:
@@ -147,6 +161,46 @@ def test_metrics_count_drafts_with_vllm_names(server):
     assert out["usage"]["completion_tokens"] <= accepted + drafts + 1 + 32
 
 
+def concurrently(calls: list) -> list:
+    """Run the zero-argument `calls` at once, one thread each (released together) -> their results."""
+    results, start = [None] * len(calls), threading.Barrier(len(calls))
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def answer(url: str, body: dict) -> tuple[str, dict]:
+    """(text, usage) of a chat request, read from the stream when it streams."""
+    if not body.get("stream"):
+        out = post(f"{url}/v1/chat/completions", body)
+        return out["choices"][0]["message"]["content"], out["usage"]
+    chunks = [json.loads(e) for e in sse_events(post(f"{url}/v1/chat/completions", body, raw=True))[:-1]]
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]), chunks[-1]["usage"]
+
+
+def test_concurrent_requests_equal_each_request_alone(server, target):
+    """8 clients at once on 4 rows: greedy answers equal plain greedy, seeded sampled ones equal
+    the same request alone, streamed or not (rows of other lengths join and leave around them)."""
+    prompts = PROMPTS + ["def mean(xs):", "import os\n", "for i in range(10):", "x = [", "# sort a list"]
+    bodies = [{"messages": [{"role": "user", "content": p}], "max_tokens": 6 + 5 * i,
+               "temperature": 0.8 if i in (2, 5) else 0, "seed": i,
+               "stream": i % 2 == 1, "stream_options": {"include_usage": True}} for i, p in enumerate(prompts)]
+    together = concurrently([lambda b=b: answer(server, b) for b in bodies])
+    for i, (body, (text, usage)) in enumerate(zip(bodies, together)):
+        assert (text, usage) == answer(server, body), i  # the same request alone
+        if body["temperature"] == 0:
+            ref = reference(target, body["messages"][0]["content"], body["max_tokens"])
+            assert text == text_of(target, ref) and usage["completion_tokens"] == len(ref), i
+
+
 def test_models_health_and_errors(server):
     card = json.loads(get(f"{server}/v1/models"))["data"][0]
     assert card["id"] == "tiny" and card["specheads"]["speculation"]["kind"] == "chain"
@@ -164,10 +218,6 @@ def test_models_health_and_errors(server):
 
 
 def test_no_draft_server_in_process_is_plain_greedy(target):
-    from specheads.serve.engine import Engine
-    from specheads.serve.server import serve_in_thread
-    from specheads.session import Session
-
     with serve_in_thread(Engine(Session(target), model_name="plain")) as url:
         before = parse_metrics(get(f"{url}/metrics"))
         ref = reference(target, PROMPTS[1], 20)
@@ -178,3 +228,88 @@ def test_no_draft_server_in_process_is_plain_greedy(target):
         after = parse_metrics(get(f"{url}/metrics"))
         key = PREFIX + 'drafts_total{engine="0",model_name="plain"}'
         assert after[key] == before[key] == 0
+
+
+POISON = 7  # a prompt holding this id gets a proposer that fails mid-decode
+
+
+class Exploding(NullProposer):
+    """Drafts nothing; fails at its third verified step when its prompt holds POISON."""
+
+    def __init__(self):
+        self.poisoned, self.steps = False, 0
+
+    def start(self, prompt_ids, first_token, out=None) -> None:
+        self.poisoned = POISON in prompt_ids.tolist()
+
+    def accept(self, inputs, following, out=None, start: int = 0) -> None:
+        self.steps += 1
+        if self.poisoned and self.steps == 3:
+            raise RuntimeError("the proposer exploded")
+
+
+class ExplodingSession(Session):
+    def proposer(self, sampled: bool = False, spec=None):
+        return Exploding()
+
+
+def failing_on_call(cls, hook: str, call: int):
+    """A subclass of proposer class `cls` whose `hook` raises on its `call`-th call."""
+    def failing(self, *args):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == call:
+            raise RuntimeError(f"{hook} failed")
+        return getattr(cls, hook)(self, *args)
+    return type(f"Failing{cls.__name__}", (cls,), {hook: failing})
+
+
+def test_a_guarded_proposer_that_fails_drafts_nothing_in_every_hook_shape():
+    """Chain, tree and sampled proposers failing mid-decode: the error is kept, the row decodes
+    on without drafts (greedy rows still equal plain greedy) and the other rows are untouched."""
+    big = make_target()
+    head = make_head(big)
+    p = random_prompts(4, seed=21)
+    made = [Guarded(failing_on_call(Eagle3Proposer, "propose", 2)(head, big)),
+            Guarded(failing_on_call(Eagle3StaticTreeProposer, "propose_tree", 3)(head, big, [(0,), (1,), (0, 0)])),
+            Guarded(failing_on_call(SampledEagle3Proposer, "propose_sampled", 2)(head, big))]
+    reqs = [loop_request(big, made[0], p[0], 16, 3), loop_request(big, made[1], p[1], 16),
+            loop_request(big, made[2], p[2], 16, 3, rule="exact", seed=1),
+            loop_request(big, Guarded(Eagle3Proposer(head, big)), p[3], 16, 3)]
+    got = decode_batch(big, reqs)
+    assert [str(g.error) for g in made] == ["propose failed", "propose_tree failed", "propose_sampled failed"]
+    assert reqs[3].proposer.error is None
+    for i in (0, 1, 3):
+        assert got[i].tokens == greedy_decode(big, p[i], 16).tokens, i
+    assert len(got[2].tokens) == 16
+
+
+def status_and_body(url: str, body: dict) -> tuple[int, dict]:
+    try:
+        return 200, post(f"{url}/v1/completions", body)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_a_failing_request_leaves_the_others_and_the_server_serving(target):
+    prompts = [[11, 12, 13, 14], [20, 21, POISON, 22], [30, 31, 32], [40, 41, 42, 43, 44]]
+    with serve_in_thread(Engine(ExplodingSession(target), "plain"), options=ServeOptions(max_batch=4)) as url:
+        bodies = [{"prompt": ids, "max_tokens": 20, "temperature": 0} for ids in prompts]
+        results = concurrently([lambda b=b: status_and_body(url, b) for b in bodies])
+        code, err = results[1]
+        assert code == 500 and "the proposer exploded" in err["error"]["message"]
+        for ids, (code, out) in zip(prompts, results):
+            if POISON not in ids:
+                assert code == 200 and out["choices"][0]["text"] == text_of(target, greedy_decode(
+                    target, ids, 20, eos_ids(target)).tokens)
+        assert status_and_body(url, bodies[0]) == (200, {**results[0][1], "id": ANY, "created": ANY})
+
+
+def test_bad_max_batch_is_refused_naming_the_flag(varied_target_dir):
+    with pytest.raises(ServeError, match="--max-batch must be an integer >= 1"):
+        ServeOptions(max_batch=0)
+    target = Target.load(str(varied_target_dir), device="cpu")
+    target.config._attn_implementation = "flash_attention_2"  # ignores the per-row masks batching needs
+    with pytest.raises(ServeError, match="--max-batch 8: .*flash_attention_2"):
+        build_app(Engine(Session(target)))
+    app = build_app(Engine(Session(target)), options=ServeOptions(max_batch=1))  # one at a time: fine
+    app.state.service.close()

@@ -1,11 +1,13 @@
-"""The serving engine: one frozen target (+ an optional exported draft) decoding one request at a time.
+"""The serving engine: one frozen target (+ an optional exported draft) and what a request needs
+to decode in the server's batch (serve/scheduler.py drives the batch).
 
 Temperature 0 runs the lossless greedy speculative loop (token-equal to plain greedy decoding);
 temperature > 0 runs lossless speculative sampling, seeded; both through the speculation session
-(session.py). Without a draft the same loops run with a proposer that never proposes, which is
-plain decoding. Stop strings are applied to the
+(session.py), each request with a fresh proposer of its own. Without a draft the same loops run
+with a proposer that never proposes, which is plain decoding. Stop strings are applied to the
 decoded text: generation runs to eos or max_tokens, then the text (and the token count) is cut
 at the first stop string; streamed text is held back while it could still be a stop's prefix.
+A request's proposer and text stream are `Guarded`: their failure ends that request only.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text
 from specheads.session import Session
+from specheads.verify.loop import Request
 from specheads.verify.settings import Sampling
 from specheads.verify.steps import DecodeStats
-from specheads.verify.text import TextStream, find_stop
+from specheads.verify.text import StreamingProposer, TextStream, find_stop
+from specheads.verify.trees import chain_tree
 
 
 class RequestError(ValueError):
@@ -31,7 +37,7 @@ class RequestError(ValueError):
 
 
 class Cancelled(Exception):
-    """The client went away: the decode stops at its next step and frees the engine."""
+    """The client went away: its row leaves the batch at the next step boundary."""
 
 
 class SerialTokenizer:
@@ -79,29 +85,83 @@ class Completion:
     stats: DecodeStats = field(default_factory=DecodeStats)
 
 
-class StopTextStream(TextStream):
-    """The shared detokeniser (verify/text.py) with eos left out and stop strings honoured, which
-    also stops the decode once the client is gone (`cancel` set)."""
+class Guarded:
+    """A request's proposer (its text stream inside) whose failures stay in its own row: the first
+    error is kept in `error` and from then on it drafts nothing and streams nothing, so the batch's
+    step goes on; the scheduler drops the row at the next step boundary and reports the error."""
 
-    def __init__(self, tokenizer, eos: set[int], stops: tuple[str, ...], emit: Callable[[str], None],
-                 cancel: threading.Event | None = None):
-        super().__init__(tokenizer, emit, eos, stops)
-        self.cancel = cancel
+    def __init__(self, inner):
+        self.inner, self.error = inner, None
+        self.layers = inner.layers
+        for hook, empty in _EMPTY.items():  # only the hooks the inner proposer has (protocol checks)
+            if hasattr(inner, hook):
+                setattr(self, hook, self._guard(getattr(inner, hook), empty))
 
-    def push(self, tokens: list[int], final: bool = False) -> None:
-        if self.cancel is not None and self.cancel.is_set():
-            raise Cancelled("the client disconnected")
-        super().push(tokens, final)
+    def __getattr__(self, name):  # max_nodes, ...
+        return getattr(self.inner, name)
+
+    def _call(self, hook, empty, *args):
+        """hook(*args), or empty(*args) once anything has failed (this call included)."""
+        if self.error is None:
+            try:
+                return hook(*args)
+            except Exception as err:  # noqa: BLE001 - kept for this request's answer
+                self.error = err
+        return empty(*args)
+
+    def _guard(self, hook, empty):
+        return lambda *args: self._call(hook, empty, *args)
+
+    def start(self, prompt_ids, first_token, out) -> None:
+        self._call(self.inner.start, _nothing, prompt_ids, first_token, out)
+
+    def accept(self, inputs, following, out, start) -> None:
+        self._call(self.inner.accept, _nothing, inputs, following, out, start)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            self._call(close, _nothing)
+
+
+def _nothing(*_args) -> None:
+    return None
+
+
+_EMPTY = {  # what a failed proposer drafts: nothing, in each hook's shape
+    "propose": lambda k: torch.empty(0, dtype=torch.long),  # [0]
+    "propose_tree": lambda: (chain_tree(0), torch.empty(0, dtype=torch.long)),  # root only, [0]
+    "propose_sampled": lambda k, warper, gen: (torch.empty(0, dtype=torch.long), torch.empty(0, 0)),  # [0], [0, V]
+}
+
+
+@dataclass
+class Live:
+    """One request in the batch: its settings and its loop Request, whose proposer is the
+    request's own, streaming its text, `Guarded`."""
+
+    ids: list[int]
+    params: Params
+    request: Request
+
+    @property
+    def guard(self) -> Guarded:
+        return self.request.proposer
+
+    @property
+    def error(self) -> Exception | None:
+        """What failed in this request's proposer or text stream (None: nothing)."""
+        return self.guard.error
 
 
 class Engine:
-    """A speculation session (target + optional draft), a lock so that one request decodes at a time."""
+    """A speculation session (target + optional draft) and the request handling around it; the
+    scheduler's decode thread alone runs the target."""
 
     def __init__(self, session: Session, model_name: str = "specheads"):
         self.session, self.model_name = session, model_name
         self.target, self.head, self.spec, self.eos = session.target, session.head, session.spec, session.eos
         self.tokenizer = SerialTokenizer(session.target.tokenizer)
-        self.lock = threading.Lock()
 
     @property
     def context(self) -> int | None:
@@ -143,18 +203,20 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
         return Sampling(params.temperature, params.top_p, seed)
 
-    def complete(self, ids: list[int], params: Params, emit: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None) -> Completion:
-        """Decode one prompt; `emit` receives text deltas as tokens are verified (streaming);
-        setting `cancel` stops the decode at its next step (raises Cancelled)."""
-        if cancel is not None and cancel.is_set():
-            raise Cancelled("the client disconnected before its turn")
-        budget = self.budget(ids, params)
-        eos = set(self.eos)
-        stream = StopTextStream(self.tokenizer, eos, params.stop, emit or (lambda _t: None), cancel)
-        with self.lock:
-            result = self.session.decode(ids, budget, self._sampling(params), stream).result
-        return self._finish(result, ids, params)
+    def start(self, ids: list[int], params: Params, emit: Callable[[str], None] | None = None) -> Live:
+        """A request ready to join the batch: a fresh proposer, guarded, whose verified tokens reach
+        `emit` as text deltas (streaming; stop strings held back and cut)."""
+        stream = TextStream(self.tokenizer, emit or (lambda _t: None), set(self.eos), params.stop)
+        req = self.session.request(ids, self.budget(ids, params), self._sampling(params),
+                                   wrap=lambda proposer: Guarded(StreamingProposer(proposer, stream)))
+        return Live(ids, params, req)
+
+    def finish(self, live: Live, result) -> Completion:
+        """A finished row's result -> the request's Completion (the stream gets its last text)."""
+        live.guard.inner.finish(result.tokens)  # the StreamingProposer
+        if live.error is not None:
+            raise live.error
+        return self._finish(result, live.ids, live.params)
 
     def _finish(self, result, ids: list[int], params: Params) -> Completion:
         """Text cut at eos / the first stop string; tokens counted up to where the text ends."""

@@ -4,11 +4,12 @@ Routes: POST /v1/chat/completions and /v1/completions (streaming as server-sent 
 chunk format, `stream_options.include_usage` honoured), GET /v1/models, /health and /metrics
 (prometheus_client, vLLM's metric names).
 
-The verifier decodes one request at a time (batch 1), on a worker thread, so the event loop keeps
-answering /health, /metrics and new connections while it runs. Requests beyond the one decoding
-wait in a bounded FIFO (`--max-queue`); past it they get 503 with Retry-After. Every client error
-is a 4xx JSON error in OpenAI's shape naming the field (`param`); bodies and headers that do not
-arrive within `--read-timeout` get a 408. A streaming client that goes away stops its decode.
+Concurrent requests decode together on one decode thread (serve/scheduler.py: up to `--max-batch`
+rows per target forward, joining and leaving at step boundaries), so the event loop keeps answering
+/health, /metrics and new connections while they run. Requests beyond the batch wait in a bounded
+FIFO (`--max-queue`); past it they get 503 with Retry-After. Every client error is a 4xx JSON error
+in OpenAI's shape naming the field (`param`); bodies and headers that do not arrive within
+`--read-timeout` get a 408. A streaming client that goes away leaves the batch at the next step.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from specheads.cli_options import (
     spec_from_args,
 )
 from specheads.mixing import Mixing
-from specheads.serve.engine import Cancelled, Completion, Engine, Params, RequestError
+from specheads.serve.engine import Cancelled, Engine, Params, RequestError
 from specheads.serve.metrics import CONTENT_TYPE, Metrics
 from specheads.serve.protocol import (
     Responder,
@@ -50,8 +51,11 @@ from specheads.serve.protocol import (
     parse_template_kwargs,
     parse_tools,
 )
+from specheads.serve.scheduler import Overloaded, Scheduler
 from specheads.serve.transport import ServeError, bind, protocol_class, url_of
 from specheads.session import Session
+from specheads.verify.ragged import check_batch_attention
+from specheads.verify.steps import DecodeError
 
 MAX_BODY = 64 << 20
 
@@ -60,89 +64,25 @@ MAX_BODY = 64 << 20
 class ServeOptions:
     """Admission and timeouts of one server."""
 
-    max_queue: int = 256  # requests waiting behind the one decoding; more get 503
+    max_queue: int = 256  # requests waiting behind the batch; more get 503
     read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
     log_requests: bool = False
+    max_batch: int = 8  # requests decoding together (rows per target forward)
 
     def __post_init__(self):
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ServeError(f"--max-queue must be an integer >= 0, got {self.max_queue!r}")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ServeError(f"--max-batch must be an integer >= 1 (1 decodes one request at a time), "
+                             f"got {self.max_batch!r}")
         if not 0 < self.read_timeout < math.inf:
             raise ServeError(f"--read-timeout must be a positive number of seconds, "
                              f"got {self.read_timeout!r}")
 
 
-class Overloaded(RequestError):
-    """The queue is full: 503 with a Retry-After estimate (seconds)."""
-
-    def __init__(self, message: str, retry_after: int):
-        super().__init__(message, None, 503)
-        self.retry_after = retry_after
-
-
 def log(message: str) -> None:
     """One line on the server's stderr (server-side failures; never a traceback)."""
     print(f"specheads serve: {message}", file=sys.stderr, flush=True)
-
-
-class Scheduler:
-    """Decodes one request at a time on a worker thread; a bounded FIFO of waiting requests.
-
-    `admitted` (decoding + waiting) is only touched on the event loop's thread.
-    """
-
-    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int):
-        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specheads-decode")
-        self.admitted = 0
-        self.cancels: set[threading.Event] = set()
-        self.mean_s = 1.0  # running mean of a request's decode time, for Retry-After
-
-    def admit(self) -> None:
-        """Take a place in the queue or raise Overloaded."""
-        if self.admitted > self.max_queue:
-            wait = max(1, math.ceil(self.mean_s * self.admitted))
-            raise Overloaded(f"the server is busy: {self.admitted - 1} requests are waiting "
-                             f"(--max-queue {self.max_queue}); retry in about {wait} s", wait)
-        self.admitted += 1
-        self.metrics.waiting.inc()
-
-    def submit(self, ids: list[int], params: Params, emit=None) -> tuple[asyncio.Future, threading.Event]:
-        """Queue an admitted request -> (future of its Completion, its cancel event)."""
-        cancel = threading.Event()
-        self.cancels.add(cancel)
-        future = asyncio.get_running_loop().run_in_executor(self.pool, self._job, ids, params, emit, cancel)
-        future.add_done_callback(lambda f: self._release(f, cancel))
-        return future, cancel
-
-    def _release(self, future: asyncio.Future, cancel: threading.Event) -> None:
-        self.admitted -= 1
-        self.cancels.discard(cancel)
-        if not future.cancelled():
-            future.exception()  # retrieved here: a failure is reported by the request's handler
-
-    def _job(self, ids, params, emit, cancel) -> Completion:
-        """Runs on the decode thread."""
-        self.metrics.waiting.dec()
-        self.metrics.running.inc()
-        start = time.perf_counter()
-        try:
-            done = self.engine.complete(ids, params, emit, cancel)
-            # counted before the last bytes go out: a scrape after the response sees it
-            self.metrics.record(done.stats, done.prompt_tokens, len(done.tokens), done.finish_reason)
-            return done
-        except BaseException:
-            self.metrics.record_abort()
-            raise
-        finally:
-            self.metrics.running.dec()
-            self.mean_s = 0.8 * self.mean_s + 0.2 * (time.perf_counter() - start)
-
-    def close(self) -> None:
-        """Stop the running decode at its next step and drop the waiting ones."""
-        for cancel in list(self.cancels):
-            cancel.set()
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def model_card(engine: Engine, draft: str | None) -> dict:
@@ -203,6 +143,15 @@ async def read_json(request: Request, timeout: float) -> dict:
     return body
 
 
+def check_batching(engine: Engine, max_batch: int) -> None:
+    """Refuse --max-batch > 1 on a target whose attention kernel cannot decode ragged rows."""
+    if max_batch > 1:
+        try:
+            check_batch_attention(engine.target.config)
+        except DecodeError as err:
+            raise ServeError(f"--max-batch {max_batch}: {err} (--max-batch 1)") from None
+
+
 class Service:
     """The app's state and request handling: engine, metrics, queue, options."""
 
@@ -210,7 +159,8 @@ class Service:
         self.engine, self.options = engine, options
         self.metrics = Metrics(engine.model_name)
         self.card = model_card(engine, draft)
-        self.scheduler = Scheduler(engine, self.metrics, options.max_queue)
+        check_batching(engine, options.max_batch)
+        self.scheduler = Scheduler(engine, self.metrics, options.max_queue, options.max_batch)
         # tokenizing (chat templates) off the event loop, beside the decode thread
         self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specheads-prepare")
 
@@ -400,15 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="default: the target folder's name")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch", type=int, default=ServeOptions.max_batch,
+                   help="requests decoding together, joining at step boundaries (rows per target "
+                        "forward; 1: one at a time) (default %(default)s)")
     p.add_argument("--max-queue", type=int, default=ServeOptions.max_queue,
-                   help="requests that may wait behind the one decoding; more get 503 with "
+                   help="requests that may wait behind the --max-batch decoding; more get 503 with "
                         "Retry-After (default %(default)s)")
     p.add_argument("--read-timeout", type=float, default=ServeOptions.read_timeout,
                    help="seconds a request's headers, and then its body, may take to arrive "
                         "(default %(default)s)")
     p.add_argument("--log-requests", action="store_true")
     a = p.parse_args(argv)
-    options = ServeOptions(a.max_queue, a.read_timeout, a.log_requests)
+    options = ServeOptions(a.max_queue, a.read_timeout, a.log_requests, a.max_batch)
     spec = spec_from_args(a)
     mixing = mixing_from_args(a, a.draft, spec)
     sock = bind(a.host, a.port)  # before the target loads: a port in use fails at once

@@ -196,7 +196,8 @@ def union_layers(rows: list[_Row]) -> list[int]:
 
 class Batch:
     """Rows decoding together: `admit` prefills new requests into the batch, `step` runs one
-    verification forward over every row; both return the (index, result) of rows that finished."""
+    verification forward over every row; both return the (index, result) of rows that finished.
+    `drop` takes rows out between steps (a server's cancelled requests)."""
 
     def __init__(self, target):
         self.target = target
@@ -256,12 +257,23 @@ class Batch:
         for row in rows:
             row.result.stats.wall_s += share
 
+    def drop(self, indices: Iterable[int]) -> list[tuple[int, DecodeResult]]:
+        """The rows of these request indices leave now, unfinished (a client gone, a failed request):
+        their cache rows are released and their proposers closed as a finished row's are, and the
+        other rows decode on as if they had never been there. -> their (index, partial result)."""
+        gone = set(indices)
+        return self._leave([row.index in gone for row in self.rows])
+
     def _retire(self) -> list[tuple[int, DecodeResult]]:
         """Rows that emitted an eos or their budget leave the batch (and their cache rows)."""
-        keep = [b for b, row in enumerate(self.rows) if not row.finished]
-        if len(keep) == len(self.rows):
+        return self._leave([row.finished for row in self.rows])
+
+    def _leave(self, leaving: list[bool]) -> list[tuple[int, DecodeResult]]:
+        """Rows flagged in `leaving` (one flag per row) leave the batch and its cache."""
+        if not any(leaving):
             return []
-        done = [row for row in self.rows if row.finished]
+        keep = [b for b, gone in enumerate(leaving) if not gone]
+        done = [row for row, gone in zip(self.rows, leaving) if gone]
         if not keep:
             self.cache = None
         else:
