@@ -8,7 +8,8 @@ token. Counts are summed over all prompts and turns before any ratio (docs/algor
 `specheads eval --target T --draft EXPORT_DIR --prompts FILE --out DIR` writes
 DIR/metrics.json and DIR/outputs.jsonl. The draft proposes a chain by default; `--tree eagle2`
 or `--tree FILE.json` verifies EAGLE-2 or static trees instead (metrics.json "tree" records
-which; the n-gram baseline stays a chain of k).
+which; the n-gram baseline stays a chain of k). `--batch-size N` decodes up to N sequences per
+target forward (eval/waves.py: the same counts and outputs, batched seconds).
 """
 
 from __future__ import annotations
