@@ -127,8 +127,8 @@ def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, cos
                    cond: list[float], k_max: int, quiet: bool = True,
                    batch_size: int = 1) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
     """Decode every turn plainly and with each of MIXES, `batch_size` sequences per target forward (at
-    batch size 1 turn by turn, else each row over every turn) -> (the plain decodes, the rows' tallies,
-    the free proposer's name, why it is not suffix decoding)."""
+    batch size 1 a turn at a time, else each method over all turns at once) -> (the plain decodes, the
+    rows' tallies, the free proposer's name, why it is not suffix decoding)."""
     free_name, make_free, note = mix_free()
     frees = {name: make_free() for name in MIXES}  # one global cache per row, across its turns
     calibrations = cross_fitted(records, cond) if records else {}
