@@ -40,6 +40,7 @@ from specheads.provenance import provenance
 from specheads.session import Session
 from specheads.verify.adaptive_proposers import LengthCosts
 from specheads.verify.calibration import calibration_report
+from specheads.verify.ragged import check_batch_attention
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
 from specheads.verify.steps import DecodeStats
 
@@ -137,6 +138,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     session = Session.open(target_path, draft_dir, tree or TreeSpec("chain"), k, device, dtype,
                            allow_missing_fingerprint)
     target, head, k, tree = session.target, session.head, session.k, session.spec
+    if batch_size > 1:  # before any decoding: ragged rows need an attention that honours 4-D masks
+        check_batch_attention(target.config)
     session.warm_up()
     t0 = time.perf_counter()
     totals, outputs = evaluate_rows(session, rows, max_new_tokens, sampling=sampling or Sampling(), quiet=quiet,
