@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 
-from verifier import Method, encode_rows, method_row, plain_method, run_bench  # noqa: E402
+from verifier import Method, encode_rows, method_row, plain_method, run_bench, timed  # noqa: E402
 
 from specheads.atomic import write_json, write_text  # noqa: E402
 from specheads.data.prompts import read_prompts  # noqa: E402
@@ -41,7 +41,7 @@ from specheads.session import Session, eos_ids  # noqa: E402
 from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer  # noqa: E402
 from specheads.verify.calibration import Calibration, cross_fitted  # noqa: E402
 from specheads.verify.hybrid_proposers import hybrid_proposer  # noqa: E402
-from specheads.verify.loop import decode  # noqa: E402
+from specheads.verify.loop import request  # noqa: E402
 from specheads.verify.ngram_proposers import NgramProposer  # noqa: E402
 from specheads.verify.registry import make_proposer  # noqa: E402
 from specheads.verify.settings import TreeSpec, make_tree_spec  # noqa: E402
@@ -71,10 +71,10 @@ def free_factory(name: str):
 
 def chain_method(name: str, target, make, k: int, settings: dict) -> Method:
     """A chain of <= k drafts from `make()` (a proposer per decode)."""
-    def run(ids, max_new_tokens, eos):
-        return decode(target, make(), ids, max_new_tokens, k, eos)
+    def make_request(ids, max_new_tokens, eos):
+        return request(target, make(), ids, max_new_tokens, k, eos)
 
-    return Method(name, {"k": k, "nodes": k + 1, **settings}, run)
+    return Method(name, {"k": k, "nodes": k + 1, **settings}, make_request)
 
 
 @dataclass
@@ -96,15 +96,13 @@ def hybrid_method(name: str, mode: str, free: str, rule: str, target, head, k: i
     """EAGLE-3 + a free proposer; `mix` sums the hybrids' per-step counts over the decodes."""
     spec, make_free = make_tree_spec("chain", k=k), free_factory(free)
 
-    def run(ids, max_new_tokens, eos):
+    def make_request(ids, max_new_tokens, eos):
         hybrid = hybrid_proposer(make_proposer(spec, head, target), make_free(), mode, k, rule)
-        result = decode(target, hybrid, ids, max_new_tokens, k, eos)
-        mix.add(hybrid)
-        return result
+        return request(target, hybrid, ids, max_new_tokens, k, eos)
 
     nodes = k + 1 if mode == "choose" else 2 * k + 1
     return Method(name, {"kind": "hybrid", "mode": mode, "free": free, "rule": rule, "k": k,
-                         "nodes": nodes}, run)
+                         "nodes": nodes}, make_request, lambda req: mix.add(req.proposer))
 
 
 @dataclass
@@ -121,15 +119,14 @@ def adaptive_method(name: str, free: str | None, target, head, adaptive: Adaptiv
     """EAGLE-3 (sampled variant: its confidences) with adaptive draft length, beside a free draft or not."""
     spec, make_free = make_tree_spec("chain", k=adaptive.k_max), free_factory(free) if free else (lambda: None)
 
-    def run(ids, max_new_tokens, eos):
+    def make_request(ids, max_new_tokens, eos):
         calibration = adaptive.calibrations[adaptive.folds.get(tuple(ids), 0)]
         proposer = adaptive_proposer(make_proposer(spec, head, target, sampled=True), calibration, adaptive.costs,
                                      adaptive.k_max, make_free())
-        result = decode(target, proposer, ids, max_new_tokens, adaptive.k_max, eos)
-        mix.add(proposer)
-        return result
+        return request(target, proposer, ids, max_new_tokens, adaptive.k_max, eos)
 
-    return Method(name, {"kind": "adaptive", "free": free, "k_max": adaptive.k_max, "nodes": adaptive.k_max + 1}, run)
+    return Method(name, {"kind": "adaptive", "free": free, "k_max": adaptive.k_max, "nodes": adaptive.k_max + 1},
+                  make_request, lambda req: mix.add(req.proposer))
 
 
 def build_methods(target, head, k: int, adaptive: Adaptive) -> tuple[list[Method], dict[str, Mix]]:
@@ -152,7 +149,7 @@ def warm_up(target, head, k: int, adaptive: Adaptive, ids: list[int], max_new_to
     """Untimed decodes with throwaway methods: kernels and allocator settle, no cache is fed."""
     eos = eos_ids(target)
     for method in build_methods(target, head, k, adaptive)[0]:
-        method.run(ids, min(16, max_new_tokens), eos)
+        timed(method, target, [ids], min(16, max_new_tokens), eos)
 
 
 def first_pass(session: Session, rows, max_new_tokens: int, prompts) -> tuple[StepCosts, Adaptive, dict]:

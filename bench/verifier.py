@@ -1,7 +1,7 @@
 """Verifier benchmark: tau and wall-clock tokens/s of every draft shape on the same prompts.
 
     python bench/verifier.py --target T --draft EXPORT_DIR --prompts FILE --out DIR \
-        [--limit N] [--max-new-tokens N] [--device auto]
+        [--limit N] [--max-new-tokens N] [--device auto] [--batch-size N]
 
 Each prompt (its first turn, chat-rendered) is decoded plainly (the reference), with chains of
 k = 1..8 drafts, a static tree, EAGLE-2 trees at a few budgets, and the n-gram baseline; every
@@ -9,10 +9,13 @@ speculative output is checked equal to plain greedy decoding. Counts and seconds
 prompts before any ratio (docs/algorithms.md §9). Writes DIR/verifier.json and
 DIR/verifier.md (a Markdown table).
 
-On a GPU (`--device auto` picks one when present) the target and the head run in bfloat16 at
-batch size 1, and every timed decode is bracketed by `torch.cuda.synchronize`; on a CPU float32.
-In bf16 a batched verification can flip an argmax tie that sequential decoding breaks the other
-way, so a rare `greedy_equal: false` there is numerics, not necessarily a bug.
+On a GPU (`--device auto` picks one when present) the target and the head run in bfloat16, and
+every timed decode is bracketed by `torch.cuda.synchronize`; on a CPU float32. `--batch-size N`
+(default 1) decodes up to N prompts per target forward (`verify.loop.decode_batch`): each method
+decodes all prompts as one timed batched run, so its tokens/s and speed-up compare with plain
+decoding at the same batch size; at 1 the methods take turns prompt by prompt. In bf16 a batched
+verification can flip an argmax tie that sequential decoding breaks the other way, so a rare
+`greedy_equal: false` there is numerics, not necessarily a bug.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import torch
 from specheads.atomic import write_json, write_text
 from specheads.cli_options import add_fingerprint_argument
 from specheads.data.prompts import encode_chat, read_prompts, user_turn
+from specheads.eval.waves import blocks, check_batch_size
 from specheads.session import Session, eos_ids
-from specheads.verify.loop import decode, greedy_decode
-from specheads.verify.ngram_proposers import NgramProposer
+from specheads.verify.loop import decode_batch, request
+from specheads.verify.ngram_proposers import NO_DRAFT, NgramProposer
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import TreeSpec, check_tree_fits, make_tree_spec
 from specheads.verify.steps import DecodeStats
@@ -46,11 +50,13 @@ CHAIN_KS = tuple(range(1, 9))
 
 @dataclass
 class Method:
-    """One way of decoding: a name, its settings, and `run(ids, max_new_tokens, eos)`."""
+    """One way of decoding: a name, its settings, `request(ids, max_new_tokens, eos)`: one prompt's
+    `verify.loop.Request` (with a fresh proposer), and `after(request)`, called once it was decoded."""
 
     name: str
     settings: dict
-    run: Callable
+    request: Callable
+    after: Callable | None = None
 
 
 @dataclass
@@ -67,25 +73,25 @@ class Tally:
 
 def spec_method(spec: TreeSpec, target, head) -> Method:
     """A draft shape (chain or tree) with the exported head; a fresh proposer per decode."""
-    def run(ids, max_new_tokens, eos):
-        return decode(target, make_proposer(spec, head, target), ids, max_new_tokens, spec.k or 0, eos)
+    def make(ids, max_new_tokens, eos):
+        return request(target, make_proposer(spec, head, target), ids, max_new_tokens, spec.k or 0, eos)
 
-    return Method(spec.label(), spec.describe(), run)
+    return Method(spec.label(), spec.describe(), make)
 
 
 def ngram_method(target, k: int) -> Method:
-    def run(ids, max_new_tokens, eos):
-        return decode(target, NgramProposer(3, 1), ids, max_new_tokens, k, eos)
+    def make(ids, max_new_tokens, eos):
+        return request(target, NgramProposer(3, 1), ids, max_new_tokens, k, eos)
 
     return Method(f"ngram k={k}", {"kind": "ngram", "k": k, "max_ngram": 3, "min_ngram": 1,
-                                   "nodes": k + 1}, run)
+                                   "nodes": k + 1}, make)
 
 
 def plain_method(target) -> Method:
-    def run(ids, max_new_tokens, eos):
-        return greedy_decode(target, ids, max_new_tokens, eos)
+    def make(ids, max_new_tokens, eos):
+        return request(target, NO_DRAFT, ids, max_new_tokens, 0, eos)
 
-    return Method("plain", {"kind": "plain", "nodes": 1}, run)
+    return Method("plain", {"kind": "plain", "nodes": 1}, make)
 
 
 def build_methods(target, head, ks, static: TreeSpec, budgets, ngram_k: int) -> list[Method]:
@@ -106,13 +112,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(method: Method, device, ids, max_new_tokens, eos):
-    """(result, seconds) of one decode, the device synchronised before and after."""
-    sync(device)
+def timed(method: Method, target, prompts: list[list[int]], max_new_tokens, eos, batch_size: int = 1):
+    """(results, seconds) of decoding `prompts` together (up to batch_size per target forward),
+    the device synchronised before and after."""
+    reqs = [method.request(ids, max_new_tokens, eos) for ids in prompts]
+    sync(target.device)
     t0 = time.perf_counter()
-    result = method.run(ids, max_new_tokens, eos)
-    sync(device)
-    return result, time.perf_counter() - t0
+    results = decode_batch(target, reqs, batch_size)
+    sync(target.device)
+    seconds = time.perf_counter() - t0
+    for req in reqs if method.after is not None else ():
+        method.after(req)
+    return results, seconds
 
 
 def encode_rows(target, rows) -> list[tuple[str, list[int]]]:
@@ -129,21 +140,25 @@ def encode_rows(target, rows) -> list[tuple[str, list[int]]]:
 
 
 def run_bench(target, methods: list[Method], prompts, max_new_tokens: int,
-              warmup: int = 1) -> list[Tally]:
-    """Decode every prompt with every method (interleaved per prompt); plain is methods[0]."""
+              warmup: int = 1, batch_size: int = 1) -> list[Tally]:
+    """Decode every prompt with every method; plain is methods[0]. At batch size 1 the methods take
+    turns prompt by prompt, above it each method decodes every prompt in one batched run."""
     eos = eos_ids(target)
+    first = [ids for _, ids in prompts[:batch_size]]
     for method in methods:  # untimed: kernels, allocator and caches settle
         for _ in range(warmup):
-            method.run(prompts[0][1], min(16, max_new_tokens), eos)
+            timed(method, target, first, min(16, max_new_tokens), eos, batch_size)
     tallies = [Tally() for _ in methods]
-    for pid, ids in prompts:
+    for block in blocks(prompts, batch_size):
         reference = None
         for method, tally in zip(methods, tallies):
-            result, seconds = timed(method, target.device, ids, max_new_tokens, eos)
-            reference = result.tokens if reference is None else reference
-            tally.stats, tally.wall_s = tally.stats.add(result.stats), tally.wall_s + seconds
-            if result.tokens != reference:
-                tally.mismatched.append(pid)
+            results, seconds = timed(method, target, [ids for _, ids in block], max_new_tokens, eos, batch_size)
+            reference = [r.tokens for r in results] if reference is None else reference
+            tally.wall_s += seconds
+            for (pid, _), result, plain in zip(block, results, reference):
+                tally.stats = tally.stats.add(result.stats)
+                if result.tokens != plain:
+                    tally.mismatched.append(pid)
     return tallies
 
 
@@ -174,9 +189,9 @@ def markdown(report: dict) -> str:
     lines = [
         "# Verifier benchmark", "",
         f"target `{st['target']}`, draft `{st['draft']}`, {st['num_prompts']} prompts, "
-        f"max {st['max_new_tokens']} new tokens, {st['device']} {st['dtype']}, batch 1, greedy.",
+        f"max {st['max_new_tokens']} new tokens, {st['device']} {st['dtype']}, batch {st['batch_size']}, greedy.",
         "tau counts the bonus token (plain = 1.00); tokens/s = all new tokens / all synchronised "
-        "wall seconds; speed-up against plain.", "",
+        f"wall seconds; speed-up against plain at batch {st['batch_size']}.", "",
         "| method | nodes/step | tau | acc@1 | acc@2 | acc@3 | tok/s | speed-up | greedy equal |",
         "|---|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
@@ -193,16 +208,19 @@ def bench(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
           limit: int | None = 16, max_new_tokens: int = 64, device: str = "auto",
           dtype: str | None = None, ks=CHAIN_KS, static_tree: str | None = None,
           budgets=EAGLE2_BUDGETS,
-          ngram_k: int | None = None, warmup: int = 1, allow_missing_fingerprint: bool = False) -> dict:
+          ngram_k: int | None = None, warmup: int = 1, allow_missing_fingerprint: bool = False,
+          batch_size: int = 1) -> dict:
     """Run every method on the prompts; write OUT/verifier.json and OUT/verifier.md.
 
     `static_tree` is a JSON file of rank paths (default: STATIC_TREE); `budgets` EAGLE-2
-    (depth, top_k, total_tokens) triples; `ngram_k` defaults to the export's draft length.
+    (depth, top_k, total_tokens) triples; `ngram_k` defaults to the export's draft length;
+    `batch_size` sequences per target forward (module docstring).
     """
     from specheads.provenance import provenance
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    check_batch_size(batch_size)
     rows = read_prompts(prompts_file, limit)
     session = Session.open(target_path, draft_dir, device=device, dtype=dtype,
                            allow_missing_fingerprint=allow_missing_fingerprint)
@@ -213,13 +231,13 @@ def bench(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     methods = build_methods(target, head, ks, static, budgets, ngram_k)
     prompts = encode_rows(target, rows)
     t0 = time.perf_counter()
-    tallies = run_bench(target, methods, prompts, max_new_tokens, warmup)
+    tallies = run_bench(target, methods, prompts, max_new_tokens, warmup, batch_size)
     report = {
         "settings": {"target": str(target_path), "draft": str(draft_dir),
                      "prompts": str(prompts_file), "num_prompts": len(prompts),
                      "skipped_prompts": len(rows) - len(prompts), "max_new_tokens": max_new_tokens,
                      "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-                     "batch_size": 1, "warmup": warmup},
+                     "batch_size": batch_size, "warmup": warmup},
         "methods": [method_row(m, t, tallies[0]) for m, t in zip(methods, tallies)],
         "bench_wall_s": time.perf_counter() - t0,
         "provenance": provenance(target=target.fingerprint(), draft_format=meta.format),
@@ -262,13 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eagle2", default="4:4:16,5:8:48", help="DEPTH:TOP_K:TOTAL_TOKENS,...")
     p.add_argument("--ngram-k", type=int, default=None, help="n-gram draft length (default: the export's k)")
     p.add_argument("--warmup", type=int, default=1, help="untimed decodes per method first")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts per target forward (default 1); speed-ups against plain at the same batch size")
     add_fingerprint_argument(p)
     a = p.parse_args(argv)
     try:
         report = bench(a.target, a.draft, a.prompts, a.out, a.limit, a.max_new_tokens, a.device,
                        a.dtype, parse_ints(a.chain_ks),
                        a.static_tree,
-                       parse_budgets(a.eagle2), a.ngram_k, a.warmup, a.allow_missing_fingerprint)
+                       parse_budgets(a.eagle2), a.ngram_k, a.warmup, a.allow_missing_fingerprint, a.batch_size)
     except (ValueError, FileNotFoundError) as err:
         print(f"bench/verifier.py: error: {err}", file=sys.stderr)
         return 1

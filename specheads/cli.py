@@ -67,6 +67,9 @@ def _eval_parser() -> argparse.ArgumentParser:
                    help="also copy metrics, report and plots into the export and its README (for push)")
     p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="sequences per target forward (default 1); tau and outputs do not change, measured "
+                        "speed-ups compare speculative and plain decoding at this batch size")
     add_tree_arguments(p)
     add_sampling_arguments(p)
     add_fingerprint_argument(p)
@@ -114,12 +117,14 @@ def _eval_online(a: argparse.Namespace) -> int:
                  tree=None if tree.kind == "chain" else tree,
                  sampling=sampling_from_args(a), predict=not a.no_predict,
                  verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet,
-                 dtype=a.dtype, device=a.device, allow_missing_fingerprint=a.allow_missing_fingerprint)
+                 dtype=a.dtype, device=a.device, allow_missing_fingerprint=a.allow_missing_fingerprint,
+                 batch_size=a.batch_size)
     d = m["speculative"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     free = ", ".join(f"{key} {m[key]['tau']:.3f}" for key in ("ngram", "suffix") if key in m)
     print(f"{label} tau={d['tau']:.3f} ({free}) c={d['cost_ratio_c']:.3f} "
-          f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x "
+          f"predicted speed-up {d['predicted_speedup']:.2f}x measured {d['measured_speedup']:.2f}x"
+          f"{f' (both at batch {a.batch_size})' if a.batch_size > 1 else ''} "
           f"greedy_equal={m['greedy_equal']}{'' if m['lossless'] else ' LOSSY (typical acceptance)'}"
           f" -> {Path(a.out) / 'metrics.json'}")
     if m.get("draft_warning"):

@@ -29,6 +29,8 @@ def work(tmp_path):
 @pytest.mark.parametrize("extra,needles", [
     (["--limit", "0"], ["--limit 0", ">= 1"]),
     (["--k", "0"], ["--k must be >= 1"]),
+    (["--batch-size", "0"], ["--batch-size must be >= 1", "got 0"]),
+    (["--batch-size", "-1"], ["--batch-size must be >= 1", "got -1"]),
     (["--prompts", "missing.jsonl"], ["missing.jsonl", "does not exist"]),
     (["--prompts", "binary.jsonl"], ["binary.jsonl", "binary"]),
     (["--prompts", "latin1.jsonl"], ["latin1.jsonl", "not UTF-8"]),

@@ -61,3 +61,35 @@ def test_bench_argument_errors(verifier, tiny_target_dir, export_dir, tmp_path, 
                         "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")])
     assert rc == 1 and "error" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_bench_batched_equals_batch_one(verifier, tiny_target_dir, export_dir, tmp_path):
+    """--batch-size 3: each method decodes the prompts together; tau, tokens and per-position
+    acceptance are batch 1's (every method's drafts are per-row), every row still plain greedy."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(["def add(a, b):", "import os", "x = x + x", "for i in"])))
+    reports = {}
+    for size in (1, 3):
+        out = tmp_path / f"b{size}"
+        rc = verifier.main(["--target", str(tiny_target_dir), "--draft", str(export_dir), "--prompts", str(prompts),
+                            "--out", str(out), "--max-new-tokens", "10", "--device", "cpu", "--chain-ks", "2",
+                            "--eagle2", "2:2:6", "--batch-size", str(size)])
+        assert rc == 0
+        reports[size] = json.loads((out / "verifier.json").read_text())
+    assert reports[3]["settings"]["batch_size"] == 3 and reports[1]["settings"]["batch_size"] == 1
+    assert "batch 3, greedy" in (tmp_path / "b3" / "verifier.md").read_text()
+    keys = ("method", "tau", "tokens", "target_forwards", "acceptance_per_position", "greedy_equal")
+    assert [{k: r[k] for k in keys} for r in reports[3]["methods"]] == [{k: r[k] for k in keys}
+                                                                        for r in reports[1]["methods"]]
+    assert reports[3]["greedy_equal"] is True
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_bench_refuses_a_bad_batch_size(verifier, tiny_target_dir, export_dir, tmp_path, capsys, size):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
+    rc = verifier.main(["--target", str(tiny_target_dir), "--draft", str(export_dir), "--prompts", str(prompts),
+                        "--out", str(tmp_path / "o"), "--batch-size", size])
+    assert rc == 1 and "--batch-size must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LLAMA_CPP_MIXED, LLAMA_CPP_SPEC, SGLANG, VLLM
 from specheads.eval.predict import StepCosts, monotone
+from specheads.eval.waves import Turn, blocks, turn_tally
 from specheads.mixing import Mixing, mix_free
 from specheads.progress import Progress
 from specheads.session import Session
 from specheads.verify.adaptive_proposers import LengthCosts
 from specheads.verify.calibration import Calibration, Record, cross_fitted
-from specheads.verify.loop import decode
+from specheads.verify.loop import Request, decode_batch, request
 from specheads.verify.steps import DecodeStats
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,6 @@ def free_step_seconds(stats: DecodeStats) -> float:
 # --- the rows ------------------------------------------------------------------------------------
 
 
-def turn_tally(stats: DecodeStats) -> dict:
-    """One method's decode of one turn, as outputs.jsonl keeps it: enough to sum tau and speed per category."""
-    return {"tokens": stats.decode_tokens, "forwards": stats.decode_forwards, "wall_s": stats.wall_s}
-
-
 @dataclass
 class MixTally:
     """One row's decodes summed over turns, and the proposers' step mix."""
@@ -116,35 +112,40 @@ def mix_proposer(name: str, session: Session, free, calibration: Calibration, co
     return mixing.proposer(session.proposer(sampled=mixing.adaptive), free, session.k, None)
 
 
-@dataclass(frozen=True)
-class Turn:
-    """One decoded turn of the first pass, for the second."""
-
-    id: str
-    ids: list[int]
-    plain_tokens: list[int]
-    fold: int
+def mix_requests(name: str, session: Session, free, turns: list[Turn], calibrations: dict[int, Calibration],
+                 cond: list[float], lengths: LengthCosts, k_max: int, max_new_tokens: int) -> tuple[list, list[Request]]:
+    """A row's proposer and request per turn (the adaptive rule with its turn's other-fold calibration;
+    the free proposer forked per request: one global cache per row, a request per turn)."""
+    k = k_max if name == "adaptive" else session.k
+    proposers = [mix_proposer(name, session, free.fork(), calibrations.get(turn.fold, Calibration(position_rates=list(cond))),
+                              lengths, k_max) for turn in turns]
+    return proposers, [request(session.target, p, turn.ids, max_new_tokens, k, session.eos)
+                       for p, turn in zip(proposers, turns)]
 
 
 def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, costs: StepCosts, records: list[Record],
-                   cond: list[float], k_max: int, quiet: bool = True) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
-    """Decode every turn plainly and with each of MIXES -> (the plain decodes, the rows' tallies, the free
-    proposer's name, why it is not suffix decoding)."""
+                   cond: list[float], k_max: int, quiet: bool = True,
+                   batch_size: int = 1) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
+    """Decode every turn plainly and with each of MIXES, `batch_size` sequences per target forward (at
+    batch size 1 a turn at a time, else each method over all turns at once) -> (the plain decodes, the
+    rows' tallies, the free proposer's name, why it is not suffix decoding)."""
     free_name, make_free, note = mix_free()
     frees = {name: make_free() for name in MIXES}  # one global cache per row, across its turns
     calibrations = cross_fitted(records, cond) if records else {}
     lengths = LengthCosts.from_step_costs(costs, k_max)
     plain, tallies = MixTally(), {name: MixTally() for name in MIXES}  # plain: this pass's own baseline
-    with Progress(len(turns), "eval: hybrid rows", "turns", quiet=quiet) as bar:
-        for turn in turns:
-            plain.count(session.plain(turn.ids, max_new_tokens).stats)
-            cal = calibrations.get(turn.fold, Calibration(position_rates=list(cond)))
+    with Progress(len(turns) * (1 + len(MIXES)), "eval: hybrid rows", "decodes", quiet=quiet) as bar:
+        for block in blocks(turns, batch_size):
+            for result in session.decode_many([t.ids for t in block], max_new_tokens, batch_size=batch_size,
+                                              drafted=False):
+                plain.count(result.stats)
+            bar.update(len(block))
             for name in MIXES:
-                proposer = mix_proposer(name, session, frees[name], cal, lengths, k_max)
-                k = k_max if name == "adaptive" else session.k
-                result = decode(session.target, proposer, turn.ids, max_new_tokens, k, session.eos)
-                tallies[name].add(proposer, result, turn.plain_tokens, turn.id)
-            bar.update(1)
+                proposers, reqs = mix_requests(name, session, frees[name], block, calibrations, cond, lengths, k_max,
+                                               max_new_tokens)
+                for turn, proposer, result in zip(block, proposers, decode_batch(session.target, reqs, batch_size)):
+                    tallies[name].add(proposer, result, turn.plain_tokens, turn.id)
+                bar.update(len(block))
     return plain, tallies, free_name, note
 
 

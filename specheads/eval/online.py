@@ -8,7 +8,8 @@ token. Counts are summed over all prompts and turns before any ratio (docs/algor
 `specheads eval --target T --draft EXPORT_DIR --prompts FILE --out DIR` writes
 DIR/metrics.json and DIR/outputs.jsonl. The draft proposes a chain by default; `--tree eagle2`
 or `--tree FILE.json` verifies EAGLE-2 or static trees instead (metrics.json "tree" records
-which; the n-gram baseline stays a chain of k).
+which; the n-gram baseline stays a chain of k). `--batch-size N` decodes up to N sequences per
+target forward (eval/waves.py: the same counts and outputs, batched seconds).
 """
 
 from __future__ import annotations
@@ -17,60 +18,34 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
-from specheads.data.prompts import NoChatTemplate, PromptRow, PromptsError, encode_chat, read_prompts, user_turn
+from specheads.data.prompts import read_prompts, user_turn
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.eval.mixes import (
-    Turn,
     engine_advice,
     evaluate_mixes,
     free_step_seconds,
     in_situ_costs,
     mix_metrics,
     row_speedup,
-    turn_tally,
 )
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import StepCosts, prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
+from specheads.eval.waves import Totals, check_batch_size, eval_prompt_ids, evaluate_rows
 from specheads.metrics import broken_draft_warning, predicted_speedup
-from specheads.progress import Progress
-from specheads.protocols import SampledProposer
 from specheads.provenance import provenance
-from specheads.session import Session, run
+from specheads.session import Session
 from specheads.verify.adaptive_proposers import LengthCosts
-from specheads.verify.calibration import ConfidenceProbe, Record, calibration_report
-from specheads.verify.ngram_proposers import NgramProposer
+from specheads.verify.calibration import calibration_report
+from specheads.verify.ragged import check_batch_attention
 from specheads.verify.settings import Sampling, TreeSpec, check_acceptance
 from specheads.verify.steps import DecodeStats
-from specheads.verify.suffix_proposers import SuffixProposer
-from specheads.verify.trees import SettingsError
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Totals:
-    """Stats summed over every prompt and turn, per method."""
-
-    plain: DecodeStats = field(default_factory=DecodeStats)
-    draft: DecodeStats = field(default_factory=DecodeStats)
-    free: dict[str, DecodeStats] = field(default_factory=dict)  # training-free proposer -> its stats
-    mismatches: list[str] = field(default_factory=list)
-    free_mismatches: dict[str, list[str]] = field(default_factory=dict)
-    skipped: list[dict] = field(default_factory=list)  # turns whose prompt fills the context
-    records: list[Record] = field(default_factory=list)  # draft confidence vs acceptance (greedy chains)
-    turns: list[Turn] = field(default_factory=list)  # what the second pass (the hybrid rows) decodes again
-
-def eval_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """`encode_chat`, refusing a tokenizer without a chat template in eval's words."""
-    try:
-        return encode_chat(tokenizer, messages)
-    except NoChatTemplate as err:
-        raise PromptsError(f"{err}; specheads eval renders prompts as chat turns and needs one") from None
 
 # --- metrics -----------------------------------------------------------------------------------
 
@@ -119,96 +94,6 @@ def method_metrics(stats: DecodeStats, plain: DecodeStats, k: int) -> dict:
 
 # --- the run -----------------------------------------------------------------------------------
 
-def free_proposers(ngram_sizes=(3, 1)) -> dict:
-    """The training-free proposers every eval compares with: prompt lookup, and suffix decoding
-    (vLLM's `method: suffix`; its global cache spans the whole eval, as a server's would) when
-    arctic-inference is installed."""
-    out = {"ngram": NgramProposer(*ngram_sizes)}
-    try:
-        out["suffix"] = SuffixProposer()
-    except SettingsError as err:
-        log.warning("no suffix decoding row: %s", err)
-    return out
-
-
-def draft_turn(session: Session, ids, max_new_tokens, sampling: Sampling, totals: Totals | None, fold: int):
-    """The draft's decode of one turn; a greedy chain whose proposer reports confidences is probed
-    (`ConfidenceProbe`: the same greedy drafts) and its records added to `totals`."""
-    proposer = session.proposer(sampled=True) if sampling.greedy and session.spec.kind == "chain" else None
-    if totals is None or not isinstance(proposer, SampledProposer):
-        return session.decode(ids, max_new_tokens, sampling).result
-    probe = ConfidenceProbe(proposer, fold)
-    result = run(session.spec, session.target, probe, ids, max_new_tokens, session.eos, sampling)
-    totals.records += probe.records
-    return result
-
-
-def run_turn(session: Session, free: dict, ids, max_new_tokens, sampling: Sampling = Sampling(),
-             totals: Totals | None = None, fold: int = 0):
-    """One prompt turn decoded plain, with the draft (the session's chain or tree) and with each
-    training-free proposer (a chain of the session's k), sampled runs with the same seed each."""
-    plain = session.plain(ids, max_new_tokens, sampling)
-    draft = draft_turn(session, ids, max_new_tokens, sampling, totals, fold)
-    others = {name: run(TreeSpec("chain", k=session.k), session.target, proposer, ids, max_new_tokens,
-                        session.eos, sampling) for name, proposer in free.items()}
-    return plain, draft, others
-
-def evaluate_rows(session: Session, rows: list[PromptRow], max_new_tokens: int, ngram_sizes=(3, 1),
-                  sampling: Sampling = Sampling(), quiet: bool = True) -> tuple[Totals, list[dict]]:
-    """Decode every turn of every row; multi-turn rows continue with the model's own answers
-    (progress over turns on stderr unless `quiet`)."""
-    totals, outputs, free = Totals(), [], free_proposers(ngram_sizes)
-    with Progress(sum(len(r.turns) for r in rows), "eval", "turns", quiet=quiet) as bar:
-        for row in rows:
-            _evaluate_row(session, row, max_new_tokens, free, sampling, totals, outputs, bar)
-    return totals, outputs
-
-def _evaluate_row(session: Session, row: PromptRow, max_new_tokens, free: dict, sampling: Sampling,
-                  totals: Totals, outputs: list[dict], bar) -> None:
-    """Every turn of one row, plain / draft / each training-free proposer, into `totals` and `outputs`."""
-    target, eos = session.target, session.eos
-    messages = []
-    for turn, text in enumerate(row.turns):
-        messages += user_turn(text)
-        ids = eval_prompt_ids(target.tokenizer, messages)
-        ctx = target.context
-        if ctx is not None and len(ids) >= ctx:  # later turns only grow: skip the rest
-            log.warning("prompt %s turn %d has %d tokens, the context is %d: skipped",
-                        row.id, turn, len(ids), ctx)
-            totals.skipped.append({"id": row.id, "turn": turn, "prompt_tokens": len(ids),
-                                   "context": ctx})
-            bar.update(len(row.turns) - turn)
-            break
-        plain, draft, others = run_turn(session, free, ids, max_new_tokens, sampling, totals, len(outputs) % 2)
-        totals.plain = totals.plain.add(plain.stats)
-        totals.turns.append(Turn(row.id, list(ids), plain.tokens, len(outputs) % 2))
-        totals.draft = totals.draft.add(draft.stats)
-        sampled = not sampling.greedy
-        equal = None if sampled else draft.tokens == plain.tokens  # samples need not agree
-        if equal is False and row.id not in totals.mismatches:
-            totals.mismatches.append(row.id)
-        for name, result in others.items():
-            totals.free[name] = totals.free.get(name, DecodeStats()).add(result.stats)
-            wrong = totals.free_mismatches.setdefault(name, [])
-            if not sampled and result.tokens != plain.tokens and row.id not in wrong:
-                wrong.append(row.id)
-        answer = target.tokenizer.decode(
-            [t for t in plain.tokens if t not in eos], skip_special_tokens=True)
-        messages.append({"role": "assistant", "content": answer})
-        outputs.append({
-            "id": row.id, "category": row.category, "turn": turn, "prompt": text,
-            "prompt_tokens": len(ids), "plain_ids": plain.tokens, "speculative_ids": draft.tokens,
-            "speculative_text": target.tokenizer.decode(draft.tokens, skip_special_tokens=True),
-            "greedy_equal": equal, "tau": draft.stats.summary()["tau"],
-            **{f"{name}_tau": r.stats.summary()["tau"] for name, r in others.items()},
-            "stop_reason": plain.stop_reason,
-            "decode_tokens": draft.stats.decode_tokens, "decode_forwards": draft.stats.decode_forwards,
-            # each method's decode of this turn (the hybrid rows add theirs, and their own plain, as mix_*)
-            "methods": {"plain": turn_tally(plain.stats), "speculative": turn_tally(draft.stats),
-                        **{name: turn_tally(r.stats) for name, r in others.items()}},
-        })
-        bar.update(1)
-
 def measured_rank_acceptance(target, head, outputs: list[dict]) -> list[list[float]] | None:
     """Per-rank acceptance of the head on the target's own greedy answers (teacher-forced, one
     target forward per prompt): what tree predictions use; None for heads that do not count ranks."""
@@ -222,7 +107,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              tree: TreeSpec | None = None, sampling: Sampling | None = None,
              predict: bool = True, verifier_json: str | None = None, bench_json: str | None = None,
              attach: bool = False, quiet: bool = False, dtype: str | None = None,
-             device: str = "auto", allow_missing_fingerprint: bool = False) -> dict:
+             device: str = "auto", allow_missing_fingerprint: bool = False, batch_size: int = 1) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
     Greedy chains also get the predicted speed-up per k and serving advice (`predict`), and a
@@ -232,11 +117,16 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     `tree` None (or a chain) drafts a chain of k; an EAGLE-2 or static `tree` goes through the
     tree verifier. Alpha, c and the predicted speed-up use the chain model with k = the tree's
     depth, so for trees they are rough; the measured speed-up is exact.
+
+    `batch_size` sequences share each target forward (eval/waves.py): tau, acceptance and outputs
+    are batch 1's (suffix decoding's drafts aside), a measured speed-up compares speculative and
+    plain decoding both at that batch size, and the prediction stays batch 1's.
     """
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if k is not None and k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
+    check_batch_size(batch_size)
     check_acceptance(sampling or Sampling())
     check_report_folder(out_dir)
     rows = read_prompts(prompts_file, limit)
@@ -248,9 +138,12 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     session = Session.open(target_path, draft_dir, tree or TreeSpec("chain"), k, device, dtype,
                            allow_missing_fingerprint)
     target, head, k, tree = session.target, session.head, session.k, session.spec
+    if batch_size > 1:  # before any decoding: ragged rows need an attention that honours 4-D masks
+        check_batch_attention(target.config)
     session.warm_up()
     t0 = time.perf_counter()
-    totals, outputs = evaluate_rows(session, rows, max_new_tokens, sampling=sampling or Sampling(), quiet=quiet)
+    totals, outputs = evaluate_rows(session, rows, max_new_tokens, sampling=sampling or Sampling(), quiet=quiet,
+                                    batch_size=batch_size)
     sampled = sampling is not None and not sampling.greedy
     equal = None if sampled else not totals.mismatches
     spec = method_metrics(totals.draft, totals.plain, tree.levels())
@@ -262,6 +155,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         "acceptance": sampling.acceptance if sampled else "exact",
         "lossless": not sampled or sampling.lossless,
         "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        # what every measured_speedup divides: plain decoding's seconds at the same batch size
+        "measured_speedup_baseline": f"plain decoding at batch size {batch_size}",
         "num_prompts": len(rows),
         "num_turns": len(outputs),
         "greedy_equal": equal,
@@ -295,15 +191,17 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             print("[specheads] eval: timing target and draft steps for the speed-up prediction",
                   file=sys.stderr, flush=True)
         observed = (totals.plain, totals.draft, *totals.free.values())
+        # batched decodes' seconds are shares of batch forwards, not batch-1 step costs: micro-timed costs only
+        correct = (lambda costs: in_situ_costs(costs, *observed)) if batch_size == 1 else None
         prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"],
                                         k_max=max(8, k), rank_q=measured_rank_acceptance(target, head, outputs),
-                                        correct=lambda costs: in_situ_costs(costs, *observed))
+                                        correct=correct)
         if not prediction:
             log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
         metrics.update(prediction)
         use_prediction(metrics)
         if prediction:
-            add_mixes(metrics, session, totals, outputs, max_new_tokens, quiet)
+            add_mixes(metrics, session, totals, outputs, max_new_tokens, quiet, batch_size)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     write_report(out, metrics, outputs, verifier, bench)
@@ -312,7 +210,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     return metrics
 
 def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dict], max_new_tokens: int,
-              quiet: bool) -> None:
+              quiet: bool, batch_size: int = 1) -> None:
     """The hybrid rows (eval/mixes.py), the free rows' step-mix predictions and the advice per engine;
     each output row gets its turn's decodes of the hybrid rows as methods["mix_<row>"]."""
     costs = StepCosts.from_dict(metrics["prediction"]["costs"])
@@ -321,7 +219,7 @@ def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dic
     if not quiet:
         print("[specheads] eval: decoding the hybrid rows (drafter + free proposer)", file=sys.stderr, flush=True)
     plain, tallies, free_name, note = evaluate_mixes(session, totals.turns, max_new_tokens, costs, totals.records,
-                                                     cond, k_max, quiet)
+                                                     cond, k_max, quiet, batch_size)
     if note:
         log.warning("hybrid rows: %s", note)
     for name, tally in {"plain": plain, **tallies}.items():  # outputs and turns: one entry per decoded turn

@@ -220,6 +220,9 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
     if "tau" in metrics:
         lines.append(f"- tau {metrics['tau']:.3f} (bonus included; plain decoding = 1.00), draft shape "
                      f"{json.dumps(metrics.get('tree'))}, greedy equal: {metrics.get('greedy_equal')}")
+    if "batch_size" in metrics:
+        lines.append(f"- batch size {metrics['batch_size']} (sequences per target forward); measured speed-ups "
+                     f"against {metrics.get('measured_speedup_baseline', 'plain decoding')}")
     acc = spec.get("acceptance_per_position") or spec.get("acc_uncond")
     if acc:
         lines.append("- acceptance per position: " + " / ".join(f"{a:.2f}" for a in acc))
