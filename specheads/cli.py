@@ -192,6 +192,12 @@ def _regenerate(argv: list[str]) -> int:
     return main(argv)
 
 
+def _magpie(argv: list[str]) -> int:
+    from specheads.data.magpie import main
+
+    return main(argv)
+
+
 def _capture(argv: list[str]) -> int:
     from specheads.data.features import main
 
@@ -225,6 +231,7 @@ VERBS = {
     "serve": (_serve, "OpenAI-compatible server (target + optional draft) with /metrics"),
     "bench": (_bench, "load-test OpenAI-compatible servers: latency, tokens/s, acceptance, greedy match"),
     "regenerate": (_regenerate, "rewrite a dataset's assistant turns with the target (resumable)"),
+    "magpie": (_magpie, "let the target write user prompts (Magpie) for regenerate, deduplicated"),
 }
 
 

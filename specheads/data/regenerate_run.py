@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_json
-from specheads.data.conversations import read_conversations
+from specheads.data.conversations import detect_format, read_conversations
 from specheads.data.messages import OPENAI_ROLES, FieldError, check_message, check_strings
+from specheads.data.prompts import read_prompts
 from specheads.data.regenerate_turns import LocalBackend, RegenerateError, RegenOptions, Row, count_turns
 from specheads.data.resume import RowWriter, check_resumable
 from specheads.errors import read_user_text
@@ -56,12 +57,32 @@ def _message_row(row: dict, n: int, path: Path) -> Row:
     return Row(str(row.get("id", f"{path.stem}:{n}")), msgs, row.get("tools"))
 
 
+def _prompt_rows(path: Path) -> list[Row] | None:
+    """A prompts file (`prompt` / `turns` rows, data/prompts.py; e.g. `specheads magpie`'s output)
+    as conversations to answer: each user turn followed by an empty assistant turn; else None."""
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return None
+    lines = (line for line in read_user_text(path, "dataset", RegenerateError).splitlines() if line.strip())
+    try:
+        first = json.loads(next(lines, "null"))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(first, dict) or detect_format(first) or not {"prompt", "turns"} & set(first):
+        return None
+    return [Row(p.id, [m for t in p.turns for m in ({"role": "user", "content": t}, {"role": "assistant", "content": ""})])
+            for p in read_prompts(path)]
+
+
 def read_rows(path: str | Path, fmt: str = "auto", limit: int | None = None) -> list[Row]:
-    """Conversations to regenerate (any format `read_conversations` reads; tool rows kept)."""
+    """Conversations to regenerate (any format `read_conversations` reads, tool rows kept, or a
+    prompts file whose answers are still to write)."""
     path = Path(path)
     raw = _raw_rows(path) if fmt in ("auto", "openai", "messages") else None
+    prompts = _prompt_rows(path) if fmt == "auto" and raw is None else None
     if raw is not None:
         rows = [_message_row(r, n, path) for n, r in enumerate(raw)]
+    elif prompts is not None:
+        rows = prompts
     else:
         convs, _ = read_conversations(path, fmt)
         rows = [Row(c.id, [{"role": m.role, "content": m.content} for m in c.messages]) for c in convs]
