@@ -39,9 +39,11 @@ $(SUFFIX_STAMP): | $(STAMP)
 	rm -rf $(VENV)/suffix-build
 	touch $@
 
+# tests run on one torch thread each (tests/conftest.py), so two pytest-xdist workers use both cores
+TEST_WORKERS ?= 2
 test: install
 	$(BIN)/ruff check specheads tests bench
-	$(BIN)/python -m pytest -q -x --timeout 900 tests
+	$(BIN)/python -m pytest -q -x --timeout 900 -n $(TEST_WORKERS) --durations=15 tests
 
 demo: install
 	$(BIN)/specheads demo --run $(RUN)
