@@ -71,8 +71,13 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
     assert engines["vllm"]["use"] in ("suffix", "drafter") and engines["sglang"]["use"] in ("ngram", "drafter")
     assert engines["llama.cpp"]["flags"].endswith(",draft-eagle3") and engines["specheads"]["use"] in (
         "drafter", "hybrid", "union", "adaptive")
+    by = m["advice"]["by_concurrency"]  # the best k per batch size, as vLLM's schedule
+    assert [r["batch_size"] for r in by["rows"]] == [1, 8, 32]
+    assert by["vllm_num_speculative_tokens_per_batch_size"] == [[1, 1, by["rows"][0]["best_k"]], [2, 8, by["rows"][1]["best_k"]],
+                                                               [9, 32, by["rows"][2]["best_k"]]]
     report = (out / "report.md").read_text()
     assert "adaptive draft length (drafter + suffix) tau" in report and "Best setting per engine" in report
+    assert "num_speculative_tokens_per_batch_size" in report
     assert "## Draft calibration" in report and f"ECE {cal['ece_raw']:.3f}" in report and (out / "reliability.png").is_file()
 
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]

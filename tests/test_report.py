@@ -73,8 +73,13 @@ def test_concurrency_input_errors_name_the_row():
 def test_recommendations_replace_their_section(tmp_path):
     adv = _metrics()["advice"]
     readme = "# Draft\n\n## Serve\n\nvllm serve x\n\n## Head\n\n- layers\n"
+    adv["by_concurrency"] = {"rows": [{"batch_size": 1, "best_k": 3, "best_speedup": 1.5},
+                                      {"batch_size": 8, "best_k": 0, "best_speedup": 1.0}],
+                             "vllm_num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 0]]}
     once = with_recommendations(readme, adv)
     assert with_recommendations(once, adv) == once  # idempotent: the section is replaced
+    assert "batch 1: k = 3 (1.50x), batch 8: no speculation" in once
+    assert '`"num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 0]]`' in once
     assert once.count(RECOMMENDED) == 1 and once.startswith(readme.rstrip("\n"))
     export = tmp_path / "export"
     export.mkdir()

@@ -128,6 +128,15 @@ def vllm_schedule(rows: list[dict]) -> list[list[int]]:
     return schedule
 
 
+def concurrency_advice(target, prompt_ids: list[int], per_row: StepCosts, cond: list[float],
+                       batch_sizes=BATCH_SIZES, reps: int = 3) -> dict:
+    """eval's advice by concurrency: the best k at each batch size, predicted from forwards timed
+    over B rows here and eval's per-row costs, and vLLM's per-batch-size schedule of it."""
+    rows = predict_by_batch(BatchCosts(time_batch_forwards(target, prompt_ids, batch_sizes, reps=reps), per_row), cond)
+    return {"rows": [{k: v for k, v in r.items() if k != "speedup_by_k"} for r in rows],
+            "vllm_num_speculative_tokens_per_batch_size": vllm_schedule(rows)}
+
+
 def timed(fn) -> tuple[object, float]:
     t0 = time.perf_counter()
     out = fn()

@@ -23,6 +23,7 @@ from pathlib import Path
 from specheads.atomic import write_text
 from specheads.data.prompts import read_prompts, user_turn
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
+from specheads.eval.concurrency import concurrency_advice
 from specheads.eval.mixes import (
     engine_advice,
     evaluate_mixes,
@@ -202,6 +203,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         use_prediction(metrics)
         if prediction:
             add_mixes(metrics, session, totals, outputs, max_new_tokens, quiet, batch_size)
+            metrics["advice"]["by_concurrency"] = concurrency_advice(
+                target, prompts[0], StepCosts.from_dict(metrics["prediction"]["costs"]),
+                spec["acceptance_per_position_conditional"])
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     write_report(out, metrics, outputs, verifier, bench)

@@ -266,7 +266,8 @@ def advice_lines(adv: dict) -> list[str]:
     if engines:
         lines.append(f"- Best setting per engine (the drafter, a draftless method or both): {advice_line(engines)}")
     if not adv.get("speculate", True):
-        return lines + [f"- No speculation with the drafter alone: {adv['reason']}.", ""]
+        return lines + [f"- No speculation with the drafter alone: {adv['reason']}."] + concurrency_lines(
+            adv.get("by_concurrency")) + [""]
     v, s = adv["vllm"], adv["sglang"]
     lines += [f"- vLLM: `\"num_speculative_tokens\": {v['num_speculative_tokens']}` in `--speculative-config` "
              f"(predicted {v['predicted_speedup']:.2f}x, {v['expected_tokens']:.2f} tokens per step)",
@@ -275,7 +276,20 @@ def advice_lines(adv: dict) -> list[str]:
     if tree:
         lines.append(f"- SGLang tree to try (a rougher prediction, {tree['predicted_speedup']:.2f}x: measure it "
                      f"before adopting): `{sglang_flags(tree)}`")
-    return lines + [""]
+    return lines + concurrency_lines(adv.get("by_concurrency")) + [""]
+
+
+def concurrency_lines(by: dict | None) -> list[str]:
+    """The best k per batch size (k 0: plain decoding) in each engine's own setting."""
+    if not by:
+        return []
+    each = ", ".join(f"batch {r['batch_size']}: " + (f"k = {r['best_k']} ({r['best_speedup']:.2f}x)" if r["best_k"]
+                                                     else "no speculation") for r in by["rows"])
+    return [f"- By concurrency (predicted from target forwards over B rows timed by eval): {each}",
+            f"  - vLLM: `\"num_speculative_tokens_per_batch_size\": {by['vllm_num_speculative_tokens_per_batch_size']}` "
+            "in `--speculative-config` (k 0: no speculation at that size)",
+            "  - SGLang and llama.cpp take one draft length per server (`--speculative-num-steps`, "
+            "`--spec-draft-n-max`): the k of the concurrency you expect most"]
 
 
 def advice_line(engines: dict) -> str:
