@@ -18,11 +18,31 @@ from pathlib import Path
 from specheads.cli_options import add_fingerprint_argument, add_mixing_arguments, mixing_from_args
 from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate_run import read_rows, run_regenerate
-from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, SessionDecoder
+from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, prompt_seed
 from specheads.data.resume import check_resumable
 from specheads.session import Session, load_draft
 from specheads.target import Target
-from specheads.verify.settings import TreeSpec
+from specheads.verify.settings import Sampling, TreeSpec
+from specheads.verify.steps import DecodeStats
+
+
+class SessionDecoder:
+    """Speculative decoding (`--draft`): a batch's prompts through a speculation session's
+    `decode_many`, up to `batch_size` rows per target forward, each row equal to its decode alone
+    (greedy: plain greedy's tokens; sampled: seeded by `prompt_seed`). `stats` sums every decode's
+    counts (tau: `stats.summary()`)."""
+
+    def __init__(self, session, opts: RegenOptions, batch_size: int):
+        self.session, self.opts, self.batch_size = session, opts, batch_size
+        self.stats = DecodeStats()
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        o = self.opts
+        each = [Sampling(temperature=o.temperature, top_p=o.top_p, seed=prompt_seed(o.seed, ids)) for ids in prompts]
+        results = self.session.decode_many(prompts, max_new_tokens, each, self.batch_size)
+        for r in results:
+            self.stats = self.stats.add(r.stats)
+        return [list(r.tokens) for r in results]
 
 
 def check_options(a: argparse.Namespace) -> None:

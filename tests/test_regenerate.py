@@ -245,7 +245,7 @@ def test_speculative_regeneration_gives_plain_greedy_answers(tiny_target_dir, ra
 def test_speculative_batches_forward_their_prompts_together(tiny_target_dir, random_export_dir):
     """SessionDecoder hands a whole batch to one decode_many call with its batch size (rows share
     target forwards), and sums the decodes' counts for tau."""
-    from specheads.data.regenerate_turns import SessionDecoder
+    from specheads.regenerate_command import SessionDecoder
     from specheads.session import GREEDY, Session, load_draft
 
     target = Target.load(str(tiny_target_dir), device="cpu")

@@ -27,6 +27,7 @@ from specheads.data.messages import lone_surrogate
 from specheads.data.regenerate_turns import RegenOptions, generate_batch
 from specheads.data.resume import RowWriter, check_resumable
 from specheads.progress import Progress
+from specheads.target import Target
 
 SENTINELS = ("MagpieQuerySentinelA7", "MagpieQuerySentinelB3")  # two: the opening must not depend on the text
 DROP_REASONS = ("empty", "non_printable", "too_short", "too_long", "truncated", "duplicate", "near_duplicate")
@@ -381,8 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     filters = FilterOptions(a.min_chars, a.max_chars, a.keep_truncated, a.near_prefix_words, a.near_jaccard)
     if Path(a.out).is_dir():
         raise MagpieError(f"--out '{a.out}' is a folder: pass a file path for the prompts")
-    from specheads.target import Target
-
     counts = run_magpie(Target.load(a.target, dtype=a.dtype, device=a.device), a.out, opts, filters, a.quiet)
     print(json.dumps(asdict(counts), indent=2))
     print(f"magpie: {summary(counts)} -> {a.out}", file=sys.stderr)

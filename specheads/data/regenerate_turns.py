@@ -10,7 +10,7 @@ from the new answers; `"keep"` keeps them inline.
 This is the turn-by-turn engine. Backends: `LocalBackend` (the target in this process: prompts
 encoded by data/prompts.py's `encode_chat`, answered a batch at a time by `answer_batch` through a
 decoder: plain transformers `generate` (`generate_batch`), or, with `--draft`, a speculation
-session's batched decode loop (`SessionDecoder`); both batched across conversations per turn)
+session's batched decode loop (regenerate_command's `SessionDecoder`); both batched across conversations per turn)
 and `OpenAIBackend` (any OpenAI-compatible server, conversations in parallel on a bounded thread
 pool). `data/regenerate_run.py` is the resumable run (files in, rows out append-only with an index
 of finished ids, data/resume.py); `specheads/regenerate_command.py` is the `specheads regenerate`
@@ -141,7 +141,7 @@ def history(state: TurnState) -> list[dict]:
 
 # A batch decoder: (prompts' ids, max_new_tokens) -> each prompt's new ids (past its first eos
 # nothing counts). Plain decoding is `generate_batch` (transformers `generate` over the batch);
-# `--draft` is `SessionDecoder` (a speculation session's `decode_many` over the batch).
+# `--draft` is regenerate_command's `SessionDecoder` (a speculation session's `decode_many`).
 Decoder = Callable[[list[list[int]], int], list[list[int]]]
 
 
@@ -214,29 +214,6 @@ def prompt_seed(seed: int, ids: list[int]) -> int:
     not depend on its batch, its place in it, --batch-size or a resume (31 bits)."""
     digest = hashlib.sha256(json.dumps([seed, ids]).encode()).digest()
     return int.from_bytes(digest[:4], "big") >> 1
-
-
-class SessionDecoder:
-    """Speculative decoding (`--draft`): a batch's prompts through a speculation session's
-    `decode_many`, up to `batch_size` rows per target forward, each row equal to its decode alone
-    (greedy: plain greedy's tokens; sampled: seeded by `prompt_seed`). `stats` sums every decode's
-    counts (tau: `stats.summary()`)."""
-
-    def __init__(self, session, opts: RegenOptions, batch_size: int):
-        from specheads.verify.steps import DecodeStats
-
-        self.session, self.opts, self.batch_size = session, opts, batch_size
-        self.stats = DecodeStats()
-
-    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        from specheads.verify.settings import Sampling
-
-        o = self.opts
-        each = [Sampling(temperature=o.temperature, top_p=o.top_p, seed=prompt_seed(o.seed, ids)) for ids in prompts]
-        results = self.session.decode_many(prompts, max_new_tokens, each, self.batch_size)
-        for r in results:
-            self.stats = self.stats.add(r.stats)
-        return [list(r.tokens) for r in results]
 
 
 def generate_batch(target, opts: RegenOptions) -> Decoder:
