@@ -26,7 +26,8 @@ import torch
 
 from specheads.atomic import write_json, write_text
 from specheads.data.prompts import encode_chat, read_prompts, user_turn
-from specheads.data.regenerate_turns import LocalBackend, RegenOptions, Row, SessionDecoder, generate_batch
+from specheads.data.regenerate_turns import LocalBackend, RegenOptions, Row, generate_batch
+from specheads.regenerate_command import SessionDecoder
 from specheads.session import Session, load_draft
 from specheads.target import Target
 from specheads.verify.settings import TreeSpec
