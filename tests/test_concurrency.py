@@ -73,3 +73,20 @@ def test_bench_refuses_batch_sizes_without_one(concurrency_bench, capsys):
     with pytest.raises(SystemExit):
         concurrency_bench.main(["--target", "t", "--draft", "d", "--prompts", "p", "--out", "o", "--batch-sizes", "8,32"])
     assert "including 1" in capsys.readouterr().err
+
+
+def test_timed_rows_are_ragged_like_a_real_batch():
+    from specheads.eval.concurrency import ragged_pasts
+
+    assert ragged_pasts(10, 1) == [10] and ragged_pasts(10, 4) == [10, 9, 10, 9]
+
+
+def test_continuous_batching_schedule_golden():
+    from specheads.eval.concurrency import continuous_seconds
+
+    # 3 requests of 2, 3, 1 steps into 2 slots: steps with 2, 2, 2 active rows, then 1 (the third joins at step 3)
+    assert continuous_seconds([2, 3, 1], 2, lambda b: 10.0 * b) == pytest.approx(20 + 20 + 20)
+    assert continuous_seconds([2, 3, 1], 1, lambda b: 1.0) == 6  # one at a time: every step of every request
+    costs = BatchCosts(FORWARDS, PER_ROW)
+    assert costs.workload_speedup(1, 3, [10], [4]) == pytest.approx(10 * 1.01 / (4 * costs.spec_step(1, 3)))
+    assert costs.target(16, 1) == pytest.approx(1.0 + 3.0 * 15 / 31)  # between the measured batch sizes

@@ -63,13 +63,20 @@ def time_batch_forwards(target, prompt_ids: list[int], batch_sizes=BATCH_SIZES, 
     return out
 
 
+def ragged_pasts(past: int, rows: int) -> list[int]:
+    """Row lengths as a batched decode has them: unequal (every other row one shorter), so the forward
+    takes the 4-D masked path a real batch takes; one row stays unmasked, as a sequential decode."""
+    return [past - (b % 2) for b in range(rows)]
+
+
 def _forward(target, ids: torch.Tensor, n: int, rows: int, past: int, cache):
     """A repeatable forward of n tokens per row (the values do not change its cost)."""
     tokens = [ids[-1:].repeat(n)] * rows
     depths, masks = chain_inputs(n, rows)
+    pasts = ragged_pasts(past, rows)
 
     def run():
-        batch_forward(target, tokens, depths, masks, [past] * rows, cache)
+        batch_forward(target, tokens, depths, masks, pasts, cache)
         trim_cache(cache, past)
     return run
 
@@ -82,9 +89,14 @@ class BatchCosts:
     per_row: StepCosts  # batch-1 costs corrected by real decodes (mixes.in_situ_costs)
 
     def target(self, rows: int, n: int) -> float:
-        """T_B(n): the micro-timed forward (linear between measured counts, StepCosts' way), scaled by
-        how batch-1 forwards inside real decodes (`per_row.target`) compared with their micro-timing."""
-        micro = StepCosts(target_s=self.forwards[rows]).target(n)
+        """T_B(n): the micro-timed forward (linear between measured counts, StepCosts' way, and between
+        measured batch sizes), scaled by how batch-1 forwards inside real decodes (`per_row.target`)
+        compared with their micro-timing."""
+        sizes = sorted(self.forwards)
+        lo = max([b for b in sizes if b <= rows], default=sizes[0])
+        hi = min([b for b in sizes if b >= rows], default=sizes[-1])
+        at = {b: StepCosts(target_s=self.forwards[b]).target(n) for b in {lo, hi}}
+        micro = at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (rows - lo) / (hi - lo)
         return micro * self.per_row.target(n) / StepCosts(target_s=self.forwards[1]).target(n)
 
     def plain_step(self, rows: int) -> float:
@@ -96,11 +108,31 @@ class BatchCosts:
         return self.target(rows, k + 1) + rows * (c.draft_fixed_s + k * c.draft_per_level_s + c.overhead_s)
 
     def speedup(self, rows: int, k: int, tokens_per_step: float) -> float:
+        """Full batches in steady state (every row decoding every step)."""
         return tokens_per_step * self.plain_step(rows) / self.spec_step(rows, k)
+
+    def workload_speedup(self, rows: int, k: int, plain_steps: list[int], spec_steps: list[int]) -> float:
+        """Requests that need plain_steps[i] / spec_steps[i] decode forwards each (their batch-1 decodes),
+        continuously batched into `rows` slots: the batch thins out as requests run out."""
+        plain = continuous_seconds(plain_steps, rows, self.plain_step)
+        return plain / continuous_seconds(spec_steps, rows, lambda b: self.spec_step(b, k))
+
 
     def to_dict(self) -> dict:
         return {"forwards_s": {str(b): {str(n): s for n, s in f.items()} for b, f in self.forwards.items()},
                 "per_row": self.per_row.to_dict()}
+
+
+def continuous_seconds(steps: list[int], rows: int, step_s) -> float:
+    """Seconds to decode requests needing steps[i] forwards each, admitted in order into `rows` slots
+    as earlier ones finish, a step of b active rows costing step_s(b)."""
+    waiting, active, seconds = list(reversed(steps)), [], 0.0
+    while waiting or active:
+        while waiting and len(active) < rows:
+            active.append(waiting.pop())
+        seconds += step_s(len(active))
+        active = [n - 1 for n in active if n > 1]
+    return seconds
 
 
 def predict_by_batch(costs: BatchCosts, cond: list[float], ks=range(1, 9)) -> list[dict]:
@@ -151,39 +183,42 @@ def total(results) -> DecodeStats:
 
 
 def measure_by_batch(session, prompts: list[list[int]], max_new_tokens: int,
-                     batch_sizes=BATCH_SIZES) -> tuple[list[dict], dict[int, tuple[DecodeStats, DecodeStats]]]:
+                     batch_sizes=BATCH_SIZES) -> tuple[list[dict], dict, dict]:
     """Plain and speculative throughput of `prompts` decoded at each batch size (continuous
     batching over all of them), whether every speculative output equals the plain one -> (rows,
-    {B: (plain stats, speculative stats)})."""
-    rows, stats = [], {}
+    {B: (plain stats, speculative stats)}, {B: (each request's plain / speculative decode forwards)})."""
+    rows, stats, steps = [], {}, {}
     for b in batch_sizes:
         plain, plain_s = timed(lambda b=b: session.decode_many(prompts, max_new_tokens, batch_size=b, drafted=False))
         spec, spec_s = timed(lambda b=b: session.decode_many(prompts, max_new_tokens, batch_size=b))
         stats[b] = (total(plain), total(spec))
+        steps[b] = ([r.stats.decode_forwards for r in plain], [r.stats.decode_forwards for r in spec])
         tokens = stats[b][0].tokens
         rows.append({"batch_size": b, "prompts": len(prompts), "tokens": tokens,
                      "plain_tok_s": tokens / plain_s, "spec_tok_s": stats[b][1].tokens / spec_s,
                      "plain_s": plain_s, "spec_s": spec_s, "measured_speedup": plain_s / spec_s,
                      "tau": stats[b][1].summary()["tau"],
                      "greedy_equal": sum(s.tokens == p.tokens for s, p in zip(spec, plain))})
-    return rows, stats
+    return rows, stats, steps
 
 
 def concurrency_table(session, prompts: list[list[int]], max_new_tokens: int, batch_sizes=BATCH_SIZES,
                       reps: int = 5) -> dict:
     """Measured rows at each batch size beside the prediction for the session's k, and the predicted
     best k per size. Per-row costs: micro-timed, corrected by the batch-1 decodes of this run
-    (`mixes.in_situ_costs`, as eval does), so the batch-1 row checks the cost model on its own
-    decodes and every larger batch is a prediction from T_B(n) alone."""
+    (`mixes.in_situ_costs`, as eval does); each request's forwards at batch 1 give the workload that
+    `continuous_seconds` schedules at every size, so the batch-1 row checks the cost model on its
+    own decodes and every larger batch is a prediction from T_B(n) and batch-1 counts alone."""
     if 1 not in batch_sizes:
         raise PredictError("the concurrency table needs batch size 1 (it prices the per-row costs)")
-    measured, stats = measure_by_batch(session, prompts, max_new_tokens, batch_sizes)
+    measured, stats, steps = measure_by_batch(session, prompts, max_new_tokens, batch_sizes)
     plain1, spec1 = stats[1]
     per_row = in_situ_costs(measure_costs(session.target, session.head, prompts[:4], k_max=max(session.k, 2)),
                             plain1, spec1)
     costs = BatchCosts(time_batch_forwards(session.target, prompts[0], batch_sizes, reps=reps), per_row)
     for row in measured:
-        row["predicted_speedup"] = costs.speedup(row["batch_size"], session.k, row["tau"])
+        row["predicted_speedup"] = costs.workload_speedup(row["batch_size"], session.k, *steps[1])
+        row["predicted_speedup_full_batches"] = costs.speedup(row["batch_size"], session.k, row["tau"])
         row["within_10pct"] = abs(row["predicted_speedup"] / row["measured_speedup"] - 1) <= WITHIN
     best = predict_by_batch(costs, spec1.summary()["acceptance_per_position_conditional"])
     return {"k": session.k, "max_new_tokens": max_new_tokens, "rows": measured, "best_k": best,
