@@ -158,6 +158,22 @@ class StoppingProposer(Protocol):
     def propose_until(self, k: int, warper: Any, gen: Any, stop: Any) -> tuple[Any, Any]: ...  # [n], q [n, V]
 
 
+@runtime_checkable
+class RequestProposer(Protocol):
+    """Optional: proposers that keep a request open in a shared structure (suffix decoding's global
+    cache) until `close`; the decode loop closes a row's proposer when the row leaves the batch, and
+    combining proposers close their parts."""
+
+    def close(self) -> None: ...
+
+
+def close_proposers(*proposers) -> None:
+    """End the request of each proposer that keeps one open."""
+    for proposer in proposers:
+        if isinstance(proposer, RequestProposer):
+            proposer.close()
+
+
 class ProposerModule(Protocol):
     """A kind's proposer module: builds the proposer a draft shape (chain or tree) needs."""
 

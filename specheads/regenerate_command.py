@@ -40,8 +40,7 @@ class SessionDecoder:
         o = self.opts
         each = [Sampling(temperature=o.temperature, top_p=o.top_p, seed=prompt_seed(o.seed, ids)) for ids in prompts]
         results = self.session.decode_many(prompts, max_new_tokens, each, self.batch_size)
-        for r in results:
-            self.stats = self.stats.add(r.stats)
+        self.stats = self.stats.add(DecodeStats.total(results))
         return [list(r.tokens) for r in results]
 
 

@@ -156,15 +156,13 @@ class Session:
         """Decode `ids` speculatively with the draft; every verified token reaches `stream` as
         soon as it is known (its seconds are reported so that timings can leave them out)."""
         proposer = self.proposer(not sampling.greedy)
-        if stream is None:
-            with torch.no_grad():
-                return Decoded(run(self.loop_spec, self.target, proposer, ids, max_new_tokens, self.eos, sampling))
-        streaming = StreamingProposer(proposer, stream)
-        with torch.no_grad():
-            result = run(self.loop_spec, self.target, streaming, ids, max_new_tokens, self.eos, sampling)
-        stream_s = streaming.seconds  # inside the timed decode
+        streaming = None if stream is None else StreamingProposer(proposer, stream)
+        drafts = proposer if streaming is None else streaming
+        result = run(self.loop_spec, self.target, drafts, ids, max_new_tokens, self.eos, sampling)
+        if streaming is None:
+            return Decoded(result)
         streaming.finish(result.tokens)
-        return Decoded(result, stream_s)
+        return Decoded(result, streaming.seconds)  # its seconds were inside the timed decode
 
     def plain(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> DecodeResult:
         """The reference: plain greedy decoding, or plain sampling with the same seed."""

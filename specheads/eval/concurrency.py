@@ -175,13 +175,6 @@ def timed(fn) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
-def total(results) -> DecodeStats:
-    out = DecodeStats()
-    for r in results:
-        out = out.add(r.stats)
-    return out
-
-
 def measure_by_batch(session, prompts: list[list[int]], max_new_tokens: int,
                      batch_sizes=BATCH_SIZES) -> tuple[list[dict], dict, dict]:
     """Plain and speculative throughput of `prompts` decoded at each batch size (continuous
@@ -191,7 +184,7 @@ def measure_by_batch(session, prompts: list[list[int]], max_new_tokens: int,
     for b in batch_sizes:
         plain, plain_s = timed(lambda b=b: session.decode_many(prompts, max_new_tokens, batch_size=b, drafted=False))
         spec, spec_s = timed(lambda b=b: session.decode_many(prompts, max_new_tokens, batch_size=b))
-        stats[b] = (total(plain), total(spec))
+        stats[b] = (DecodeStats.total(plain), DecodeStats.total(spec))
         steps[b] = ([r.stats.decode_forwards for r in plain], [r.stats.decode_forwards for r in spec])
         tokens = stats[b][0].tokens
         rows.append({"batch_size": b, "prompts": len(prompts), "tokens": tokens,

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specheads.protocols import SampledProposer, StoppingProposer
+from specheads.protocols import SampledProposer, StoppingProposer, close_proposers
 from specheads.target import TargetOutput
 from specheads.verify.calibration import Calibration, ConfidenceWarper
-from specheads.verify.hybrid_proposers import AcceptanceMeter, as_ids, check_chain, close_proposers, merged_layers
+from specheads.verify.hybrid_proposers import AcceptanceMeter, as_ids, check_chain, merged_layers
 from specheads.verify.sampling import point_mass
 from specheads.verify.trees import SettingsError
 

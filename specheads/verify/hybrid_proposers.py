@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.protocols import SampledProposer, TreeProposer
+from specheads.protocols import SampledProposer, TreeProposer, close_proposers
 from specheads.verify.sampling import point_mass
 from specheads.verify.trees import SettingsError, Tree, chain_tree, tree_from_parents
 
@@ -32,14 +32,6 @@ RULES = ("arctic", "measured")  # choose mode: how the model draft is priced
 
 
 # --- expected accepted length ---------------------------------------------------------------------
-
-
-def close_proposers(*proposers) -> None:
-    """End the request in each proposer that keeps one open (suffix decoding's active request)."""
-    for proposer in proposers:
-        close = getattr(proposer, "close", None)
-        if close is not None:
-            close()
 
 
 @dataclass

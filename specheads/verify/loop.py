@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specheads.protocols import close_proposers
 from specheads.target import TargetOutput
 from specheads.verify.ngram_proposers import NO_DRAFT
 from specheads.verify.ragged import (
@@ -177,9 +178,7 @@ def settle(row: _Row, b: int, plan: Plan, path: list[int], nxt: int, out: Target
 def finish(row: _Row) -> DecodeResult:
     """Stop reason and totals (its seconds were added up step by step)."""
     result, stats = row.result, row.result.stats
-    close = getattr(row.drafts, "close", None)  # a request a proposer keeps open (suffix decoding's)
-    if close is not None:
-        close()
+    close_proposers(row.drafts)  # a request it keeps open (suffix decoding's) ends with the row
     if row.done:
         result.stop_reason = "eos"
     stats.tokens = len(result.tokens)

@@ -65,6 +65,14 @@ class DecodeStats:
                 setattr(out, name, value + getattr(other, name))
         return out
 
+    @staticmethod
+    def total(results) -> DecodeStats:
+        """The stats of several decodes (DecodeResults) summed."""
+        out = DecodeStats()
+        for r in results:
+            out = out.add(r.stats)
+        return out
+
     def summary(self) -> dict:
         """tau (decode tokens per decode forward, bonus included) and per-position acceptance."""
         return chain_summary(self.drafts, self.accepted_per_pos, self.decode_tokens,
