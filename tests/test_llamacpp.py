@@ -28,6 +28,11 @@ def test_plain_server_command_has_no_speculative_flags():
     assert not [a for a in cmd if a.startswith("--spec") or a == "-md"]
 
 
+def test_parallel_slots_share_the_context_llama_server_splits():
+    cmd = lc.server_command(FAKE, Path("t.gguf"), lc.SpecSettings(), 8123, 2, 1024, slots=8)
+    assert cmd[cmd.index("-np") + 1] == "8" and cmd[cmd.index("-c") + 1] == "8192"  # 1024 tokens a slot
+
+
 def test_eagle3_server_command_names_draft_type_and_k():
     spec = lc.SpecSettings(("draft-eagle3", "ngram-mod"), Path("d.gguf"), n_max=5)
     cmd = lc.server_command(FAKE, Path("t.gguf"), spec, 1, 4, 2048)
@@ -322,3 +327,24 @@ def test_cost_prediction_says_no_speculation_when_the_draft_costs_more_than_it_s
     dear = predicted(cpu, [0.9, 0.85, 0.8], [1, 2, 3])
     assert not dear.speculate() and recommendation(dear) == (
         "no speculation (best predicted: k=1 at 0.98x of plain llama.cpp)")
+
+
+@pytest.mark.engine
+@needs_build
+def test_regeneration_through_llama_server_answers_like_local_generation(tiny_export, tmp_path):
+    """bench/regenerate_endpoint.py: `specheads regenerate`'s OpenAI backend against llama-server (an f32
+    GGUF of the tiny target, 1 and 2 slots) answers every prompt as local greedy generation does."""
+    from bench.regenerate_endpoint import main as endpoint_bench
+
+    _, tiny = tiny_export
+    gguf = tmp_path / "tiny-f32.gguf"
+    lc.convert(tiny, gguf, "f32")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(["Name three colours.", "Count to five.", "Say hello."])))
+    rc = endpoint_bench(["--target", str(tiny), "--gguf", str(gguf), "--prompts", str(prompts), "--out",
+                         str(tmp_path / "out"), "--max-new-tokens", "12", "--slots", "1,2", "--batch-size", "2"])
+    r = json.loads((tmp_path / "out" / "regenerate_endpoint.json").read_text())
+    assert rc == 0 and [m["answers"] for m in r["methods"]] == [3, 3, 3]
+    assert [m["equal_to_local"] for m in r["methods"][1:]] == [3, 3] and r["methods"][0]["tokens"] > 0
+    assert "| llama-server tiny-f32, 2 slots |" in (tmp_path / "out" / "regenerate_endpoint.md").read_text()

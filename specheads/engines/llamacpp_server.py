@@ -42,9 +42,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(b: LlamaCpp, model: Path, spec: SpecSettings, port: int, threads: int, ctx: int) -> list[str]:
+def server_command(b: LlamaCpp, model: Path, spec: SpecSettings, port: int, threads: int, ctx: int,
+                   slots: int = 1) -> list[str]:
+    """`slots` requests decode together (-np, continuous batching), each with `ctx` tokens of context."""
     cmd = [str(b.server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-tb", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
+           "-tb", str(threads), "-c", str(ctx * slots), "-np", str(slots), "--no-webui"]
     if spec.draft is not None:
         cmd += ["-md", str(spec.draft), "-td", str(threads)]
     if spec.types:
@@ -80,10 +82,11 @@ class Server:
     """`llama-server` on a free port: `with Server(b, model, spec) as s: s.complete(ids, 64)`."""
 
     def __init__(self, b: LlamaCpp, model: Path, spec: SpecSettings | None = None, threads: int = 2,
-                 ctx: int = 2048, log: Path | None = None, env: dict | None = None, startup_s: float = 300):
+                 ctx: int = 2048, log: Path | None = None, env: dict | None = None, startup_s: float = 300,
+                 slots: int = 1):
         self.b, self.spec, self.threads = b, spec or SpecSettings(), threads
         self.port = free_port()
-        self.cmd = server_command(b, Path(model), self.spec, self.port, threads, ctx)
+        self.cmd = server_command(b, Path(model), self.spec, self.port, threads, ctx, slots)
         self.log_path = Path(log) if log else Path(model).with_name(f"llama-server-{self.spec.label}.log")
         self.env, self.startup_s, self.proc = env or {}, startup_s, None
 

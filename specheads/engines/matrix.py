@@ -7,9 +7,10 @@ with each engine that can serve its format (one probe at a time), and writes `OU
 and `OUT/engine-check.md` (kind x format x engine -> config / weights / layers / forward).
 Exits non-zero when any check fails.
 
-    python -m specheads.engines.matrix --out runs/engine-check [--run runs/demo[:TARGET]] [--runs-only] [--engines vllm,sglang]
+    python -m specheads.engines.matrix --out runs/engine-check [--run runs/demo[:TARGET]] [--runs-only] \
+        [--engines vllm,sglang,llama.cpp]
 
-`--engines llama.cpp` (opt-in, not in the default) also decodes every export llama.cpp runs
+llama.cpp (in the default; built once on first use) decodes every export it runs
 (engine_facts.LLAMA_CPP_SPEC) plain and speculatively in `llama-server` on the CPU
 (specheads.engines.llamacpp_check): config = converted to GGUF and loaded, weights = the sidecar records
 the export's aux layer ids and d2t and three injected faults are caught (EAGLE-3), forward = every
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a trained run folder (make demo / make real) whose export/ folders are checked too, "
                         "against TARGET (default RUN/target); repeatable")
     p.add_argument("--runs-only", action="store_true", help="check only the --run exports, not the kind x format matrix")
-    p.add_argument("--engines", default=",".join(PROBES), help="comma-separated engines (default: all)")
+    p.add_argument("--engines", default=",".join([*PROBES, LLAMA_CPP_KEY]), help="comma-separated engines (default: all)")
     p.add_argument("--only", help="check only rows whose name contains this")
     a = p.parse_args(argv)
     engines = [e for e in a.engines.split(",") if e]
