@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package: its siblings import
 RECIPE = ROOT / "recipes" / "eagle3" / "smollm2-135m-cpu.yaml"
 
 
@@ -209,6 +210,27 @@ def evaluate(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_to
     return summary(m, out / "outputs.jsonl", rc)
 
 
+def evaluate_batched(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_tokens: int,
+                     sizes: list[int]) -> dict:
+    """The same eval at each batch size in one run (bench/batched_eval.py, into OUT/b<N>/); the first
+    size's eval is the one the report's rows come from, the others add their seconds beside it."""
+    import batched_eval  # bench/batched_eval.py
+
+    args = argparse.Namespace(target=str(target), draft=str(draft), prompts=str(prompts), out=str(out), limit=None,
+                              max_new_tokens=new_tokens, k=k, device="cpu", dtype="float32", no_predict=False,
+                              allow_missing_fingerprint=False)
+    report = batched_eval.bench(args, sizes)
+    first = out / f"b{sizes[0]}"
+    m = json.loads((first / "metrics.json").read_text())
+    rc = 0 if all(r["greedy_equal_turns"] == r["num_turns"] for r in report["runs"]) else 1
+    return {**summary(m, first / "outputs.jsonl", rc), "eval_dir": str(first),
+            "batched": [{"batch_size": r["batch_size"], "wall_s": r["wall_s"], "first_pass_s": r["first_pass_s"],
+                         "time_ratio": r["vs_first"]["time_ratio"], "greedy_equal_turns": r["greedy_equal_turns"],
+                         "num_turns": r["num_turns"], "same_tau_exact_methods": r["vs_first"]["same_tau_exact_methods"],
+                         "same_outputs": r["vs_first"]["same_outputs"],
+                         "tau": {n: v["tau"] for n, v in r["methods"].items()}} for r in report["runs"]]}
+
+
 ROWS = {"speculative": "EAGLE-3", "ngram": "prompt lookup", "suffix": "suffix decoding",
         "hybrid": "hybrid (choose)", "union": "hybrid (union tree)", "adaptive": "hybrid + adaptive k"}
 
@@ -273,7 +295,7 @@ def parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
 def llamacpp_rows(target: Path, export_dir: Path, gguf: Path, prompts: Path, out: Path, new_tokens: int) -> dict:
     """bench/llamacpp.py's side-by-side run in llama-server (plain, each draftless type, the EAGLE-3
     sidecar, EAGLE-3 mixed with ngram-mod) on the given GGUF target, idle before the timed eval."""
-    import llamacpp as bench_llamacpp  # bench/llamacpp.py: this script's folder is on sys.path
+    import llamacpp as bench_llamacpp  # bench/llamacpp.py
 
     rc = bench_llamacpp.main(["--target", str(target), "--draft", str(export_dir), "--prompts", str(prompts),
                               "--out", str(out), "--limit", "1000", "--n-predict", str(new_tokens), "--threads", "2",
@@ -315,6 +337,13 @@ def markdown(r: dict) -> str:
             lines.append(f"| {ROWS[key]} | {row['tau']:.2f} | {row['measured_speedup']:.2f}x | "
                          f"{'-' if pred is None else f'{pred:.2f}x'} | {close} | {row['greedy_equal']} |")
     first = next(iter(r["evals"].values()))
+    if first.get("batched"):
+        lines += ["", "### The same MT-bench eval at each batch size (one run; bench/batched_eval.py)", "",
+                  "| batch | eval s | first pass s | time ratio | greedy equal | same tau (drafter, n-gram) | same outputs |",
+                  "|---:|---:|---:|---:|---:|:---:|:---:|"]
+        lines += [f"| {b['batch_size']} | {b['wall_s']:.0f} | {b['first_pass_s']:.0f} | {b['time_ratio']:.2f} | "
+                  f"{b['greedy_equal_turns']}/{b['num_turns']} | {b['same_tau_exact_methods']} | {b['same_outputs']} |"
+                  for b in first["batched"]]
     cats = first["per_category"]
     methods = [m for m in ROWS if any(m in c for c in cats.values())]
     lines += ["", "### Per category (MT-bench first turns, k = 3): tau / measured speed-up", "",
@@ -375,8 +404,15 @@ def run(a, overrides: list[str]) -> dict:
                data / "mt_bench_llamacpp.jsonl", out / "llamacpp", a.eval_new_tokens)
     if a.until == "export":
         raise SystemExit("[real] stopped after the export (--until export); run again without it to go on")
-    evals = {"MT-bench k=3": st.run("eval_mt_bench_k3", evaluate, target, out / "export" / "vllm",
-                                    data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_k3", 3, a.eval_new_tokens)}
+    if a.eval_batch_sizes == [1]:
+        evals = {"MT-bench k=3": st.run("eval_mt_bench_k3", evaluate, target, out / "export" / "vllm",
+                                        data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_k3", 3,
+                                        a.eval_new_tokens)}
+    else:
+        evals = {"MT-bench k=3": st.run("eval_mt_bench_k3_batched", evaluate_batched, target, out / "export" / "vllm",
+                                        data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_batched", 3,
+                                        a.eval_new_tokens, a.eval_batch_sizes)}
+    mt_dir = Path(evals["MT-bench k=3"].get("eval_dir") or out / "eval" / "mt_bench_k3")
     rec = evals["MT-bench k=3"]["recommended_k"]
     if rec and rec != 3 and not a.skip_recommended:
         evals[f"MT-bench k={rec} (recommended)"] = st.run(
@@ -386,7 +422,7 @@ def run(a, overrides: list[str]) -> dict:
         evals["held-out regenerated k=3"] = st.run(
             "eval_heldout_k3", evaluate, target, out / "export" / "vllm", data / "heldout_prompts.jsonl",
             out / "eval" / "heldout_k3", 3, a.eval_new_tokens)
-    par = st.run("parity", parity, target, final, out / "eval" / "mt_bench_k3")
+    par = st.run("parity", parity, target, final, mt_dir)
     report = {
         "title": a.title, "label": a.label, "target": str(target.name),
         "commands": [shlex.join(["python", "bench/real_model.py", *sys.argv[1:]])] if a.command is None else [a.command],
@@ -421,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fractions", default="1", help="data shares for the table, e.g. 0.5,1 (1 is always run)")
     p.add_argument("--mt-bench-per-category", type=int, default=10)
     p.add_argument("--eval-new-tokens", type=int, default=128)
+    p.add_argument("--eval-batch-sizes", default="1",
+                   help="the MT-bench eval at each of these batch sizes in one run, e.g. 1,8 (the first is reported)")
     p.add_argument("--skip-recommended", action="store_true", help="only k=3 on MT-bench")
     p.add_argument("--skip-heldout-eval", action="store_true",
                    help="no online eval on held-out prompts (the table still has their offline tau)")
@@ -436,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     a.fractions = sorted({float(f) for f in a.fractions.split(",")} | {1.0})
+    try:
+        a.eval_batch_sizes = [int(x) for x in a.eval_batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        a.eval_batch_sizes = []
+    if not a.eval_batch_sizes or min(a.eval_batch_sizes) < 1:
+        p.error(f"--eval-batch-sizes '{a.eval_batch_sizes}': give comma-separated integers >= 1, e.g. 1,8")
     report = run(a, overrides)
     from specheads.atomic import write_json, write_text
 

@@ -55,6 +55,12 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert bench.main(args) == 0
     again = json.loads((results / "real_model.json").read_text())
     assert again["stages"] == report["stages"] and again["table"] == report["table"]
+    # the MT-bench eval at batch 1 and 2 in one run: batch 1's rows reported, both timed, same outputs
+    assert bench.main([*args, "--eval-batch-sizes", "1,2"]) == 0
+    batched = json.loads((results / "real_model.json").read_text())["evals"]["MT-bench k=3"]
+    assert [b["batch_size"] for b in batched["batched"]] == [1, 2] and batched["tau"] == mt_eval["tau"]
+    assert all(b["same_outputs"] and b["greedy_equal_turns"] == b["num_turns"] == 2 for b in batched["batched"])
+    assert "### The same MT-bench eval at each batch size" in (results / "real_model.md").read_text()
 
     # bench/real_model_scaling.py on that run: 2 more regenerated prompts and raw text, one epoch
     raw = tmp_path / "wiki.txt"
