@@ -61,13 +61,25 @@ def markdown(result: dict) -> str:
              "Speeds taken on a shared machine (load average per row): compare within this table only.", "",
              "| row | tok/s | vs plain | accepted/drafted | greedy-equal | load (1 min, before/after) |",
              "|---|---|---|---|---|---|"]
+    predicted = "recommended" in result
+    if predicted:
+        lines[-2] = lines[-2].replace("| vs plain |", "| vs plain | predicted |")
+        lines[-1] = lines[-1] + "---|"
     for r in result["rows"]:
         rate = f"{r['accepted']}/{r['drafted']} = {r['accepted_per_drafted']:.3f}" if r["drafted"] else "-"
         speed = f"{r['tok_s']:.1f}" if r["tok_s"] else "-"
         ratio = f"{r['tok_s'] / plain:.2f}x" if r["tok_s"] and plain else "-"
         eq = "reference" if r["greedy_equal"] is None else r["greedy_equal_prompts"]
-        lines.append(f"| {r['row']} | {speed} | {ratio} | {rate} | {eq} | "
+        pred = ""
+        if predicted:
+            close = "within" if r["within_10pct"] else "NOT within"
+            pred = " - |" if r["predicted_speedup"] is None else f" {r['predicted_speedup']:.2f}x ({close} 10%) |"
+        lines.append(f"| {r['row']} | {speed} | {ratio} |{pred} {rate} | {eq} | "
                      f"{r['load_average']['before'][0]} / {r['load_average']['after'][0]} |")
+    if predicted:
+        lines += ["", f"Predicted from llama.cpp's own cost curve ({result['cost_curve_from']}): each row's step mix "
+                  "priced at t(n) (+ the drafter's cost on every step of a row with the draft model). "
+                  f"**Recommended: {result['recommended']}**; fastest measured: {result['fastest_measured']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -207,6 +219,40 @@ def cost_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def row_prediction(row: dict, curve: dict, model_k: int | None) -> float | None:
+    """A side-by-side row's speed-up predicted from a `--cost` run's curve (same target, draft, threads):
+    its own step mix (llama.cpp's counters: steps, drafted tokens) priced at t(n), which llama.cpp makes
+    close to linear in n, so a step verifying 1 + d tokens costs t(1) + d * slope whatever the split of d
+    across steps; rows with the model drafter add its fixed cost and c per drafted token on every step
+    (the mix row too: an upper bound, llama.cpp does not say which steps its draftless type drafted)."""
+    steps = sum(int(p.get("predicted_n") or 0) - 1 - int(p.get("draft_n_accepted") or 0) for p in row["per_prompt"])
+    tokens = sum(int(p.get("predicted_n") or 0) - 1 for p in row["per_prompt"])
+    if steps <= 0:
+        return None
+    t = {int(n): float(ms) for n, ms in curve["t_ms"].items()}
+    slope = (t[max(t)] - t[1]) / (max(t) - 1) if max(t) > 1 else 0.0
+    ms = steps * t[1] + row["drafted"] * slope
+    if row["draft"] and model_k:
+        ms += steps * (curve["draft_fixed_ms"] + model_k * curve["draft_per_token_ms"])
+    return tokens * curve["plain_step_ms"] / ms
+
+
+def add_row_predictions(result: dict, cost: dict) -> None:
+    """Every side-by-side row's predicted speed-up over plain beside its measured one, and the setting
+    the prediction recommends (plain when nothing is predicted faster) against the fastest measured."""
+    plain = result["rows"][0]["tok_s"]
+    for row in result["rows"]:
+        row["measured_speedup"] = row["tok_s"] / plain if row["tok_s"] and plain else None
+        row["predicted_speedup"] = 1.0 if not row["spec_types"] else row_prediction(row, cost["curve"],
+                                                                                   row["spec_draft_n_max"])
+        row["within_10pct"] = (abs(row["predicted_speedup"] / row["measured_speedup"] - 1) <= 0.10
+                               if row["predicted_speedup"] and row["measured_speedup"] else None)
+    rows = result["rows"][:-1]  # the last is plain again (drift)
+    result["recommended"] = max(rows, key=lambda r: r["predicted_speedup"] or 0)["row"]
+    result["fastest_measured"] = max(rows, key=lambda r: r["measured_speedup"] or 0)["row"]
+    result["cost_curve_from"] = cost.get("source")
+
+
 def measured_speedup(m: dict, curve: dict) -> float:
     """llama.cpp's own speed-up at one k, from the same medians the costs come from."""
     return m["tokens_per_step"] * curve["plain_step_ms"] / m["step_ms"]
@@ -268,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--acceptance", default=None, help="--cost: conditional acceptance per position, comma-separated "
                    "(default: our verifier's on the same prompts)")
     p.add_argument("--name", default="llamacpp_cost", help="--cost: file stem of the JSON and markdown")
+    p.add_argument("--cost-json", default=None, help="a `--cost` run's JSON (same target GGUF, draft and threads): "
+                   "predict every side-by-side row from its curve and say which setting it recommends")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -314,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
               "prompts": len(prompts), "n_predict": a.n_predict, "threads": a.threads,
               "omp_wait_policy": lc.omp_label(a.omp_wait_policy), "spec_draft_n_max": k,
               "mix": a.mix, "conversions": conv, "rows": rows}
+    if a.cost_json:
+        add_row_predictions(result, {**json.loads(Path(a.cost_json).read_text()), "source": a.cost_json})
     write_json(out / "llamacpp.json", result)
     write_text(out / "llamacpp.md", markdown(result))
     print(markdown(result))

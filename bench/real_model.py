@@ -294,12 +294,17 @@ def parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
 
 def llamacpp_rows(target: Path, export_dir: Path, gguf: Path, prompts: Path, out: Path, new_tokens: int) -> dict:
     """bench/llamacpp.py's side-by-side run in llama-server (plain, each draftless type, the EAGLE-3
-    sidecar, EAGLE-3 mixed with ngram-mod) on the given GGUF target, idle before the timed eval."""
+    sidecar, EAGLE-3 mixed with ngram-mod) on the given GGUF target, each row predicted from llama.cpp's
+    own cost curve measured just before; idle before the timed eval."""
     import llamacpp as bench_llamacpp  # bench/llamacpp.py
 
-    rc = bench_llamacpp.main(["--target", str(target), "--draft", str(export_dir), "--prompts", str(prompts),
-                              "--out", str(out), "--limit", "1000", "--n-predict", str(new_tokens), "--threads", "2",
-                              "--target-gguf", str(gguf), "--quantization", gguf.stem.rsplit("-", 1)[-1]])
+    common = ["--target", str(target), "--draft", str(export_dir), "--prompts", str(prompts), "--out", str(out),
+              "--n-predict", str(new_tokens), "--threads", "2", "--target-gguf", str(gguf),
+              "--quantization", gguf.stem.rsplit("-", 1)[-1]]
+    # llama.cpp's own cost curve first (4 prompts, k = 1..3), then every row predicted from it
+    _check(bench_llamacpp.main([*common, "--cost", "--limit", "4", "--max-k", "3", "--spec-reps", "2"]),
+           "llama.cpp cost curve")
+    rc = bench_llamacpp.main([*common, "--limit", "1000", "--cost-json", str(out / "llamacpp_cost.json")])
     _check(rc, "llama.cpp rows")
     return json.loads((out / "llamacpp.json").read_text())
 

@@ -348,3 +348,37 @@ def test_regeneration_through_llama_server_answers_like_local_generation(tiny_ex
     assert rc == 0 and [m["answers"] for m in r["methods"]] == [3, 3, 3]
     assert [m["equal_to_local"] for m in r["methods"][1:]] == [3, 3] and r["methods"][0]["tokens"] > 0
     assert "| llama-server tiny-f32, 2 slots |" in (tmp_path / "out" / "regenerate_endpoint.md").read_text()
+
+
+def test_side_by_side_rows_are_predicted_from_the_cost_curve():
+    """bench/llamacpp.py --cost-json: a row's step mix priced at t(n) (linear), the drafter's cost on every
+    step of a model row; the recommendation is the best predicted row, plain when none beats it."""
+    from bench.llamacpp import add_row_predictions, markdown, row_prediction
+
+    curve = {"t_ms": {"1": 10.0, "2": 14.0, "3": 18.0, "4": 22.0}, "plain_step_ms": 10.0,
+             "draft_fixed_ms": 1.0, "draft_per_token_ms": 2.0}
+
+    def row(name, types, draft, k, tok_s, prompts):
+        return {"row": name, "spec_types": types, "draft": draft, "spec_draft_n_max": k, "tok_s": tok_s,
+                "drafted": sum(p["draft_n"] for p in prompts), "accepted": sum(p["draft_n_accepted"] for p in prompts),
+                "per_prompt": prompts, "greedy_equal_prompts": "1/1", "greedy_equal": True,
+                "accepted_per_drafted": 0.5, "load_average": {"before": [0.1], "after": [0.1]}}
+
+    # 11 tokens after the first: 6 steps (5 accepted), 10 drafted -> 6 * 10 + 10 * 4 = 100 ms for 11 tokens
+    lookup = row("ngram-mod", ["ngram-mod"], None, None, 110.0,
+                 [{"predicted_n": 12, "predicted_ms": 0, "draft_n": 10, "draft_n_accepted": 5}])
+    assert row_prediction(lookup, curve, None) == 11 * 10.0 / 100.0
+    # the model row: + 6 steps x (1 + 3 x 2) ms = 142 ms for the same 11 tokens
+    model = row("draft-eagle3", ["draft-eagle3"], "d.gguf", 3, 70.0,
+                [{"predicted_n": 12, "predicted_ms": 0, "draft_n": 10, "draft_n_accepted": 5}])
+    assert abs(row_prediction(model, curve, 3) - 110.0 / 142.0) < 1e-12
+    plain = row("plain", [], None, None, 100.0, [{"predicted_n": 12, "predicted_ms": 0, "draft_n": 0, "draft_n_accepted": 0}])
+    result = {"version": "v", "prompts": 1, "n_predict": 12, "threads": 2, "omp_wait_policy": "(unset)",
+              "rows": [plain, lookup, model, {**plain, "row": "plain (again)"}]}
+    add_row_predictions(result, {"curve": curve, "source": "cost.json"})
+    assert [r["within_10pct"] for r in result["rows"][:3]] == [True, True, False]  # 1.10 vs 1.10; 0.77 vs 0.70
+    assert result["recommended"] == result["fastest_measured"] == "ngram-mod"
+    assert "**Recommended: ngram-mod**" in markdown(result) and "| 1.10x (within 10%) |" in markdown(result)
+    lookup["tok_s"], lookup["per_prompt"][0]["draft_n_accepted"] = 50.0, 0  # nothing accepted: plain wins
+    add_row_predictions(result, {"curve": curve, "source": "cost.json"})
+    assert result["recommended"] == result["fastest_measured"] == "plain"
