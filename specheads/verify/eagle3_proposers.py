@@ -239,7 +239,7 @@ def _draft_positions(lead: Eagle3Proposer, cache, rows: list[int], out: torch.Te
     its own speculative ones (a member past its ks[b] rides along, unread)."""
     head, target = lead.head, lead.target
     G, L, V = len(ks), cache.get_seq_length(), target.vocab_size
-    vocab = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=out.device))
+    vocab = None  # target id of every draft id (sampled members)
     tokens: list[list] = [[] for _ in ks]
     qs: list[list] = [[] for _ in ks]
     fed = None  # [G]: the drafts of position j - 1, fed at position j
@@ -257,6 +257,8 @@ def _draft_positions(lead: Eagle3Proposer, cache, rows: list[int], out: torch.Te
                 continue
             if samplers[b] is not None:
                 warper, gen = samplers[b]
+                if vocab is None:
+                    vocab = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=out.device))
                 q = warper(expand_draft_logits(logits[b], vocab, V))  # [V]
                 fed[b] = sample(q.to(gen.device), gen).to(out.device)
                 qs[b].append(q)
