@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.peagle_proposers import PEagleProposer, SampledPEagleProposer
-from specheads.verify.ragged import batch_inputs, batch_mask, keep_paths, stack_rows, take_row
+from specheads.verify.ragged import batch_mask, keep_paths, stack_rows, take_row
 from specheads.verify.sampling import Warper, expand_draft_logits, sample
 from specheads.verify.steps import TREE_ATTENTION, causal_mask, check_tree_attention, positions, trim_cache
 from specheads.verify.trees import SettingsError, Tree, TreeError, tree_from_choices, tree_from_parents
@@ -217,17 +217,18 @@ def _catch_up_group(members: list[Eagle3Proposer], cache) -> tuple[list[int], to
     rows, L = [m.rows for m in members], cache.get_seq_length()
     if all(p is None for p in pending):
         return rows, torch.cat([m.last_out for m in members])
-    width = next(p[0].shape[-1] for p in pending if p is not None)
-    device = lead.last_out.device
-    taps = [p[0] if p is not None else torch.zeros(1, 0, width, device=device) for p in pending]
-    nexts = [p[1] if p is not None else torch.zeros(0, dtype=torch.long) for p in pending]
-    n = [t.shape[1] for t in taps]
-    ids, pos = batch_inputs(nexts, [torch.arange(k) for k in n], rows, lead.target.device)  # [G, N]
-    hidden = lead._features(torch.cat([F.pad(t, (0, 0, 0, max(n) - t.shape[1])) for t in taps]))
+    taps, nexts = next(p for p in pending if p is not None)
+    empty = (taps[:, :0], nexts[:0])  # a member without pending rows rides along, unread
+    pending = [p if p is not None else empty for p in pending]
+    n = [p[1].numel() for p in pending]
+    N = max(n)
+    hidden = lead._features(torch.cat([F.pad(t, (0, 0, 0, N - k)) for (t, _), k in zip(pending, n)]))
+    ids = torch.stack([F.pad(x.reshape(-1), (0, N - k)) for (_, x), k in zip(pending, n)])  # [G, N]
+    pos = torch.tensor(rows, device=hidden.device)[:, None] + torch.arange(N, device=hidden.device)
     mask = batch_mask([torch.ones(k, k, dtype=torch.bool).tril() for k in n], rows, L, lead.dtype,
                       hidden.device)  # [G, 1, N, L + N]
-    out = lead.head.step(hidden, lead.target.embed(ids), pos, mask, cache)  # [G, N, H]
-    rows = keep_paths(cache, rows, L, [list(range(k)) for k in n])
+    out = lead.head.step(hidden, lead.target.embed(ids.to(lead.target.device)), pos, mask, cache)
+    rows = keep_paths(cache, rows, L, [list(range(k)) for k in n])  # [G, N, H] -> its rows moved
     last = [out[b: b + 1, k - 1: k] if k else m.last_out for b, (m, k) in enumerate(zip(members, n))]
     return rows, torch.cat(last)
 
@@ -238,18 +239,19 @@ def _draft_positions(lead: Eagle3Proposer, cache, rows: list[int], out: torch.Te
     of the drafts just picked at positions rows_b - 1 + j, each row seeing its own real rows and
     its own speculative ones (a member past its ks[b] rides along, unread)."""
     head, target = lead.head, lead.target
-    G, L, V = len(ks), cache.get_seq_length(), target.vocab_size
+    G, L, V, k = len(ks), cache.get_seq_length(), target.vocab_size, max(ks)
+    # query j - 1 of the chain of k - 1 speculative rows is draft position j's (keys: L + j)
+    mask = batch_mask([torch.ones(k - 1, k - 1, dtype=torch.bool).tril()] * G, rows, L, lead.dtype,
+                      out.device) if k > 1 else None  # [G, 1, k - 1, L + k - 1]
+    base = torch.tensor(rows, device=out.device)[:, None] - 1  # [G, 1]
     vocab = None  # target id of every draft id (sampled members)
     tokens: list[list] = [[] for _ in ks]
     qs: list[list] = [[] for _ in ks]
     fed = None  # [G]: the drafts of position j - 1, fed at position j
-    for j in range(max(ks)):
+    for j in range(k):
         if j > 0:
-            mask = batch_mask([torch.ones(j, j, dtype=torch.bool).tril()] * G, rows, L, lead.dtype,
-                              out.device)  # [G, 1, j, L + j]: the last query is this step's
-            pos = torch.tensor(rows, device=out.device)[:, None] - 1 + j  # [G, 1]
-            emb = target.embed(fed.reshape(G, 1))
-            out = head.step(out, emb, pos, None if mask is None else mask[:, :, -1:], cache)
+            step_mask = None if mask is None else mask[:, :, j - 1: j, : L + j]
+            out = head.step(out, target.embed(fed.reshape(G, 1)), base + j, step_mask, cache)
         logits = head.logits(out)[:, -1]  # [G, Vd]
         fed = head.to_target_ids(logits.argmax(-1))  # [G]: top-1, replaced where sampled
         for b in range(G):
