@@ -159,6 +159,18 @@ class StoppingProposer(Protocol):
 
 
 @runtime_checkable
+class GroupedProposer(Protocol):
+    """Optional: chain proposers whose drafter forwards can run batched over several rows of the
+    decode loop's batch. `group_drafter()` -> the object holding this row's draft state, or None
+    (the row drafts alone this step). Drafters with equal `group_key()`s draft together:
+    `draft_group(members, ks, samplers)` on any of them drafts member b's chain of <= ks[b] (top-1,
+    or sampled with samplers[b] = (warper, generator)) -> per member (ids [n], q [n, V] or None),
+    as the member's own `propose` / `propose_sampled` would. Wrappers pass `group_drafter` on."""
+
+    def group_drafter(self) -> Any: ...
+
+
+@runtime_checkable
 class RequestProposer(Protocol):
     """Optional: proposers that keep a request open in a shared structure (suffix decoding's global
     cache) until `close`; the decode loop closes a row's proposer when the row leaves the batch, and

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text
+from specheads.protocols import GroupedProposer
 from specheads.session import Session
 from specheads.verify.loop import Request
 from specheads.verify.settings import Sampling
@@ -117,6 +118,13 @@ class Guarded:
 
     def accept(self, inputs, following, out, start) -> None:
         self._call(self.inner.accept, _nothing, inputs, following, out, start)
+
+    def group_drafter(self):
+        """The inner proposer's drafter for a draft group while nothing has failed (a failed
+        proposer drafts nothing, alone)."""
+        if self.error is not None or not isinstance(self.inner, GroupedProposer):
+            return None
+        return self.inner.group_drafter()
 
     def close(self) -> None:
         close = getattr(self.inner, "close", None)

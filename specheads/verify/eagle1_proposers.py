@@ -18,7 +18,7 @@ from specheads.verify.eagle3_proposers import (
     Eagle3StaticTreeProposer,
     SampledEagle3Proposer,
 )
-from specheads.verify.steps import causal_mask, check_vocab_fits, positions
+from specheads.verify.steps import check_vocab_fits
 
 
 def bind_to_target(head, target) -> None:
@@ -30,17 +30,13 @@ def bind_to_target(head, target) -> None:
 class _FinalFeatureRows:
     """Mixin: real draft rows read the target's final-normed state instead of fused aux layers."""
 
-    def _extend(self, out: TargetOutput, n: int, next_ids: torch.Tensor, start: int) -> None:
-        if start != self.rows:
-            raise RuntimeError(f"draft rows out of step: have {self.rows}, asked to add at {start}")
+    def _taps(self, out: TargetOutput, n: int) -> torch.Tensor:
         if out.final is None:
             raise RuntimeError("the target output carries no final-normed state (TargetOutput.final)")
-        hidden = out.final[:, :n].to(self.dtype)  # [1, n, H]
-        embeds = self.target.embed(next_ids.reshape(1, n).to(self.target.device))  # [1, n, H]
-        mask = causal_mask(start, n, self.dtype, hidden.device)
-        o = self.head.step(hidden, embeds, positions(start, n, hidden.device), mask, self.cache)
-        self.rows += n
-        self.last_out = o[:, -1:]
+        return out.final[:, :n]  # [1, n, H]
+
+    def _features(self, taps: torch.Tensor) -> torch.Tensor:
+        return taps.to(self.dtype)
 
 
 class Eagle1Proposer(_FinalFeatureRows, Eagle3Proposer):

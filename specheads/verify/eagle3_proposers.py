@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specheads.target import TargetError, TargetOutput
 from specheads.verify.peagle_proposers import PEagleProposer, SampledPEagleProposer
+from specheads.verify.ragged import batch_mask, keep_paths, stack_rows, take_row
 from specheads.verify.sampling import Warper, expand_draft_logits, sample
-from specheads.verify.steps import causal_mask, check_tree_attention, positions, trim_cache
+from specheads.verify.steps import TREE_ATTENTION, causal_mask, check_tree_attention, positions, trim_cache
 from specheads.verify.trees import SettingsError, Tree, TreeError, tree_from_choices, tree_from_parents
 
 # --- the chain ---------------------------------------------------------------------------------
@@ -49,6 +51,10 @@ class Eagle3Proposer:
     embedding of token i+1; its output predicts token i+2. Draft step j >= 1 reads the previous
     step's pre-norm output and the embedding of d_j at position P-1+j. The draft's own KV cache
     keeps only rows computed from real target features.
+
+    In a draft group (`draft_group`, several rows of the decode batch over one head) `accept`
+    is deferred: it keeps the accepted rows' features in `pending`, and the group runs every
+    member's pending rows in one forward before drafting; `propose` runs them alone otherwise.
     """
 
     def __init__(self, head, target):
@@ -59,32 +65,52 @@ class Eagle3Proposer:
         self.cache = None
         self.rows = 0  # draft cache rows computed from real target features
         self.last_out = None  # pre-norm output of the last real row: [1, 1, H]
+        self.pending = None  # (target features [1, n, F], next ids [n]) accepted, not yet run
+        self.deferred = False  # set by a draft group: accept leaves its rows to the group
 
     @property
     def dtype(self) -> torch.dtype:
         return self.head.fc.weight.dtype
 
-    def _extend(self, out: TargetOutput, n: int, next_ids: torch.Tensor, start: int) -> None:
-        """Run draft rows start..start+n-1 from target rows 0..n-1 and the tokens after them."""
+    def _taps(self, out: TargetOutput, n: int) -> torch.Tensor:
+        """The target features of rows 0..n-1 the draft reads: aux states [1, n, n_aux * Ht]."""
+        return torch.cat([out.hidden[i][:, :n] for i in self.layers], dim=-1)
+
+    def _features(self, taps: torch.Tensor) -> torch.Tensor:
+        """Target features [B, n, F] -> the draft's input states [B, n, H]."""
+        return self.head.fuse(taps)
+
+    def _extend(self, taps: torch.Tensor, next_ids: torch.Tensor, start: int) -> None:
+        """Run draft rows start..start+n-1 from target features taps [1, n, F] and the tokens
+        after them (next_ids [n])."""
         if start != self.rows:
             raise RuntimeError(f"draft rows out of step: have {self.rows}, asked to add at {start}")
-        hidden = self.head.fuse([out.hidden[i][:, :n] for i in self.layers])  # [1, n, H]
+        n = taps.shape[1]
+        hidden = self._features(taps)  # [1, n, H]
         embeds = self.target.embed(next_ids.reshape(1, n).to(self.target.device))  # [1, n, H]
         mask = causal_mask(start, n, self.dtype, hidden.device)
         o = self.head.step(hidden, embeds, positions(start, n, hidden.device), mask, self.cache)
         self.rows += n
         self.last_out = o[:, -1:]
 
+    def catch_up(self) -> None:
+        """Run the rows a deferred `accept` left pending (one draft forward of this row alone)."""
+        if self.pending is not None:
+            taps, next_ids = self.pending
+            self.pending = None
+            self._extend(taps, next_ids, self.rows)
+
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, first_token: int, out: TargetOutput) -> None:
-        self.cache, self.rows = DynamicCache(), 0
+        self.cache, self.rows, self.pending = DynamicCache(), 0, None
         ids = prompt_ids.reshape(-1)
         next_ids = torch.cat([ids[1:], ids.new_tensor([first_token])])  # x_1 .. x_P
-        self._extend(out, ids.numel(), next_ids, 0)
+        self._extend(self._taps(out, ids.numel()), next_ids, 0)
 
     @torch.no_grad()
     def propose(self, k: int) -> torch.Tensor:
         """k draft tokens [k] (target ids); the speculative cache rows are dropped afterwards."""
+        self.catch_up()
         out = self.last_out
         tokens = []
         for j in range(k):
@@ -100,7 +126,27 @@ class Eagle3Proposer:
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out: TargetOutput,
                start: int) -> None:
-        self._extend(out, inputs.numel(), following, start)
+        self.catch_up()
+        if start != self.rows:
+            raise RuntimeError(f"draft rows out of step: have {self.rows}, asked to add at {start}")
+        self.pending = (self._taps(out, inputs.numel()), following.reshape(-1))
+        if not self.deferred:
+            self.catch_up()
+
+    # --- draft groups (protocols.GroupedProposer) ----------------------------------------------
+
+    def group_drafter(self) -> Eagle3Proposer | None:
+        """Itself, when its head's attention honours the ragged 4-D masks a group needs."""
+        impl = getattr(self.head.layers[0].self_attn.config, "_attn_implementation", None) or "eager"
+        return self if impl in TREE_ATTENTION else None
+
+    def group_key(self) -> tuple:
+        """Rows of one proposer class over one head draft together."""
+        return type(self), id(self.head)
+
+    def draft_group(self, members: list[Eagle3Proposer], ks: list[int],
+                    samplers: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return draft_group(members, ks, samplers)
 
 
 class SampledEagle3Proposer(Eagle3Proposer):
@@ -121,6 +167,7 @@ class SampledEagle3Proposer(Eagle3Proposer):
                       stop: Callable[[int], bool] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to k draft tokens [n] and their q [n, V]; `stop(j)` (None: never) is asked after the
         warper saw position j's logits, before d_j is drawn (`protocols.StoppingProposer`)."""
+        self.catch_up()
         head, out = self.head, self.last_out
         V = self.target.vocab_size
         ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=out.device))
@@ -139,6 +186,87 @@ class SampledEagle3Proposer(Eagle3Proposer):
         if not tokens:
             return torch.empty(0, dtype=torch.long), torch.empty(0, V)
         return torch.stack(tokens), torch.stack(qs)
+
+
+# --- draft groups: one drafter forward per draft position for several rows ---------------------
+
+
+@torch.no_grad()
+def draft_group(members: list[Eagle3Proposer], ks: list[int],
+                samplers: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Member b's chain of <= ks[b] drafts, top-1 (samplers[b] None) or sampled with samplers[b] =
+    (warper, generator), exactly as its own `propose` / `propose_sampled` would draft it, for all
+    members at once: their one-row caches stacked (`ragged.stack_rows`), their pending rows run in
+    one forward, then one forward per draft position. -> per member (ids [n], q [n, V] or None).
+
+    Members (same class, same head) keep their own state: each takes its caught-up rows back
+    (views of the stacked cache) and from now on defers `accept` to the group's next forward.
+    """
+    cache = stack_rows([m.cache for m in members])  # [G, heads, L, head_dim] per layer
+    rows, last = _catch_up_group(members, cache)  # [G], [G, 1, H]
+    for b, m in enumerate(members):
+        take_row(cache, b, rows[b], m.cache)
+        m.rows, m.last_out, m.pending, m.deferred = rows[b], last[b: b + 1], None, True
+    return _draft_positions(members[0], cache, rows, last, ks, samplers)
+
+
+def _catch_up_group(members: list[Eagle3Proposer], cache) -> tuple[list[int], torch.Tensor]:
+    """Every member's pending rows (n_b each, none for some) in one draft forward over the
+    stacked cache, moved right after each member's rows -> (rows [G], last outputs [G, 1, H])."""
+    lead, pending = members[0], [m.pending for m in members]
+    rows, L = [m.rows for m in members], cache.get_seq_length()
+    if all(p is None for p in pending):
+        return rows, torch.cat([m.last_out for m in members])
+    taps, nexts = next(p for p in pending if p is not None)
+    empty = (taps[:, :0], nexts[:0])  # a member without pending rows rides along, unread
+    pending = [p if p is not None else empty for p in pending]
+    n = [p[1].numel() for p in pending]
+    N = max(n)
+    hidden = lead._features(torch.cat([F.pad(t, (0, 0, 0, N - k)) for (t, _), k in zip(pending, n)]))
+    ids = torch.stack([F.pad(x.reshape(-1), (0, N - k)) for (_, x), k in zip(pending, n)])  # [G, N]
+    pos = torch.tensor(rows, device=hidden.device)[:, None] + torch.arange(N, device=hidden.device)
+    mask = batch_mask([torch.ones(k, k, dtype=torch.bool).tril() for k in n], rows, L, lead.dtype,
+                      hidden.device)  # [G, 1, N, L + N]
+    out = lead.head.step(hidden, lead.target.embed(ids.to(lead.target.device)), pos, mask, cache)
+    rows = keep_paths(cache, rows, L, [list(range(k)) for k in n])  # [G, N, H] -> its rows moved
+    last = [out[b: b + 1, k - 1: k] if k else m.last_out for b, (m, k) in enumerate(zip(members, n))]
+    return rows, torch.cat(last)
+
+
+def _draft_positions(lead: Eagle3Proposer, cache, rows: list[int], out: torch.Tensor, ks: list[int],
+                     samplers: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Draft position j of every member from out [G, 1, H] (their last outputs), then one forward
+    of the drafts just picked at positions rows_b - 1 + j, each row seeing its own real rows and
+    its own speculative ones (a member past its ks[b] rides along, unread)."""
+    head, target = lead.head, lead.target
+    G, L, V, k = len(ks), cache.get_seq_length(), target.vocab_size, max(ks)
+    # query j - 1 of the chain of k - 1 speculative rows is draft position j's (keys: L + j)
+    mask = batch_mask([torch.ones(k - 1, k - 1, dtype=torch.bool).tril()] * G, rows, L, lead.dtype,
+                      out.device) if k > 1 else None  # [G, 1, k - 1, L + k - 1]
+    base = torch.tensor(rows, device=out.device)[:, None] - 1  # [G, 1]
+    vocab = None  # target id of every draft id (sampled members)
+    tokens: list[list] = [[] for _ in ks]
+    qs: list[list] = [[] for _ in ks]
+    fed = None  # [G]: the drafts of position j - 1, fed at position j
+    for j in range(k):
+        if j > 0:
+            step_mask = None if mask is None else mask[:, :, j - 1: j, : L + j]
+            out = head.step(out, target.embed(fed.reshape(G, 1)), base + j, step_mask, cache)
+        logits = head.logits(out)[:, -1]  # [G, Vd]
+        fed = head.to_target_ids(logits.argmax(-1))  # [G]: top-1, replaced where sampled
+        for b in range(G):
+            if j >= ks[b]:
+                continue
+            if samplers[b] is not None:
+                warper, gen = samplers[b]
+                if vocab is None:
+                    vocab = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=out.device))
+                q = warper(expand_draft_logits(logits[b], vocab, V))  # [V]
+                fed[b] = sample(q.to(gen.device), gen).to(out.device)
+                qs[b].append(q)
+            tokens[b].append(fed[b])
+    return [(torch.stack(t), torch.stack(q) if sampler is not None else None)
+            for t, q, sampler in zip(tokens, qs, samplers)]
 
 
 # --- trees ------------------------------------------------------------------------------------

@@ -18,6 +18,10 @@ Two choices set a sequence's decode:
   on chains, EAGLE point mass on trees) or "typical" (LOSSY); a rule decides one sequence and
   holds its own generator, so a row samples as it would alone.
 
+Drafting is per sequence, except for rows whose chain proposers form a draft group
+(`protocols.GroupedProposer`: EAGLE-3 chains over one head): their drafter forwards run batched,
+one per draft position for the whole group, each row drafting what it would have alone.
+
 Greedy and the exact rules leave every sequence's output distributed as its plain decoding
 (greedy: token for token). Never more than max_new_tokens tokens; a sequence stops after an eos.
 A batch's forward seconds (and its wall seconds) are shared equally among its rows, so the stats
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.protocols import close_proposers
+from specheads.protocols import GroupedProposer, close_proposers
 from specheads.target import TargetOutput
 from specheads.verify.ngram_proposers import NO_DRAFT
 from specheads.verify.ragged import (
@@ -145,18 +149,68 @@ def start_row(row: _Row, ids: torch.Tensor, out: TargetOutput) -> None:
         row.result.stats.proposer_start_s, row.prop_clock.seconds = row.prop_clock.seconds, 0.0
 
 
+def remaining(row: _Row) -> int:
+    """New tokens this row may still emit."""
+    return row.req.budget - len(row.result.tokens)
+
+
 def propose(row: _Row, target) -> Plan:
     """This step's tree and its tokens [N] (root first, on the CPU), cut to budget and context."""
     req = row.req
-    remaining = req.budget - len(row.result.tokens)
-    root = torch.tensor([row.seq[-1]])
-    tree, nodes, q = req.shape.tree(0), root[:0], None
-    if row.drafts is not None and remaining > 1:
+    plan = req.shape.tree(0), torch.empty(0, dtype=torch.long), None
+    if row.drafts is not None and remaining(row) > 1:
         with row.prop_clock:
-            tree, nodes, q = req.shape.draft(row.drafts, req.rule, remaining, target.vocab_size)
-    tokens = torch.cat([root, nodes.reshape(-1).cpu()])
-    tree, tokens = req.shape.fit(tree, tokens, remaining, row.past, target.context)
+            plan = req.shape.draft(row.drafts, req.rule, remaining(row), target.vocab_size)
+    return fit_plan(row, plan, target)
+
+
+def fit_plan(row: _Row, plan: Plan, target) -> Plan:
+    """A drafted plan (its nodes [N-1]) with the row's root in front, cut to budget and context."""
+    tree, nodes, q = plan
+    tokens = torch.cat([torch.tensor([row.seq[-1]]), nodes.reshape(-1).cpu()])
+    tree, tokens = row.req.shape.fit(tree, tokens, remaining(row), row.past, target.context)
     return tree, tokens, q
+
+
+def group_drafter(row: _Row):
+    """The object drafting this row in a draft group this step, or None (it proposes alone): a
+    chain row with drafts to ask for whose proposer is a `protocols.GroupedProposer`."""
+    shape = row.req.shape
+    if (row.drafts is None or not isinstance(shape, ChainShape) or shape.length(remaining(row)) < 1
+            or not isinstance(row.drafts, GroupedProposer)):
+        return None
+    return row.drafts.group_drafter()
+
+
+def propose_all(rows: list[_Row], target) -> list[Plan]:
+    """Every row's plan: two or more rows whose drafters share a group key draft together
+    (`propose_group`), every other row alone (`propose`)."""
+    drafters = [group_drafter(row) for row in rows]
+    groups: dict = {}
+    for b, drafter in enumerate(drafters):
+        if drafter is not None:
+            groups.setdefault(drafter.group_key(), []).append(b)
+    plans: list[Plan | None] = [None] * len(rows)
+    for members in groups.values():
+        if len(members) > 1:
+            grouped = propose_group([rows[b] for b in members], [drafters[b] for b in members], target)
+            for b, plan in zip(members, grouped):
+                plans[b] = plan
+    return [plan if plan is not None else propose(row, target) for plan, row in zip(plans, rows)]
+
+
+def propose_group(rows: list[_Row], drafters: list, target) -> list[Plan]:
+    """Chain rows of one draft group: one drafter forward per draft position for all of them, each
+    row's chain drawn as its rule says (`rules.ChainDraw`); their seconds are shared equally."""
+    clock = Clock(target.device)
+    with clock:
+        draws = [row.req.rule.chain_draw(row.drafts) for row in rows]
+        ks = [row.req.shape.length(remaining(row)) for row in rows]
+        drafted = drafters[0].draft_group(drafters, ks, [draw.sampler for draw in draws])
+        chains = [draw.q_for(nodes, q, target.vocab_size) for draw, (nodes, q) in zip(draws, drafted)]
+    for row in rows:
+        row.prop_clock.seconds += clock.seconds / len(rows)
+    return [fit_plan(row, row.req.shape.plan(nodes, q), target) for row, (nodes, q) in zip(rows, chains)]
 
 
 def settle(row: _Row, b: int, plan: Plan, path: list[int], nxt: int, out: TargetOutput,
@@ -234,7 +288,7 @@ class Batch:
         if not self.rows:
             return []
         t0 = time.perf_counter()
-        plans = [propose(row, self.target) for row in self.rows]
+        plans = propose_all(self.rows, self.target)
         pasts, cache_len = [row.past for row in self.rows], self.cache.get_seq_length()
         before = self.clock.seconds
         with self.clock:

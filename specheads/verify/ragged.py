@@ -15,6 +15,8 @@ longer, or rejected drafts) that no query may see. A step feeds every row's toke
 slots are copied) and crops the cache to the longest row, so the next step starts from the same
 per-row cache plain decoding of that row alone would have built. Rows leave with `select_rows`
 and join with `merge_rows` (a new row is prefilled on its own cache, then padded and stacked).
+A draft group (`eagle3_proposers.draft_group`) runs its drafter over the same layout: its members'
+one-row caches `stack_rows`-ed, and each member's rows taken back with `take_row`.
 This needs a kernel that honours arbitrary 4-D masks (sdpa / eager); flash attention cannot
 skip stale slots. A single row without stale slots gets exactly the masks of a sequential
 decode (none for one token), so batch size 1 is this same path.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from specheads.target import TargetOutput
 from specheads.verify.steps import TREE_ATTENTION, DecodeError, trim_cache
@@ -146,14 +149,32 @@ def _pad_slots(x: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, length - x.shape[-2]))
 
 
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[B_i, heads, L_i, head_dim] each -> their rows stacked, right-padded to the longest."""
+    length = max(x.shape[-2] for x in tensors)
+    return torch.cat([_pad_slots(x, length) for x in tensors], dim=0)
+
+
 def merge_rows(cache, other):
     """The rows of `other` stacked after those of `cache` (both right-padded to the longer one);
     `cache` is changed in place and returned (None: `other` itself)."""
     if cache is None:
         return other
     for mine, theirs in zip(_full_layers(cache), _full_layers(other)):
-        length = max(mine.keys.shape[-2], theirs.keys.shape[-2])
         for name in ("keys", "values"):
-            a, b = getattr(mine, name), getattr(theirs, name)
-            setattr(mine, name, torch.cat([_pad_slots(a, length), _pad_slots(b, length)], dim=0))
+            setattr(mine, name, _stacked([getattr(mine, name), getattr(theirs, name)]))
     return cache
+
+
+def stack_rows(caches: list) -> DynamicCache:
+    """Caches of one row each (a draft group's members) -> a new cache of all their rows in that
+    order, right-padded to the longest (row b's valid length is its own cache's); theirs unchanged."""
+    layers = zip(*(_full_layers(c) for c in caches))
+    return DynamicCache([(_stacked([layer.keys for layer in group]),
+                          _stacked([layer.values for layer in group])) for group in layers])
+
+
+def take_row(cache, b: int, length: int, into) -> None:
+    """Row b of `cache`, its first `length` slots, becomes the one-row cache `into` (views, in place)."""
+    for mine, theirs in zip(_full_layers(into), _full_layers(cache)):
+        mine.keys, mine.values = theirs.keys[b: b + 1, :, :length], theirs.values[b: b + 1, :, :length]

@@ -2,7 +2,8 @@
 
 A rule sees one verified draft tree (a chain is the tree that is a path), the tokens of its nodes
 and the target's logits for a child of every node, and returns the accepted path and the next
-token. It also says how the first token is chosen and how a chain proposer must draft for it:
+token. It also says how the first token is chosen and how a chain proposer must draft for it
+(`ChainDraw`: top-1 or sampled from the proposer's q):
 
 * `GreedyRule`: argmax (docs/algorithms.md §8.1), chains and trees; lossless.
 * `LeviathanRule`: Leviathan / Chen speculative sampling (§8.2), chains only; drafts are sampled
@@ -49,8 +50,7 @@ class AcceptRule(Protocol):
 
     def first_token(self, logits: torch.Tensor) -> list[int]: ...  # prefill logits [B, V] -> [B]
 
-    def draft_chain(self, proposer, k: int,
-                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # [n], [n, V]
+    def chain_draw(self, proposer) -> ChainDraw: ...  # how a chain proposer drafts for it
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
                q: torch.Tensor | None) -> Decision: ...  # tokens [B, N], logits [B, N, V]
@@ -98,6 +98,34 @@ def deterministic_drafts(proposer, k: int) -> torch.Tensor:
     return proposer.propose(k).reshape(-1)[:k]
 
 
+@dataclass(frozen=True)
+class ChainDraw:
+    """How a rule has a chain proposer draft: its top-1 chain (`sampler` None) or sampled from its
+    own warped q (`sampler` = (warper, generator)); `point_mass`: the rule needs q of a top-1 chain.
+    The per-row path (`run`) and a draft group (`verify.loop`) both finish a chain with `q_for`."""
+
+    sampler: tuple[Warper, torch.Generator] | None = None
+    point_mass: bool = False
+
+    def run(self, proposer, k: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """proposer's drafts [n <= k] and their q [n, V] (None when the rule needs none)."""
+        if self.sampler is None:
+            return self.q_for(deterministic_drafts(proposer, k), None, vocab_size)
+        tokens, q = proposer.propose_sampled(k, *self.sampler)
+        return tokens.reshape(-1)[:k], q[:k]
+
+    def q_for(self, tokens: torch.Tensor, q: torch.Tensor | None,
+              vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A drafted chain tokens [n] with its sampled q [n, V] (None for a top-1 chain) -> what the
+        rule verifies: the point mass of a top-1 chain when it needs q."""
+        if q is None and self.point_mass:
+            q = point_mass(tokens, vocab_size)
+        return tokens, q
+
+
+TOP1 = ChainDraw()
+
+
 class GreedyRule:
     """Keep the drafts the target's argmax agrees with; the bonus is the argmax after them."""
 
@@ -106,8 +134,8 @@ class GreedyRule:
     def first_token(self, logits: torch.Tensor) -> list[int]:
         return [int(one_row(logits, "the prefill logits").argmax())]  # logits [B, V]
 
-    def draft_chain(self, proposer, k: int, vocab_size: int) -> tuple[torch.Tensor, None]:
-        return deterministic_drafts(proposer, k), None
+    def chain_draw(self, proposer) -> ChainDraw:
+        return TOP1
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
                q=None) -> Decision:
@@ -120,18 +148,6 @@ class GreedyRule:
 
 
 # --- sampled -------------------------------------------------------------------------------------
-
-
-def draft_chain(proposer, k: int, warper: Warper, gen: torch.Generator,
-                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafts [n <= k] and their q [n, V] for Leviathan's rule: sampled from the proposer's own
-    q if it can (a `SampledProposer`), else its top-1 chain as a point mass."""
-    if isinstance(proposer, SampledProposer):
-        tokens, q = proposer.propose_sampled(k, warper, gen)
-    else:
-        tokens = deterministic_drafts(proposer, k)
-        q = point_mass(tokens, vocab_size)
-    return tokens.reshape(-1)[:k], q[:k]
 
 
 @dataclass
@@ -149,8 +165,8 @@ class SampledRule:
         row = one_row(logits, "the prefill logits")  # [V]
         return [int(sample(self.warper(row).to(self.gen.device), self.gen))]
 
-    def draft_chain(self, proposer, k: int, vocab_size: int) -> tuple[torch.Tensor, None]:
-        return deterministic_drafts(proposer, k), None
+    def chain_draw(self, proposer) -> ChainDraw:
+        return TOP1
 
     def probs(self, tokens: torch.Tensor,
               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +186,12 @@ class LeviathanRule(SampledRule):
 
     name = "leviathan"
 
-    def draft_chain(self, proposer, k: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return draft_chain(proposer, k, self.warper, self.gen, vocab_size)
+    def chain_draw(self, proposer) -> ChainDraw:
+        """Sampled from the proposer's own q if it can (a `SampledProposer`), else its top-1 chain
+        as a point mass."""
+        if isinstance(proposer, SampledProposer):
+            return ChainDraw(sampler=(self.warper, self.gen))
+        return ChainDraw(point_mass=True)
 
     def decide(self, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
                q: torch.Tensor | None) -> Decision:

@@ -51,8 +51,16 @@ class ChainShape:
             self._trees[n] = chain_tree(n)
         return self._trees[n]
 
+    def length(self, remaining: int) -> int:
+        """Drafts to ask for with `remaining` tokens left in the budget (the bonus is one)."""
+        return min(self.k, remaining - 1)
+
     def draft(self, proposer, rule: AcceptRule, remaining: int, vocab_size: int) -> Plan:
-        nodes, q = rule.draft_chain(proposer, min(self.k, remaining - 1), vocab_size)  # [n], [n, V]
+        nodes, q = rule.chain_draw(proposer).run(proposer, self.length(remaining), vocab_size)
+        return self.plan(nodes, q)
+
+    def plan(self, nodes: torch.Tensor, q: torch.Tensor | None) -> Plan:
+        """A drafted chain nodes [n] (q [n, V] or None) as this step's tree, nodes and q [1, n, V]."""
         return self.tree(nodes.numel()), nodes, None if q is None else q[None]
 
     def fit(self, tree: Tree, tokens: torch.Tensor, remaining: int, past: int, ctx):
