@@ -6,7 +6,9 @@ The free proposer is suffix decoding (vLLM's `method: suffix`) when arctic-infer
 else prompt lookup (the row says so). The rows are decoded in a second pass over the turns, after
 the first pass measured the calibration records and the step costs the adaptive rule needs; each
 turn is decoded plainly again beside them, so a measured speed-up compares decodes run side by
-side. The adaptive rule of a turn uses the calibration fitted on the other fold of turns.
+side. The adaptive rule of a turn uses the calibration fitted on the other fold of turns. A sampled
+eval decodes the rows (and their plain pass) with its sampling settings and seed; a tree eval runs
+the rows the combined proposers build over a tree (`mix_rows`: the union) and names why not the others.
 
 Prediction of a row (`row_speedup`): its measured mix of steps (steps per verified-token count,
 model draft levels, drafted steps) priced by the measured step costs: the target's seconds per
