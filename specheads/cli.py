@@ -60,7 +60,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="jsonl with 'prompt' or 'turns' per row (online mode)")
     p.add_argument("--offline", action="store_true", help="teacher-forced acceptance on --data, no generation")
     p.add_argument("--data", help="held-out conversations (any training data format) for --offline")
-    p.add_argument("--no-predict", action="store_true", help="skip the step-cost measurement and prediction")
+    p.add_argument("--no-predict", action="store_true", help="skip the step-cost measurement, the prediction and the hybrid rows")
     p.add_argument("--verifier-json", help="bench/verifier.py's verifier.json: plot measured speed-ups")
     p.add_argument("--bench-json", help="server load test JSON: plot throughput over concurrency")
     p.add_argument("--attach", action="store_true",

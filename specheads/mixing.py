@@ -106,8 +106,8 @@ def adaptive_inputs(metrics: dict | None, path: Path) -> tuple[Calibration, Leng
     """The calibration map, the step costs and k_max the eval measured; a clear error without them."""
     row = (metrics or {}).get("adaptive")
     if not row or "length_costs" not in row:
-        raise SettingsError(f"--adaptive needs the calibration and step costs a greedy chain eval measures: {path} "
-                            "has none (run `specheads eval --attach` at temperature 0 with --tree chain)")
+        raise SettingsError(f"--adaptive needs the calibration and step costs a chain eval measures: {path} "
+                            "has none (run `specheads eval --attach` with --tree chain)")
     try:
         cal = metrics.get("calibration")
         rates = metrics["speculative"]["acceptance_per_position_conditional"]
@@ -117,6 +117,16 @@ def adaptive_inputs(metrics: dict | None, path: Path) -> tuple[Calibration, Leng
     except (KeyError, TypeError, ValueError) as err:
         raise SettingsError(f"{path}: the adaptive rule's inputs are unreadable ({type(err).__name__}: {err}); "
                             "rerun `specheads eval --attach`") from None
+
+
+def check_setting(mode: str, adaptive: bool, chain: bool = True) -> None:
+    """Refuse what the combined proposers cannot build: adaptive length over a union, and hybrid choose
+    or adaptive length over a tree draft (both draft chains); eval's hybrid rows skip these with the reason."""
+    if adaptive and mode == "union":
+        raise SettingsError("--adaptive verifies chains: use it with --hybrid choose (the drafter and the free draft) "
+                            "or --hybrid off (the drafter alone), not --hybrid union")
+    if not chain and (adaptive or mode == "choose"):
+        raise SettingsError("--hybrid choose and --adaptive draft chains: use --tree chain, or --hybrid union for trees")
 
 
 def resolve_mixing(hybrid: str = "off", adaptive: bool | None = False, draft_dir: str | Path | None = None,
@@ -133,11 +143,7 @@ def resolve_mixing(hybrid: str = "off", adaptive: bool | None = False, draft_dir
     mode = auto_mode if hybrid == "auto" else hybrid
     adapt = auto_adaptive if adaptive is None else adaptive
     reason = why if (hybrid == "auto" and adaptive is None) else "as asked (--hybrid / --adaptive)"
-    if adapt and mode == "union":
-        raise SettingsError("--adaptive verifies chains: use it with --hybrid choose (the drafter and the free draft) "
-                            "or --hybrid off (the drafter alone), not --hybrid union")
-    if not chain and (adapt or mode == "choose"):
-        raise SettingsError("--hybrid choose and --adaptive draft chains: use --tree chain, or --hybrid union for trees")
+    check_setting(mode, adapt, chain)
     if not adapt:
         return Mixing(mode, False, reason=reason)
     calibration, costs, k_max = adaptive_inputs(metrics, path)

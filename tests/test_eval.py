@@ -117,8 +117,13 @@ def test_alpha_from_tau_inverts_the_chain_formula(alpha):
     assert alpha_from_tau(k + 1, k) == 1.0
 
 
+SEEDED = ("tau", "tokens", "target_forwards", "new_tokens", "acceptance_per_position", "steps_per_draft",
+          "model_levels", "model_steps", "greedy_equal", "free")  # a sampled hybrid row's fields that are not timings
+
+
 def test_eval_samples_losslessly_and_reproducibly(target_dir, export_dir, prompts_file, tmp_path):
-    """--temperature > 0: seeded speculative sampling; no token equality is claimed."""
+    """--temperature > 0: seeded speculative sampling, the hybrid rows included; no token equality is
+    claimed, but the same seed gives the same samples."""
     runs = []
     for name in ("a", "b"):
         rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts_file),
@@ -128,12 +133,44 @@ def test_eval_samples_losslessly_and_reproducibly(target_dir, export_dir, prompt
         metrics = json.loads((tmp_path / name / "metrics.json").read_text())
         assert metrics["greedy_equal"] is None and metrics["sampling"] == {"temperature": 1.0, "top_p": 0.9, "seed": 7}
         assert metrics["speculative"]["tau"] >= 1.0 and metrics["speculative"]["tokens"] > 0
+        for mix in ("hybrid", "union", "adaptive"):  # sampled as the other rows, timed against sampled plain
+            r = metrics[mix]
+            assert r["greedy_equal"] is None and r["tau"] >= 1.0 and r["measured_speedup"] > 0, mix
+            assert r["tokens"] > 0 and r["acceptance_per_position"] and r["predicted_speedup"] > 0, mix
+        assert metrics["adaptive"]["length_costs"]["verify"][0] == 1.0  # `--adaptive` can read it back
+        assert metrics["advice"]["sampling"] == metrics["sampling"] and metrics["advice"]["engines"]["specheads"]
+        assert "at temperature 1, top-p 0.9" in (tmp_path / name / "report.md").read_text()
         rows = [json.loads(line) for line in (tmp_path / name / "outputs.jsonl").read_text().splitlines()]
         for row in rows:  # the per-method seconds are timings; everything else must repeat
+            assert row["methods"]["mix_plain"]["tokens"] == row["methods"]["plain"]["tokens"]  # seeded alike
+            row["methods"].pop("mix_adaptive")  # its draft lengths follow the timed step costs
             for tally in row["methods"].values():
                 tally.pop("wall_s")
-        runs.append(rows)
+        runs.append((rows, {mix: {key: metrics[mix][key] for key in SEEDED} for mix in ("hybrid", "union")}))
     assert runs[0] == runs[1]  # same seed, same samples
+
+
+def test_tree_eval_runs_the_union_and_says_why_not_the_chain_hybrids(target_dir, export_dir, prompts_file, tmp_path):
+    """--tree eagle2: the union verifies the drafter's tree with the free draft (greedy-equal); hybrid
+    choose and adaptive length draft chains, so their rows say why they were not run."""
+    out = tmp_path / "tree"
+    rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts", str(prompts_file),
+              "--out", str(out), "--max-new-tokens", "12", "--tree", "eagle2", "--depth", "2", "--top-k", "2",
+              "--total-tokens", "6"])
+    assert rc == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["tree"]["kind"] == "eagle2" and m["greedy_equal"] is True
+    u = m["union"]
+    assert u["greedy_equal"] is True and u["mismatched_ids"] == [] and u["tokens"] == m["speculative"]["tokens"]
+    assert u["tau"] >= 1.0 and u["measured_speedup"] > 0 and u["predicted_speedup"] > 0 and u["model_levels"] > 0
+    for name in ("hybrid", "adaptive"):
+        assert m[name] == {"skipped": "not run with a tree draft: --hybrid choose and --adaptive draft chains: "
+                                      "use --tree chain, or --hybrid union for trees"}, name
+    assert m["step_costs"]["target_s"]["1"] > 0 and "advice" not in m and "prediction" not in m
+    assert "union (drafter + suffix in one tree) tau" in (out / "report.md").read_text()
+    assert "adaptive draft length (drafter + the free proposer): skipped (" in (out / "report.md").read_text()
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert all({*r["methods"]} == {"plain", "speculative", "ngram", "suffix", "mix_plain", "mix_union"} for r in rows)
 
 
 def test_eval_loads_the_target_in_the_dtype_asked(target_dir, export_dir, tmp_path, capsys):

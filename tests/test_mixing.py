@@ -6,10 +6,12 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from refusals import refused, write_data
 
+from specheads.cli import main as cli
 from specheads.eval.online import evaluate
 from specheads.generate import run_generate
 from specheads.mixing import SETTINGS, resolve_mixing
@@ -141,3 +143,26 @@ def test_outputs_keep_each_methods_decode_of_each_turn(evaluated_export):
     plain_wall = sum(r["methods"]["mix_plain"]["wall_s"] for r in rows)
     union_wall = sum(r["methods"]["mix_union"]["wall_s"] for r in rows)
     assert plain_wall / union_wall == pytest.approx(metrics["union"]["measured_speedup"])
+
+
+SLICE = Path(__file__).parent / "fixtures" / "sharegpt_slice.json"  # ShareGPT-format rows, 1-3 turns
+
+
+@pytest.mark.parametrize("flags,label", [(["--hybrid", "choose", "--no-adaptive"], "hybrid choose"),
+                                         (["--hybrid", "union", "--no-adaptive"], "union"),
+                                         (["--hybrid", "choose", "--adaptive"], "adaptive draft length (k <= ")])
+def test_regenerate_with_a_hybrid_gives_plain_greedy_answers(tiny_target_dir, evaluated_export, tmp_path, capsys,
+                                                             flags, label):
+    """`specheads regenerate --draft EXPORT --hybrid ...` through the CLI: every answer (later turns see
+    the earlier new ones) is the one plain regenerate writes, batched two prompts per forward."""
+    common = ["regenerate", str(SLICE), "--max-new-tokens", "10", "--limit", "5", "--target", str(tiny_target_dir),
+              "--device", "cpu", "--batch-size", "2"]
+    assert cli([*common, "--out", str(tmp_path / "plain.jsonl")]) == 0
+    assert cli([*common, "--out", str(tmp_path / "mixed.jsonl"), "--draft", str(evaluated_export), *flags]) == 0
+    err = capsys.readouterr().err
+    assert f"regenerate: speculation: {label}" in err and "as asked (--hybrid / --adaptive)" in err
+    plain, mixed = ([json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+                    for name in ("plain", "mixed"))
+    assert len(mixed) == len(plain) == 5 and sum(r["regenerated"]["turns"] for r in mixed) > 5
+    assert [(r["id"], r["messages"], r["regenerated"]) for r in mixed] == [
+        (r["id"], r["messages"], r["regenerated"]) for r in plain]

@@ -6,7 +6,9 @@ The free proposer is suffix decoding (vLLM's `method: suffix`) when arctic-infer
 else prompt lookup (the row says so). The rows are decoded in a second pass over the turns, after
 the first pass measured the calibration records and the step costs the adaptive rule needs; each
 turn is decoded plainly again beside them, so a measured speed-up compares decodes run side by
-side. The adaptive rule of a turn uses the calibration fitted on the other fold of turns.
+side. The adaptive rule of a turn uses the calibration fitted on the other fold of turns. A sampled
+eval decodes the rows (and their plain pass) with its sampling settings and seed; a tree eval runs
+the rows the combined proposers build over a tree (`mix_rows`: the union) and names why not the others.
 
 Prediction of a row (`row_speedup`): its measured mix of steps (steps per verified-token count,
 model draft levels, drafted steps) priced by the measured step costs: the target's seconds per
@@ -24,13 +26,15 @@ from dataclasses import dataclass, field
 from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LLAMA_CPP_MIXED, LLAMA_CPP_SPEC, SGLANG, VLLM
 from specheads.eval.predict import StepCosts, monotone
 from specheads.eval.waves import Turn, blocks, turn_tally
-from specheads.mixing import Mixing, mix_free
+from specheads.mixing import SETTINGS, Mixing, check_setting, mix_free
 from specheads.progress import Progress
-from specheads.session import Session
+from specheads.session import GREEDY, Session, run_request
 from specheads.verify.adaptive_proposers import LengthCosts
 from specheads.verify.calibration import Calibration, Record, cross_fitted
-from specheads.verify.loop import Request, decode_batch, request
+from specheads.verify.loop import Request, decode_batch
+from specheads.verify.settings import Sampling, TreeSpec
 from specheads.verify.steps import DecodeStats
+from specheads.verify.trees import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -96,63 +100,86 @@ class MixTally:
         self.stats = self.stats.add(stats)
         self.per_turn.append(turn_tally(stats))
 
-    def add(self, proposer, result, plain_tokens: list[int], row_id: str) -> None:
+    def add(self, proposer, result, plain_tokens: list[int] | None, row_id: str) -> None:
+        """One turn's decode by the row's proposer; `plain_tokens` None: sampled, no equality to check."""
         self.count(result.stats)
         summary = proposer.summary()
         self.steps.update(summary["steps"])
         self.levels += summary.get("levels", 0)
         self.model_steps += summary.get("model_steps", 0)
-        if result.tokens != plain_tokens and row_id not in self.mismatches:
+        if plain_tokens is not None and result.tokens != plain_tokens and row_id not in self.mismatches:
             self.mismatches.append(row_id)
 
 
-def mix_proposer(name: str, session: Session, free, calibration: Calibration, costs: LengthCosts, k_max: int):
-    """A fresh proposer of a row over the session's drafter (the free proposer is the row's, kept across turns)."""
-    mixing = Mixing("union" if name == "union" else "choose", name == "adaptive", calibration, costs, k_max)
-    return mixing.proposer(session.proposer(sampled=mixing.adaptive), free, session.k, None)
+def mix_rows(chain: bool) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The rows of MIXES the combined proposers build for the draft shape (`chain` or a tree), and
+    for each other row why not (the refusal `--hybrid` / `--adaptive` give for the same setting)."""
+    rows, skipped = [], {}
+    for name in MIXES:
+        try:
+            check_setting(*SETTINGS[name], chain)
+            rows.append(name)
+        except SettingsError as err:
+            skipped[name] = f"not run with a tree draft: {err}"
+    return tuple(rows), skipped
+
+
+def mix_proposer(name: str, session: Session, free, calibration: Calibration, costs: LengthCosts, k_max: int,
+                 sampled: bool = False):
+    """A fresh proposer of a row over the session's drafter (the free proposer is the row's, kept across
+    turns), built as `Session.proposer` builds a mixed one (`sampled`: drafts for sampled decoding)."""
+    mode, adaptive = SETTINGS[name]
+    mixing = Mixing(mode, adaptive, calibration, costs, k_max)
+    model = session.proposer(sampled=sampled or adaptive)
+    return mixing.proposer(model, free, session.k, session.target.vocab_size if sampled else None)
 
 
 def mix_requests(name: str, session: Session, free, turns: list[Turn], calibrations: dict[int, Calibration],
-                 cond: list[float], lengths: LengthCosts, k_max: int, max_new_tokens: int) -> tuple[list, list[Request]]:
+                 cond: list[float], lengths: LengthCosts, k_max: int, max_new_tokens: int,
+                 sampling: Sampling = GREEDY) -> tuple[list, list[Request]]:
     """A row's proposer and request per turn (the adaptive rule with its turn's other-fold calibration;
-    the free proposer forked per request: one global cache per row, a request per turn)."""
-    k = k_max if name == "adaptive" else session.k
+    the free proposer forked per request: one global cache per row, a request per turn), decoded with
+    `sampling` (its seed for every request, as the first pass's rows)."""
+    loop = TreeSpec("chain", k=k_max if SETTINGS[name][1] else session.k)  # trees: the proposer decides
     proposers = [mix_proposer(name, session, free.fork(), calibrations.get(turn.fold, Calibration(position_rates=list(cond))),
-                              lengths, k_max) for turn in turns]
-    return proposers, [request(session.target, p, turn.ids, max_new_tokens, k, session.eos)
+                              lengths, k_max, not sampling.greedy) for turn in turns]
+    return proposers, [run_request(loop, session.target, p, turn.ids, max_new_tokens, session.eos, sampling)
                        for p, turn in zip(proposers, turns)]
 
 
 def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, costs: StepCosts, records: list[Record],
-                   cond: list[float], k_max: int, quiet: bool = True,
-                   batch_size: int = 1) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
-    """Decode every turn plainly and with each of MIXES, `batch_size` sequences per target forward (at
-    batch size 1 a turn at a time, else each method over all turns at once) -> (the plain decodes, the
-    rows' tallies, the free proposer's name, why it is not suffix decoding)."""
+                   cond: list[float], k_max: int, quiet: bool = True, batch_size: int = 1,
+                   sampling: Sampling = GREEDY,
+                   names: tuple[str, ...] = MIXES) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
+    """Decode every turn plainly and with each row of `names`, `batch_size` sequences per target forward
+    (at batch size 1 a turn at a time, else each method over all turns at once), greedily or sampled
+    with `sampling` -> (the plain decodes, the rows' tallies, the free proposer's name, why it is not
+    suffix decoding)."""
     free_name, make_free, note = mix_free()
-    frees = {name: make_free() for name in MIXES}  # one global cache per row, across its turns
+    frees = {name: make_free() for name in names}  # one global cache per row, across its turns
     calibrations = cross_fitted(records, cond) if records else {}
     lengths = LengthCosts.from_step_costs(costs, k_max)
-    plain, tallies = MixTally(), {name: MixTally() for name in MIXES}  # plain: this pass's own baseline
-    with Progress(len(turns) * (1 + len(MIXES)), "eval: hybrid rows", "decodes", quiet=quiet) as bar:
+    plain, tallies = MixTally(), {name: MixTally() for name in names}  # plain: this pass's own baseline
+    with Progress(len(turns) * (1 + len(names)), "eval: hybrid rows", "decodes", quiet=quiet) as bar:
         for block in blocks(turns, batch_size):
-            for result in session.decode_many([t.ids for t in block], max_new_tokens, batch_size=batch_size,
+            for result in session.decode_many([t.ids for t in block], max_new_tokens, sampling, batch_size,
                                               drafted=False):
                 plain.count(result.stats)
             bar.update(len(block))
-            for name in MIXES:
+            for name in names:
                 proposers, reqs = mix_requests(name, session, frees[name], block, calibrations, cond, lengths, k_max,
-                                               max_new_tokens)
+                                               max_new_tokens, sampling)
                 for turn, proposer, result in zip(block, proposers, decode_batch(session.target, reqs, batch_size)):
-                    tallies[name].add(proposer, result, turn.plain_tokens, turn.id)
+                    tallies[name].add(proposer, result, turn.plain_tokens if sampling.greedy else None, turn.id)
                 bar.update(len(block))
     return plain, tallies, free_name, note
 
 
 def mix_metrics(tallies: dict[str, MixTally], plain: DecodeStats, costs: StepCosts, free_name: str,
-                note: str | None, free_stats: DecodeStats | None) -> dict:
+                note: str | None, free_stats: DecodeStats | None, greedy: bool = True) -> dict:
     """metrics.json's rows "hybrid", "union", "adaptive": tau, measured and predicted speed-up, the
-    step mix (steps per verified draft, model draft levels) and whether the output is plain's."""
+    step mix (steps per verified draft, model draft levels) and whether the output is plain's (None
+    when sampled: samples need not agree)."""
     free_s = free_step_seconds(free_stats) if free_stats is not None else 0.0
     rows = {}
     for name, t in tallies.items():
@@ -162,7 +189,7 @@ def mix_metrics(tallies: dict[str, MixTally], plain: DecodeStats, costs: StepCos
             "predicted_speedup": row_speedup(costs, t.stats, t.levels, t.model_steps, free_s),
             "predicted_speedup_model": "measured step mix priced by measured step costs",
             "steps_per_draft": dict(t.steps), "model_levels": t.levels, "model_steps": t.model_steps,
-            "greedy_equal": not t.mismatches, "mismatched_ids": t.mismatches,
+            "greedy_equal": not t.mismatches if greedy else None, "mismatched_ids": t.mismatches,
             "new_tokens": t.stats.tokens, "wall_s": t.stats.wall_s, "plain_wall_s": plain.wall_s,
         }
     return rows
@@ -187,7 +214,8 @@ def engine_advice(metrics: dict, kind: str, fmt: str) -> dict:
                         else f"--spec-type {draftless}",
                         "note": "llama.cpp mixes a draftless type with the draft model in one `--spec-type` comma "
                                 "list (the draftless one first); not predicted here"}
-    ours = {"drafter": drafter, **{m: metrics[m]["predicted_speedup"] for m in MIXES if metrics.get(m)}}
+    ours = {"drafter": drafter, **{m: metrics[m]["predicted_speedup"] for m in MIXES
+                                   if (metrics.get(m) or {}).get("predicted_speedup") is not None}}
     best = max(ours, key=ours.get)
     out["specheads"] = {"use": best, "predicted_speedup": ours[best], "predicted": ours}
     return out

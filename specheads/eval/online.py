@@ -10,6 +10,11 @@ DIR/metrics.json and DIR/outputs.jsonl. The draft proposes a chain by default; `
 or `--tree FILE.json` verifies EAGLE-2 or static trees instead (metrics.json "tree" records
 which; the n-gram baseline stays a chain of k). `--batch-size N` decodes up to N sequences per
 target forward (eval/waves.py: the same counts and outputs, batched seconds).
+
+The hybrid rows (eval/mixes.py) run in every eval, greedy or sampled (`--temperature`: seeded as
+the other rows), chain or tree: a chain eval predicts the speed-up per k from the acceptance it
+measured and the timed step costs and advises; a tree eval runs the rows the mixing code builds
+over a tree (union) and records why the others (hybrid choose, adaptive: chains) are skipped.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.atomic import write_text
@@ -30,10 +36,11 @@ from specheads.eval.mixes import (
     free_step_seconds,
     in_situ_costs,
     mix_metrics,
+    mix_rows,
     row_speedup,
 )
 from specheads.eval.offline import offline_acceptance, samples_from_rows
-from specheads.eval.predict import StepCosts, prediction_metrics
+from specheads.eval.predict import StepCosts, eval_costs, prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.eval.waves import Totals, check_batch_size, eval_prompt_ids, evaluate_rows
 from specheads.metrics import broken_draft_warning, predicted_speedup
@@ -111,9 +118,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              device: str = "auto", allow_missing_fingerprint: bool = False, batch_size: int = 1) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
-    Greedy chains also get the predicted speed-up per k and serving advice (`predict`), and a
-    report (report.md + plots; `verifier_json` / `bench_json` add measured curves); `attach`
-    copies them into the export folder and its README.
+    `predict` adds the hybrid rows, and for chains (greedy or sampled) the predicted speed-up per k
+    and serving advice; every eval writes a report (report.md + plots; `verifier_json` / `bench_json`
+    add measured curves); `attach` copies them into the export folder and its README.
 
     `tree` None (or a chain) drafts a chain of k; an EAGLE-2 or static `tree` goes through the
     tree verifier. Alpha, c and the predicted speed-up use the chain model with k = the tree's
@@ -138,7 +145,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
                                 "written by `specheads export`")
     session = Session.open(target_path, draft_dir, tree or TreeSpec("chain"), k, device, dtype,
                            allow_missing_fingerprint)
-    target, head, k, tree = session.target, session.head, session.k, session.spec
+    target, k, tree = session.target, session.k, session.spec
     if batch_size > 1:  # before any decoding: ragged rows need an attention that honours 4-D masks
         check_batch_attention(target.config)
     session.warm_up()
@@ -186,26 +193,10 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             dtype=str(target.dtype).replace("torch.", ""),
         ),
     }
-    if predict and tree.kind == "chain" and not sampled:
+    if predict:
         prompts = [eval_prompt_ids(target.tokenizer, user_turn(r.turns[0])) for r in rows]
-        if not quiet:
-            print("[specheads] eval: timing target and draft steps for the speed-up prediction",
-                  file=sys.stderr, flush=True)
-        observed = (totals.plain, totals.draft, *totals.free.values())
-        # batched decodes' seconds are shares of batch forwards, not batch-1 step costs: micro-timed costs only
-        correct = (lambda costs: in_situ_costs(costs, *observed)) if batch_size == 1 else None
-        prediction = prediction_metrics(target, head, prompts, spec["acceptance_per_position_conditional"],
-                                        k_max=max(8, k), rank_q=measured_rank_acceptance(target, head, outputs),
-                                        correct=correct)
-        if not prediction:
-            log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
-        metrics.update(prediction)
-        use_prediction(metrics)
-        if prediction:
-            add_mixes(metrics, session, totals, outputs, max_new_tokens, quiet, batch_size)
-            metrics["advice"]["by_concurrency"] = concurrency_advice(
-                target, prompts[0], StepCosts.from_dict(metrics["prediction"]["costs"]),
-                spec["acceptance_per_position_conditional"])
+        mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet)
+        (predict_chain if tree.kind == "chain" else predict_tree)(metrics, session, totals, outputs, prompts, mix)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     write_report(out, metrics, outputs, verifier, bench)
@@ -213,30 +204,85 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         attach_to_export(draft_dir, out)
     return metrics
 
-def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dict], max_new_tokens: int,
-              quiet: bool, batch_size: int = 1) -> None:
-    """The hybrid rows (eval/mixes.py), the free rows' step-mix predictions and the advice per engine;
-    each output row gets its turn's decodes of the hybrid rows as methods["mix_<row>"]."""
-    costs = StepCosts.from_dict(metrics["prediction"]["costs"])
-    cond = metrics["speculative"]["acceptance_per_position_conditional"]
-    k_max = max(session.k, metrics["prediction"]["best_chain_k"])
+@dataclass(frozen=True)
+class Mix:
+    """How the hybrid rows decode: the eval's budget, sampling settings and batch size."""
+
+    max_new_tokens: int
+    sampling: Sampling
+    batch_size: int = 1
+    quiet: bool = True
+
+
+def say(quiet: bool, what: str) -> None:
     if not quiet:
-        print("[specheads] eval: decoding the hybrid rows (drafter + free proposer)", file=sys.stderr, flush=True)
-    plain, tallies, free_name, note = evaluate_mixes(session, totals.turns, max_new_tokens, costs, totals.records,
-                                                     cond, k_max, quiet, batch_size)
+        print(f"[specheads] eval: {what}", file=sys.stderr, flush=True)
+
+
+def predict_chain(metrics: dict, session: Session, totals: Totals, outputs: list[dict], prompts: list[list[int]],
+                  mix: Mix) -> None:
+    """A chain eval (greedy or sampled): the speed-up prediction per k from the measured acceptance
+    (at the eval's temperature) and step costs, the hybrid rows, and the advice."""
+    target, head, spec = session.target, session.head, metrics["speculative"]
+    cond = spec["acceptance_per_position_conditional"]
+    say(mix.quiet, "timing target and draft steps for the speed-up prediction")
+    observed = (totals.plain, totals.draft, *totals.free.values())
+    # batched decodes' seconds are shares of batch forwards, not batch-1 step costs: micro-timed costs only
+    correct = (lambda costs: in_situ_costs(costs, *observed)) if mix.batch_size == 1 else None
+    prediction = prediction_metrics(target, head, prompts, cond, k_max=max(8, session.k),
+                                    rank_q=measured_rank_acceptance(target, head, outputs), correct=correct)
+    if not prediction:
+        log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
+    metrics.update(prediction)
+    use_prediction(metrics)
+    if not prediction:
+        return
+    if not mix.sampling.greedy:  # the advice holds at the temperature its acceptance was measured at
+        metrics["advice"]["sampling"] = mix.sampling.describe()
+    costs = StepCosts.from_dict(metrics["prediction"]["costs"])
+    add_mixes(metrics, session, totals, outputs, costs, max(session.k, metrics["prediction"]["best_chain_k"]), mix)
+    metrics["advice"]["by_concurrency"] = concurrency_advice(target, prompts[0], costs, cond)
+
+
+def predict_tree(metrics: dict, session: Session, totals: Totals, outputs: list[dict], prompts: list[list[int]],
+                 mix: Mix) -> None:
+    """A tree eval: the hybrid rows the mixing code builds over a tree (the others skipped with the
+    reason), priced by micro-timed step costs (metrics.json "step_costs"); no chain advice."""
+    say(mix.quiet, "timing target and draft steps to price the hybrid rows")
+    measured = eval_costs(session.target, session.head, prompts, k_max=max(8, session.k))
+    if measured is None:
+        log.warning("no prompt leaves room for the timed forwards: no hybrid rows")
+        return
+    metrics["step_costs"] = measured[0].to_dict()
+    add_mixes(metrics, session, totals, outputs, measured[0], session.k, mix)
+
+
+def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dict], costs: StepCosts, k_max: int,
+              mix: Mix) -> None:
+    """The hybrid rows (eval/mixes.py) the draft shape allows (the others: {"skipped": why}), the free
+    rows' step-mix predictions and, where the eval advises (chains), the advice per engine; each output
+    row gets its turn's decodes of the hybrid rows as methods["mix_<row>"]."""
+    cond = metrics["speculative"]["acceptance_per_position_conditional"]
+    names, skipped = mix_rows(session.spec.kind == "chain")
+    say(mix.quiet, "decoding the hybrid rows (drafter + free proposer)")
+    plain, tallies, free_name, note = evaluate_mixes(session, totals.turns, mix.max_new_tokens, costs, totals.records,
+                                                     cond, k_max, mix.quiet, mix.batch_size, mix.sampling, names)
     if note:
         log.warning("hybrid rows: %s", note)
     for name, tally in {"plain": plain, **tallies}.items():  # outputs and turns: one entry per decoded turn
         for row, turn in zip(outputs, tally.per_turn, strict=True):
             row["methods"][f"mix_{name}"] = turn
-    metrics.update(mix_metrics(tallies, plain.stats, costs, free_name, note, totals.free.get(free_name)))
-    # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (specheads/mixing.py)
-    metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
+    metrics.update({name: {"skipped": why} for name, why in skipped.items()})
+    metrics.update(mix_metrics(tallies, plain.stats, costs, free_name, note, totals.free.get(free_name),
+                               mix.sampling.greedy))
+    if "adaptive" in tallies:  # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (mixing.py)
+        metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
     for name, stats in totals.free.items():
         metrics[name]["predicted_speedup"] = row_speedup(costs, stats, free_step_s=free_step_seconds(stats))
         metrics[name]["predicted_speedup_model"] = "measured step mix priced by measured step costs"
-    meta = session.draft.meta
-    metrics["advice"]["engines"] = engine_advice(metrics, meta.kind, meta.format)
+    if "advice" in metrics:
+        meta = session.draft.meta
+        metrics["advice"]["engines"] = engine_advice(metrics, meta.kind, meta.format)
 
 
 FREE_SETTINGS = {"ngram": {"max_ngram": 3, "min_ngram": 1}, "suffix": dict(VLLM_SUFFIX_DEFAULTS)}

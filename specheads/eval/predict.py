@@ -365,17 +365,28 @@ def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal:
                      overhead_s=_loop_overhead(chain), plain_step_s=target_s[1] + _loop_overhead(plain))
 
 
-def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float], k_max: int = 8,
-                       rank_q: list[list[float]] | None = None, correct=None) -> dict:
-    """metrics.json's `prediction` and `advice`: step costs measured on up to 4 prompts that leave
-    room in the context for the timed forwards (max(TARGET_COUNTS) tokens), then `correct(costs)`
-    (eval: by its own decodes, `mixes.in_situ_costs`); {} when no prompt leaves room."""
+def eval_costs(target, head, prompts: list[list[int]], k_max: int = 8,
+               correct=None) -> tuple[StepCosts, StepCosts] | None:
+    """(costs, micro-timed costs): `measure_costs` on up to 4 prompts that leave room in the context
+    for the timed forwards (max(TARGET_COUNTS) tokens), then `correct(costs)` (eval: by its own
+    decodes, `mixes.in_situ_costs`); None when no prompt leaves room. Greedy decodes time the steps
+    of sampled evals too: a target forward's seconds do not depend on how its tokens are chosen."""
     ctx = target.context or 1 << 30
     prompts = [p for p in prompts if len(p) + max(TARGET_COUNTS) < ctx]
     if not prompts:
-        return {}
+        return None
     micro = measure_costs(target, head, prompts[:4], k_max=k_max)
-    costs = correct(micro) if correct is not None else micro
+    return (correct(micro) if correct is not None else micro), micro
+
+
+def prediction_metrics(target, head, prompts: list[list[int]], cond: list[float], k_max: int = 8,
+                       rank_q: list[list[float]] | None = None, correct=None) -> dict:
+    """metrics.json's `prediction` and `advice` from `eval_costs`' step costs; {} when no prompt
+    leaves room for the timed forwards."""
+    measured = eval_costs(target, head, prompts, k_max, correct)
+    if measured is None:
+        return {}
+    costs, micro = measured
     pred = predict(cond, costs, ks=range(1, k_max + 1), rank_q=rank_q)
     return {"prediction": {**pred.to_dict(), "costs_micro": micro.to_dict()}, "advice": advice(pred)}
 

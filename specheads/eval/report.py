@@ -232,7 +232,9 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
                      f"{cal['ece_calibrated']:.3f} (calibrated) over {cal['records']} draft positions")
     for name, label in [*FREE_NAMES.items(), *MIX_NAMES.items()]:
         row = metrics.get(name)
-        if row:
+        if row and row.get("skipped"):
+            lines.append(f"- {label.format(free='the free proposer')}: skipped ({row['skipped']})")
+        elif row:
             note = f" ({row['free_note']})" if row.get("free_note") else ""
             lines.append(f"- {label.format(free=row.get('free'))} tau {row['tau']:.3f}, measured speed-up "
                          f"{row.get('measured_speedup', float('nan')):.2f}x, predicted "
@@ -259,8 +261,10 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
 
 def advice_lines(adv: dict) -> list[str]:
     """The recommended-settings section (also written into an export's README)."""
+    sampled = adv.get("sampling")
+    at = f" at temperature {sampled['temperature']:g}, top-p {sampled['top_p']:g}" if sampled else ""
     lines = [RECOMMENDED, "",
-             "Predicted from acceptance and step costs measured with specheads' own verifier (batch 1); "
+             f"Predicted from acceptance{at} and step costs measured with specheads' own verifier (batch 1); "
              "re-check on your hardware and batch sizes.", ""]
     engines = adv.get("engines")
     if engines:
