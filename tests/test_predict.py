@@ -249,6 +249,10 @@ def test_a_step_mix_is_priced_by_the_cost_curve():
     assert row_speedup(costs, stats, levels=6, model_steps=3, free_step_s=0.0005) == pytest.approx(110 / 78.5)
     plain = mix_stats({1: 5}, 5)
     assert row_speedup(StepCosts({1: 0.010}, plain_step_s=0.010), plain) == pytest.approx(1.0)  # plain predicts plain
+    # a decode that measured its proposer's seconds (9 ms here) is priced with them instead of the levels:
+    # 2*10 + 3*12 + 5*1 + 9 = 70 ms for the same 11 tokens
+    measured = mix_stats({1: 2, 4: 3}, 11, proposer_s=0.009)
+    assert row_speedup(costs, measured, levels=6, model_steps=3, free_step_s=0.0005) == pytest.approx(110 / 70)
 
 
 def test_in_situ_costs_replace_the_micro_timings_where_the_decodes_met_them():

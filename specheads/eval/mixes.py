@@ -10,11 +10,13 @@ side. The adaptive rule of a turn uses the calibration fitted on the other fold 
 eval decodes the rows (and their plain pass) with its sampling settings and seed; a tree eval runs
 the rows the combined proposers build over a tree (`mix_rows`: the union) and names why not the others.
 
-Prediction of a row (`row_speedup`): its measured mix of steps (steps per verified-token count,
-model draft levels, drafted steps) priced by the measured step costs: the target's seconds per
-verified-token count as the first pass's decodes met them (micro-timed where they met none), the
-drafter's seconds per level and per step, the free proposer's measured seconds per step and the
-loop's overhead, against plain steps for the same tokens. No cost is assumed flat.
+Prediction of a row (`row_speedup`): its measured mix of steps (steps per verified-token count)
+priced by the measured step costs: the target's seconds per verified-token count as the first
+pass's decodes met them (micro-timed where they met none) and the loop's overhead per step, plus
+the row's own proposer seconds (drafter forwards, free lookups and the adaptive rule's decisions,
+as the row spent them: pricing its model levels at the drafter-only row's rates left out the
+adaptive rule's own work and over-predicted that row), against plain steps for the same tokens. No
+cost is assumed flat.
 """
 
 from __future__ import annotations
@@ -69,10 +71,16 @@ def in_situ_costs(costs: StepCosts, plain: DecodeStats, draft: DecodeStats, *oth
 
 def row_speedup(costs: StepCosts, stats: DecodeStats, levels: int = 0, model_steps: int = 0,
                 free_step_s: float = 0.0) -> float:
-    """Predicted speed-up of a decode's measured step mix (module docstring)."""
+    """Predicted speed-up of a decode's measured step mix (module docstring): the target's verified
+    tokens priced by the cost curve plus the loop's overhead per step, and the proposer's own measured
+    seconds when the decode has them (they hold what pricing levels would miss: a merged catch-up,
+    the adaptive rule's decisions), else its model levels, drafted steps and free lookups priced."""
     seconds = sum(c * costs.target(n) for n, c in stats.steps_by_nodes.items())
-    seconds += stats.decode_forwards * (costs.overhead_s + free_step_s)
-    seconds += levels * costs.draft_per_level_s + model_steps * costs.draft_fixed_s
+    seconds += stats.decode_forwards * costs.overhead_s
+    if stats.proposer_s > 0:
+        seconds += stats.proposer_s
+    else:
+        seconds += levels * costs.draft_per_level_s + model_steps * costs.draft_fixed_s + stats.decode_forwards * free_step_s
     return stats.decode_tokens * costs.plain() / seconds if seconds else 0.0
 
 
