@@ -101,22 +101,22 @@ def test_adaptive_rows_share_drafter_forwards(small):
 
 def test_a_row_choosing_a_plain_step_adds_no_drafter_forward(small):
     """Beside two drafting rows, an adaptive row whose costs make every step plain (k = 0) is never
-    part of a drafter forward, and a lone drafting row drafts alone; all equal plain greedy."""
+    part of a drafter forward; a batch of such rows runs none past their starts. All equal greedy."""
     target, head = small
+    ps = prompts(3, seed=7)
+
+    def adaptive(costs):
+        return adaptive_proposer(SampledEagle3Proposer(head, target), SURE, costs, 3)
+
     count = Forwards(head)
     try:
-        ps = prompts(3, seed=7)
-        plain = adaptive_proposer(SampledEagle3Proposer(head, target), SURE, PROHIBITIVE, 3)
-        props = [adaptive_proposer(SampledEagle3Proposer(head, target), SURE, CHEAP, 3) for _ in ps[:2]] + [plain]
-        got = decode_batch(target, [request(target, a, p, 16, 3) for a, p in zip(props, ps)])
-        shapes = count.take()
-        grouped = [b for b, _ in shapes[3:]]  # after the three prompts' own starts
-        assert grouped and set(grouped) <= {1, 2} and 2 in grouped, shapes
+        plain = adaptive(PROHIBITIVE)
+        got = decode_batch(target, [request(target, a, p, 16, 3) for a, p in zip([adaptive(CHEAP), adaptive(CHEAP), plain], ps)])
+        shapes = count.take()[3:]  # after the three prompts' own starts
+        assert shapes and {b for b, _ in shapes} == {2}, shapes
         assert plain.counts == {"none": got[2].stats.decode_forwards - 1} and plain.levels == 0
-        ones = decode_batch(target, [request(target, a, p, 16, 3) for a, p in
-                                     zip([adaptive_proposer(SampledEagle3Proposer(head, target), SURE, PROHIBITIVE, 3)
-                                          for _ in ps], ps)])
-        assert [s for s in count.take()] == [(1, p.numel()) for p in ps]  # none asks: only the starts
+        ones = decode_batch(target, [request(target, adaptive(PROHIBITIVE), p, 16, 3) for p in ps])
+        assert count.take() == [(1, p.numel()) for p in ps]  # nobody asks: only the starts
     finally:
         count.close()
     for p, res, one in zip(ps, got, ones):
