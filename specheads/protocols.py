@@ -189,7 +189,7 @@ class SplitProposer(Protocol):
     decides what it can first (-> a `DraftAsk`, or None: the model drafts nothing this step), the
     model drafts the ask (alone or grouped, `verify.draft_asks`), and `end_step(ids [n], q [n, V]
     or None)` -> the step's draft as `propose` (sampler None: (ids, None)) or `propose_sampled`
-    would return it."""
+    would return it; a `TreeProposer`'s as `propose_tree` does."""
 
     def begin_step(self, k: int, sampler: Any) -> DraftAsk | None: ...
 

@@ -284,3 +284,38 @@ def test_sampled_hybrid_choose_rows_draw_the_q_and_tokens_of_their_decode_alone(
         for grouped, single in zip(rules[i].qs, rule.qs):
             assert grouped.shape == single.shape
             torch.testing.assert_close(grouped, single, rtol=1e-9, atol=1e-12)
+
+
+# --- hybrid union --------------------------------------------------------------------------------
+
+UNION_ROWS = [(ContextFree, 3, None, 18), (NgramProposer, 2, 3, 14), (ContextFree, 4, 2, 11), (ContextFree, 2, None, 20)]
+
+
+def union_row(head, target, free, k, free_k):
+    return hybrid_proposer(Eagle3Proposer(head, target), free(), "union", k=k, free_k=free_k)
+
+
+@pytest.mark.parametrize("rule", ["greedy", "exact"])
+def test_union_rows_in_a_group_equal_their_decode_alone(small, rule):
+    """Union trees over a grouped model chain: the same trees and tokens as alone (greedy: plain
+    greedy's; the exact point-mass rule: the same tokens from the same seed), batch 3 with a join."""
+    target, head = small
+    ps = prompts(len(UNION_ROWS), seed=31)
+    props = [union_row(head, target, free, k, fk) for free, k, fk, _ in UNION_ROWS]
+    count = Forwards(head)
+    try:
+        got = decode_batch(target, [request(target, u, p, n, rule=rule, seed=90 + i)
+                                    for i, (u, p, (*_, n)) in enumerate(zip(props, ps, UNION_ROWS))], 3)
+        assert max(b for b, _ in count.take()) == 3
+    finally:
+        count.close()
+    for i, ((free, k, fk, n), p, res, grouped) in enumerate(zip(UNION_ROWS, ps, got, props)):
+        alone = union_row(head, target, free, k, fk)
+        one = decode(target, alone, p, n, rule=rule, seed=90 + i)
+        assert res.tokens == one.tokens and res.step_proposed == one.step_proposed, i
+        assert res.step_tokens == one.step_tokens
+        assert counts_of(grouped) == counts_of(alone) and grouped.accepted == alone.accepted
+        if rule == "greedy":
+            assert res.tokens == greedy_decode(target, p, n).tokens
+        assert grouped.model_steps > 0, i  # the model drafted (in the group) every step it had room
+    assert sum(u.accepted for u in props) > 0

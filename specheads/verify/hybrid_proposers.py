@@ -15,8 +15,8 @@ Two ways to combine them:
 Both inner proposers are advanced with every accepted step, whichever draft was used: the
 `Proposer` protocol drops whatever `propose` built before `accept`, so an unused draft leaves no
 state behind. `counts` records per step which draft was verified (choose) or accepted (union).
-A choose step splits around the model's draft (`protocols.SplitProposer`), so rows whose models
-share a drafter head draft in one draft group (`verify.loop`).
+A choose or union step splits around the model's chain (`protocols.SplitProposer`), so rows whose
+models share a drafter head draft in one draft group (`verify.loop`).
 """
 
 from __future__ import annotations
@@ -290,6 +290,7 @@ class UnionProposer:
         self.free_k = k if free_k is None else free_k
         self.layers = merged_layers(model, free)
         self.trie = Trie.empty()
+        self.free_part: tuple[Tree, list[int]] = (chain_tree(0), [])  # this step's free draft
         self.counts: Counter = Counter()  # steps whose deepest accepted node was: "model" | "free" | "both" | "none"
         self.accepted = 0
         self.levels = self.model_steps = 0  # model draft levels run, steps the model drafted in
@@ -304,11 +305,32 @@ class UnionProposer:
     @torch.no_grad()
     def propose_tree(self) -> tuple[Tree, torch.Tensor]:
         """The merged tree and the tokens of its nodes 1..N-1 [N-1] (the model's draft first)."""
-        model_tree, model_tokens = draft_part(self.model, self.k)
+        if isinstance(self.model, TreeProposer):
+            self.free_part = draft_part(self.free, self.free_k)
+            return self.merge(*draft_part(self.model, self.k))
+        return split_step(self, self.model, self.k, None)
+
+    def begin_step(self, k: int, sampler) -> DraftAsk:
+        """Before a chain model drafts (`protocols.SplitProposer`): the free part; the model is asked
+        for its top-1 chain of <= self.k (the loop's k and sampler do not apply to trees)."""
+        self.free_part = draft_part(self.free, self.free_k)
+        return DraftAsk(self.k)
+
+    def end_step(self, tokens: torch.Tensor, q=None) -> tuple[Tree, torch.Tensor]:
+        """After the model drafted its chain tokens [n]: the merged tree and its node tokens [N-1]."""
+        return self.merge(chain_tree(tokens.numel()), as_ids(tokens))
+
+    def merge(self, model_tree: Tree, model_tokens: list[int]) -> tuple[Tree, torch.Tensor]:
+        """The model's part and this step's free part in one trie -> (tree, node tokens [N-1])."""
         self.levels += model_tree.max_depth
         self.model_steps += bool(model_tokens)
-        self.trie = union_tree([("model", model_tree, model_tokens), ("free", *draft_part(self.free, self.free_k))])
+        self.trie = union_tree([("model", model_tree, model_tokens), ("free", *self.free_part)])
         return self.trie.tree()
+
+    def group_drafter(self):
+        """A chain model's drafter for a draft group (`protocols.GroupedProposer`), else None."""
+        chain = isinstance(self.model, GroupedProposer) and not isinstance(self.model, TreeProposer)
+        return self.model.group_drafter() if chain else None
 
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out, start: int) -> None:
