@@ -163,11 +163,37 @@ class GroupedProposer(Protocol):
     """Optional: chain proposers whose drafter forwards can run batched over several rows of the
     decode loop's batch. `group_drafter()` -> the object holding this row's draft state, or None
     (the row drafts alone this step). Drafters with equal `group_key()`s draft together:
-    `draft_group(members, ks, samplers)` on any of them drafts member b's chain of <= ks[b] (top-1,
-    or sampled with samplers[b] = (warper, generator)) -> per member (ids [n], q [n, V] or None),
-    as the member's own `propose` / `propose_sampled` would. Wrappers pass `group_drafter` on."""
+    `draft_group(members, ks, samplers, stops)` on any of them drafts member b's chain of <= ks[b]
+    (top-1, or sampled with samplers[b] = (warper, generator); stops[b] as `DraftAsk.stop`) -> per
+    member (ids [n], q [n, V] or None), as the member's own `propose` / `propose_sampled` /
+    `propose_until` would. Wrappers pass `group_drafter` on (a `SplitProposer` their model's)."""
 
     def group_drafter(self) -> Any: ...
+
+
+@dataclass
+class DraftAsk:
+    """What a `SplitProposer` asks its model drafter for this step: a chain of <= k, top-1
+    (`sampler` None) or sampled with sampler = (warper, generator), `stop(j)` (None: never) asked
+    once the warper saw position j's distribution and before d_j is drawn (`StoppingProposer`)."""
+
+    k: int
+    sampler: Any = None
+    stop: Any = None
+
+
+@runtime_checkable
+class SplitProposer(Protocol):
+    """Optional: wrappers over a model drafter (adaptive length, hybrid choose) whose step splits
+    around the model's draft, so that draft can run in a draft group: `begin_step(k, sampler)`
+    decides what it can first (-> a `DraftAsk`, or None: the model drafts nothing this step), the
+    model drafts the ask (alone or grouped, `verify.draft_asks`), and `end_step(ids [n], q [n, V]
+    or None)` -> the step's draft as `propose` (sampler None: (ids, None)) or `propose_sampled`
+    would return it; a `TreeProposer`'s as `propose_tree` does."""
+
+    def begin_step(self, k: int, sampler: Any) -> DraftAsk | None: ...
+
+    def end_step(self, tokens: Any, q: Any) -> tuple[Any, Any]: ...
 
 
 @runtime_checkable

@@ -140,6 +140,8 @@ _EMPTY = {  # what a failed proposer drafts: nothing, in each hook's shape
     "propose": lambda k: torch.empty(0, dtype=torch.long),  # [0]
     "propose_tree": lambda: (chain_tree(0), torch.empty(0, dtype=torch.long)),  # root only, [0]
     "propose_sampled": lambda k, warper, gen: (torch.empty(0, dtype=torch.long), torch.empty(0, 0)),  # [0], [0, V]
+    "begin_step": lambda k, sampler: None,  # a split step (protocols.SplitProposer): nothing asked
+    "end_step": lambda tokens, q: (torch.empty(0, dtype=torch.long), None),  # nothing verified
 }
 
 

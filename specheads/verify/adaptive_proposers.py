@@ -28,9 +28,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specheads.protocols import SampledProposer, StoppingProposer, close_proposers
+from specheads.protocols import DraftAsk, GroupedProposer, SampledProposer, close_proposers
 from specheads.target import TargetOutput
 from specheads.verify.calibration import Calibration, ConfidenceWarper
+from specheads.verify.draft_asks import split_step
 from specheads.verify.hybrid_proposers import AcceptanceMeter, as_ids, check_chain, merged_layers
 from specheads.verify.sampling import point_mass
 from specheads.verify.trees import SettingsError
@@ -149,7 +150,10 @@ class AdaptiveProposer:
 
     `counts`: steps per verified draft ("model" | "free" | "none"); `lengths`: verified draft
     length -> steps; `levels` / `model_steps`: model draft positions computed / steps it drafted in
-    (what the draft cost counts)."""
+    (what the draft cost counts).
+
+    A step splits around the model's draft (`protocols.SplitProposer`), so rows whose models share
+    a drafter head draft in one draft group (`verify.loop`); alone, `propose` runs both halves."""
 
     def __init__(self, model, calibration: Calibration, costs: LengthCosts, k_max: int, free=None):
         check_chain(model, "model")
@@ -164,7 +168,9 @@ class AdaptiveProposer:
         self.counts: Counter = Counter()
         self.lengths: Counter = Counter()
         self.levels = self.model_steps = 0
-        self.free_draft: list[int] = []
+        self.free_draft: list[int] = []  # this step's free draft (n_free of it verified if chosen)
+        self.n_free = 0
+        self.sampled, self.conf = False, None  # this step: drafts sampled (q returned), model confidences
         self.pending: list[tuple] = []  # verified steps the model has not been fed yet (it was not asked)
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, out) -> None:
@@ -200,47 +206,56 @@ class AdaptiveProposer:
         n, rate = best_length(free_survival(self.free, draft, self.meter), self.costs, drafted=False)
         return draft, n, rate
 
-    def model_draft(self, k: int, warper, gen, baseline: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model's draft under the stopping rule: ids [m] and q [m, V] (None without q)."""
-        if not isinstance(self.model, SampledProposer):  # no confidences: the length is known up front
+    def model_ask(self, k: int, warper, gen, baseline: float) -> DraftAsk | None:
+        """The model's draft under the stopping rule (None: no model draft). Without confidences the
+        length is known up front; else the rule reads each position's confidence as it is drafted."""
+        if not isinstance(self.model, SampledProposer):
             m = LengthRule(self.calibration, self.costs, k, baseline, None).cut(k)
             self.levels += m
             self.model_steps += bool(m)
-            return (self.model.propose(m).reshape(-1)[:m] if m else torch.empty(0, dtype=torch.long)), None
-        conf = ConfidenceWarper(warper)
-        rule = LengthRule(self.calibration, self.costs, k, baseline, conf.seen)
-        if isinstance(self.model, StoppingProposer):
-            tokens, q = self.model.propose_until(k, conf, gen, rule)
-        else:
-            tokens, q = self.model.propose_sampled(k, conf, gen)  # [n], [n, V]
-            m = rule.cut(tokens.numel())
-            tokens, q = tokens[:m], q[:m]
-        self.levels += len(conf.seen)
-        self.model_steps += bool(conf.seen)
-        return tokens.reshape(-1), q
+            return DraftAsk(m) if m else None
+        self.conf = ConfidenceWarper(warper)
+        return DraftAsk(k, (self.conf, gen), LengthRule(self.calibration, self.costs, k, baseline, self.conf.seen))
 
-    def plan(self, k: int, warper, gen) -> tuple[torch.Tensor, torch.Tensor | None, str]:
-        """This step's verified draft [m], its q [m, V] (None: point masses) and its source."""
+    def begin_step(self, k: int, sampler) -> DraftAsk | None:
+        """Before the model drafts (`protocols.SplitProposer`): the free draft and whether (and under
+        which stopping rule) the model is asked; sampler None: top-1 drafts (`propose`)."""
+        warper, gen = sampler if sampler is not None else (None, self.gen)
         k = min(k, self.k_max)
-        free, n_free, rate_free = self.free_option(k)
-        tokens, q = torch.empty(0, dtype=torch.long), None
-        if k and rate_free < self.expected_model_rate(k):  # else the free draft (or a plain step) goes unasked
-            self.feed_model()
-            tokens, q = self.model_draft(k, warper, gen, rate_free)
+        self.sampled, self.conf = sampler is not None, None
+        self.free_draft, self.n_free, rate_free = self.free_option(k)
+        if not k or rate_free >= self.expected_model_rate(k):  # the free draft (or a plain step) goes unasked
+            return None
+        self.feed_model()
+        return self.model_ask(k, warper, gen, rate_free)
+
+    def end_step(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the model drafted tokens [m] (q [m, V]): the verified draft and its q, as `propose`
+        ((ids, None)) or `propose_sampled` returns them."""
+        if self.conf is not None:
+            self.levels += len(self.conf.seen)
+            self.model_steps += bool(self.conf.seen)
+        tokens = tokens.reshape(-1)
         if tokens.numel():
             chosen = "model"
-        elif n_free:
-            chosen, tokens, q = "free", torch.tensor(free[:n_free], dtype=torch.long), None
+        elif self.n_free:
+            chosen, tokens, q = "free", torch.tensor(self.free_draft[: self.n_free], dtype=torch.long), None
         else:
-            chosen = "none"
+            chosen, q = "none", None
         self.counts[chosen] += 1
         self.lengths[int(tokens.numel())] += 1
-        return tokens, q, chosen
+        if not self.sampled:
+            return tokens.cpu(), None
+        return tokens, q if chosen == "model" else point_mass(tokens, self.vocab_size)
+
+    def group_drafter(self):
+        """The model's drafter for a draft group (`protocols.GroupedProposer`), None if it has none."""
+        return self.model.group_drafter() if isinstance(self.model, GroupedProposer) else None
 
     @torch.no_grad()
     def propose(self, k: int) -> torch.Tensor:
         """The chosen draft [m <= min(k, k_max)] (target ids), deterministic given the context."""
-        return self.plan(k, None, self.gen)[0].cpu()
+        return split_step(self, self.model, k, None)[0]
 
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out, start: int) -> None:
@@ -273,10 +288,7 @@ class SampledAdaptiveProposer(AdaptiveProposer):
     @torch.no_grad()
     def propose_sampled(self, k: int, warper, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen draft [m] and its q [m, V]."""
-        tokens, q, chosen = self.plan(k, warper, gen)
-        if chosen == "model":
-            return tokens, q
-        return tokens, point_mass(tokens, self.vocab_size)
+        return split_step(self, self.model, k, (warper, gen))
 
 
 def adaptive_proposer(model, calibration: Calibration, costs: LengthCosts, k_max: int, free=None,

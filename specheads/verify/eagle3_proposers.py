@@ -144,9 +144,9 @@ class Eagle3Proposer:
         """Rows of one proposer class over one head draft together."""
         return type(self), id(self.head)
 
-    def draft_group(self, members: list[Eagle3Proposer], ks: list[int],
-                    samplers: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        return draft_group(members, ks, samplers)
+    def draft_group(self, members: list[Eagle3Proposer], ks: list[int], samplers: list,
+                    stops: list | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return draft_group(members, ks, samplers, stops)
 
 
 class SampledEagle3Proposer(Eagle3Proposer):
@@ -192,12 +192,14 @@ class SampledEagle3Proposer(Eagle3Proposer):
 
 
 @torch.no_grad()
-def draft_group(members: list[Eagle3Proposer], ks: list[int],
-                samplers: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def draft_group(members: list[Eagle3Proposer], ks: list[int], samplers: list,
+                stops: list | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Member b's chain of <= ks[b] drafts, top-1 (samplers[b] None) or sampled with samplers[b] =
-    (warper, generator), exactly as its own `propose` / `propose_sampled` would draft it, for all
-    members at once: their one-row caches stacked (`ragged.stack_rows`), their pending rows run in
-    one forward, then one forward per draft position. -> per member (ids [n], q [n, V] or None).
+    (warper, generator), ended early where stops[b](j) says so (`protocols.DraftAsk.stop`), exactly
+    as its own `propose` / `propose_sampled` / `propose_until` would draft it, for all members at
+    once: their one-row caches stacked (`ragged.stack_rows`), their pending rows run in one
+    forward, then one forward per draft position while any member still drafts. -> per member
+    (ids [n], q [n, V] or None).
 
     Members (same class, same head) keep their own state: each takes its caught-up rows back
     (views of the stacked cache) and from now on defers `accept` to the group's next forward.
@@ -207,7 +209,7 @@ def draft_group(members: list[Eagle3Proposer], ks: list[int],
     for b, m in enumerate(members):
         take_row(cache, b, rows[b], m.cache)
         m.rows, m.last_out, m.pending, m.deferred = rows[b], last[b: b + 1], None, True
-    return _draft_positions(members[0], cache, rows, last, ks, samplers)
+    return _draft_positions(members[0], cache, rows, last, ks, samplers, stops or [None] * len(ks))
 
 
 def _catch_up_group(members: list[Eagle3Proposer], cache) -> tuple[list[int], torch.Tensor]:
@@ -234,10 +236,11 @@ def _catch_up_group(members: list[Eagle3Proposer], cache) -> tuple[list[int], to
 
 
 def _draft_positions(lead: Eagle3Proposer, cache, rows: list[int], out: torch.Tensor, ks: list[int],
-                     samplers: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                     samplers: list, stops: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Draft position j of every member from out [G, 1, H] (their last outputs), then one forward
     of the drafts just picked at positions rows_b - 1 + j, each row seeing its own real rows and
-    its own speculative ones (a member past its ks[b] rides along, unread)."""
+    its own speculative ones, while any member still drafts (one past its ks[b] or stopped rides
+    along, unread)."""
     head, target = lead.head, lead.target
     G, L, V, k = len(ks), cache.get_seq_length(), target.vocab_size, max(ks)
     # query j - 1 of the chain of k - 1 speculative rows is draft position j's (keys: L + j)
@@ -247,26 +250,38 @@ def _draft_positions(lead: Eagle3Proposer, cache, rows: list[int], out: torch.Te
     vocab = None  # target id of every draft id (sampled members)
     tokens: list[list] = [[] for _ in ks]
     qs: list[list] = [[] for _ in ks]
+    live = [True] * G  # member b drew every draft so far and was not stopped
     fed = None  # [G]: the drafts of position j - 1, fed at position j
     for j in range(k):
+        live = [alive and j < kb for alive, kb in zip(live, ks)]
+        if not any(live):
+            break
         if j > 0:
             step_mask = None if mask is None else mask[:, :, j - 1: j, : L + j]
             out = head.step(out, target.embed(fed.reshape(G, 1)), base + j, step_mask, cache)
         logits = head.logits(out)[:, -1]  # [G, Vd]
         fed = head.to_target_ids(logits.argmax(-1))  # [G]: top-1, replaced where sampled
-        for b in range(G):
-            if j >= ks[b]:
-                continue
+        for b in (b for b in range(G) if live[b]):
+            q = None
             if samplers[b] is not None:
-                warper, gen = samplers[b]
                 if vocab is None:
                     vocab = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=out.device))
-                q = warper(expand_draft_logits(logits[b], vocab, V))  # [V]
-                fed[b] = sample(q.to(gen.device), gen).to(out.device)
+                q = samplers[b][0](expand_draft_logits(logits[b], vocab, V))  # [V]
+            if stops[b] is not None and stops[b](j + 1):
+                live[b] = False
+                continue
+            if q is not None:
+                fed[b] = sample(q.to(samplers[b][1].device), samplers[b][1]).to(out.device)
                 qs[b].append(q)
             tokens[b].append(fed[b])
-    return [(torch.stack(t), torch.stack(q) if sampler is not None else None)
-            for t, q, sampler in zip(tokens, qs, samplers)]
+    return [chain(t, q, sampler is not None, V) for t, q, sampler in zip(tokens, qs, samplers)]
+
+
+def chain(tokens: list, qs: list, sampled: bool, V: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A member's drafts (0-d ids) and q rows [V] -> ids [n], q [n, V] (None: top-1), as drafted alone."""
+    if not tokens:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, V) if sampled else None
+    return torch.stack(tokens), torch.stack(qs) if sampled else None
 
 
 # --- trees ------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ Two ways to combine them:
 Both inner proposers are advanced with every accepted step, whichever draft was used: the
 `Proposer` protocol drops whatever `propose` built before `accept`, so an unused draft leaves no
 state behind. `counts` records per step which draft was verified (choose) or accepted (union).
+A choose or union step splits around the model's chain (`protocols.SplitProposer`), so rows whose
+models share a drafter head draft in one draft group (`verify.loop`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.protocols import SampledProposer, TreeProposer, close_proposers
+from specheads.protocols import DraftAsk, GroupedProposer, SampledProposer, TreeProposer, close_proposers
+from specheads.verify.draft_asks import split_step
 from specheads.verify.sampling import point_mass
 from specheads.verify.trees import SettingsError, Tree, chain_tree, tree_from_parents
 
@@ -106,6 +109,8 @@ class HybridProposer:
         self.levels = self.model_steps = 0  # model draft tokens made, steps the model drafted in
         self.drafts: dict[str, list[int]] = {"model": [], "free": []}  # this step's two drafts
         self.free_score = self.model_score = 0.0
+        self.free_now: list[int] = []  # this step's free draft, before the model drafts
+        self.sampled = False  # this step's drafts are sampled (q returned)
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, out) -> None:
         self.model.start(prompt_ids, first_token, out)
@@ -143,13 +148,30 @@ class HybridProposer:
         self.counts[self.chosen] += 1
         return self.chosen
 
+    def begin_step(self, k: int, sampler) -> DraftAsk:
+        """Before the model drafts (`protocols.SplitProposer`): the free draft; the model is asked
+        for its chain (top-1 when sampler is None, `propose`; else sampled, `propose_sampled`)."""
+        self.free_now, self.sampled = as_ids(self.free.propose(self.cap(k, self.free_k))), sampler is not None
+        return DraftAsk(self.cap(k, self.model_k), sampler)
+
+    def end_step(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the model drafted tokens [n] (q [n, V]): the chosen draft, as `propose` ((ids, None))
+        or `propose_sampled` returns it (the free draft with a point mass q)."""
+        chosen = self.record(as_ids(tokens), self.free_now)
+        if not self.sampled:
+            return torch.tensor(self.drafts.get(chosen, []), dtype=torch.long), None
+        if chosen != "free":
+            return tokens, q
+        return torch.tensor(self.free_now, dtype=torch.long), point_mass(torch.tensor(self.free_now), q.shape[-1], q.dtype)
+
+    def group_drafter(self):
+        """The model's drafter for a draft group (`protocols.GroupedProposer`), None if it has none."""
+        return self.model.group_drafter() if isinstance(self.model, GroupedProposer) else None
+
     @torch.no_grad()
     def propose(self, k: int) -> torch.Tensor:
         """The chosen draft [<= k] (target ids)."""
-        free = as_ids(self.free.propose(self.cap(k, self.free_k)))
-        model = as_ids(self.model.propose(self.cap(k, self.model_k)))
-        chosen = self.record(model, free)
-        return torch.tensor(self.drafts.get(chosen, []), dtype=torch.long)
+        return split_step(self, self.model, k, None)[0]
 
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out, start: int) -> None:
@@ -186,11 +208,7 @@ class SampledHybridProposer(HybridProposer):
     @torch.no_grad()
     def propose_sampled(self, k: int, warper, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen draft [n] and its q [n, V]."""
-        free = as_ids(self.free.propose(self.cap(k, self.free_k)))
-        tokens, q = self.model.propose_sampled(self.cap(k, self.model_k), warper, gen)  # [n], [n, V]
-        if self.record(as_ids(tokens), free) != "free":
-            return tokens, q
-        return torch.tensor(free, dtype=torch.long), point_mass(torch.tensor(free), q.shape[-1], q.dtype)
+        return split_step(self, self.model, k, (warper, gen))
 
 
 # --- union ----------------------------------------------------------------------------------------
@@ -272,6 +290,7 @@ class UnionProposer:
         self.free_k = k if free_k is None else free_k
         self.layers = merged_layers(model, free)
         self.trie = Trie.empty()
+        self.free_part: tuple[Tree, list[int]] = (chain_tree(0), [])  # this step's free draft
         self.counts: Counter = Counter()  # steps whose deepest accepted node was: "model" | "free" | "both" | "none"
         self.accepted = 0
         self.levels = self.model_steps = 0  # model draft levels run, steps the model drafted in
@@ -286,11 +305,32 @@ class UnionProposer:
     @torch.no_grad()
     def propose_tree(self) -> tuple[Tree, torch.Tensor]:
         """The merged tree and the tokens of its nodes 1..N-1 [N-1] (the model's draft first)."""
-        model_tree, model_tokens = draft_part(self.model, self.k)
+        if isinstance(self.model, TreeProposer):
+            self.free_part = draft_part(self.free, self.free_k)
+            return self.merge(*draft_part(self.model, self.k))
+        return split_step(self, self.model, self.k, None)
+
+    def begin_step(self, k: int, sampler) -> DraftAsk:
+        """Before a chain model drafts (`protocols.SplitProposer`): the free part; the model is asked
+        for its top-1 chain of <= self.k (the loop's k and sampler do not apply to trees)."""
+        self.free_part = draft_part(self.free, self.free_k)
+        return DraftAsk(self.k)
+
+    def end_step(self, tokens: torch.Tensor, q=None) -> tuple[Tree, torch.Tensor]:
+        """After the model drafted its chain tokens [n]: the merged tree and its node tokens [N-1]."""
+        return self.merge(chain_tree(tokens.numel()), as_ids(tokens))
+
+    def merge(self, model_tree: Tree, model_tokens: list[int]) -> tuple[Tree, torch.Tensor]:
+        """The model's part and this step's free part in one trie -> (tree, node tokens [N-1])."""
         self.levels += model_tree.max_depth
         self.model_steps += bool(model_tokens)
-        self.trie = union_tree([("model", model_tree, model_tokens), ("free", *draft_part(self.free, self.free_k))])
+        self.trie = union_tree([("model", model_tree, model_tokens), ("free", *self.free_part)])
         return self.trie.tree()
+
+    def group_drafter(self):
+        """A chain model's drafter for a draft group (`protocols.GroupedProposer`), else None."""
+        chain = isinstance(self.model, GroupedProposer) and not isinstance(self.model, TreeProposer)
+        return self.model.group_drafter() if chain else None
 
     @torch.no_grad()
     def accept(self, inputs: torch.Tensor, following: torch.Tensor, out, start: int) -> None:

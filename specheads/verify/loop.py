@@ -19,8 +19,10 @@ Two choices set a sequence's decode:
   holds its own generator, so a row samples as it would alone.
 
 Drafting is per sequence, except for rows whose chain proposers form a draft group
-(`protocols.GroupedProposer`: EAGLE-3 chains over one head): their drafter forwards run batched,
-one per draft position for the whole group, each row drafting what it would have alone.
+(`protocols.GroupedProposer`: EAGLE-3 chains over one head, alone or inside an adaptive-length or
+hybrid (choose, union) wrapper, `protocols.SplitProposer`): their drafter forwards run batched, one per
+draft position for the rows of the group that draft this step, each row drafting what it would
+have alone.
 
 Greedy and the exact rules leave every sequence's output distributed as its plain decoding
 (greedy: token for token). Never more than max_new_tokens tokens; a sequence stops after an eos.
@@ -36,8 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.protocols import GroupedProposer, close_proposers
+from specheads.protocols import GroupedProposer, SplitProposer, close_proposers
 from specheads.target import TargetOutput
+from specheads.verify.draft_asks import begin, draft_asks, end
 from specheads.verify.ngram_proposers import NO_DRAFT
 from specheads.verify.ragged import (
     batch_forward,
@@ -173,13 +176,14 @@ def fit_plan(row: _Row, plan: Plan, target) -> Plan:
 
 
 def group_drafter(row: _Row):
-    """The object drafting this row in a draft group this step, or None (it proposes alone): a
-    chain row with drafts to ask for whose proposer is a `protocols.GroupedProposer`."""
-    shape = row.req.shape
-    if (row.drafts is None or not isinstance(shape, ChainShape) or shape.length(remaining(row)) < 1
-            or not isinstance(row.drafts, GroupedProposer)):
+    """The object drafting this row in a draft group this step, or None (it proposes alone): a row
+    with drafts to ask for whose proposer is a `protocols.GroupedProposer` (drafting trees: a split
+    one, whose model drafts a chain)."""
+    shape, drafts = row.req.shape, row.drafts
+    if (drafts is None or shape.length(remaining(row)) < 1 or not isinstance(drafts, GroupedProposer)
+            or (isinstance(shape, TreeShape) and not isinstance(drafts, SplitProposer))):
         return None
-    return row.drafts.group_drafter()
+    return drafts.group_drafter()
 
 
 def propose_all(rows: list[_Row], target) -> list[Plan]:
@@ -200,17 +204,21 @@ def propose_all(rows: list[_Row], target) -> list[Plan]:
 
 
 def propose_group(rows: list[_Row], drafters: list, target) -> list[Plan]:
-    """Chain rows of one draft group: one drafter forward per draft position for all of them, each
-    row's chain drawn as its rule says (`rules.ChainDraw`); their seconds are shared equally."""
+    """Chain rows of one draft group: each row's ask of its model (`draft_asks.begin`: a wrapper's
+    own, after its free draft, or None), one drafter forward per draft position for the rows that
+    ask, each chain drawn as its rule says (`rules.ChainDraw`) and finished by its proposer
+    (`draft_asks.end`); their seconds are shared equally."""
     clock = Clock(target.device)
     with clock:
         draws = [row.req.rule.chain_draw(row.drafts) for row in rows]
-        ks = [row.req.shape.length(remaining(row)) for row in rows]
-        drafted = drafters[0].draft_group(drafters, ks, [draw.sampler for draw in draws])
-        chains = [draw.q_for(nodes, q, target.vocab_size) for draw, (nodes, q) in zip(draws, drafted)]
+        asks = [begin(row.drafts, row.req.shape.length(remaining(row)), draw.sampler)
+                for row, draw in zip(rows, draws)]
+        drafted = draft_asks(drafters, asks)
+        plans = [row.req.shape.planned(draw, end(row.drafts, chain), target.vocab_size)
+                 for row, draw, chain in zip(rows, draws, drafted)]
     for row in rows:
         row.prop_clock.seconds += clock.seconds / len(rows)
-    return [fit_plan(row, row.req.shape.plan(nodes, q), target) for row, (nodes, q) in zip(rows, chains)]
+    return [fit_plan(row, plan, target) for row, plan in zip(rows, plans)]
 
 
 def settle(row: _Row, b: int, plan: Plan, path: list[int], nxt: int, out: TargetOutput,

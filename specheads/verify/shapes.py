@@ -59,6 +59,10 @@ class ChainShape:
         nodes, q = rule.chain_draw(proposer).run(proposer, self.length(remaining), vocab_size)
         return self.plan(nodes, q)
 
+    def planned(self, draw, drafted: tuple, vocab_size: int) -> Plan:
+        """A proposer's drafted chain (ids [n], q [n, V] or None), as the rule's `ChainDraw` needs it."""
+        return self.plan(*draw.q_for(*drafted, vocab_size))
+
     def plan(self, nodes: torch.Tensor, q: torch.Tensor | None) -> Plan:
         """A drafted chain nodes [n] (q [n, V] or None) as this step's tree, nodes and q [1, n, V]."""
         return self.tree(nodes.numel()), nodes, None if q is None else q[None]
@@ -90,8 +94,16 @@ class TreeShape:
     def tree(self, n: int) -> Tree:
         return chain_tree(n)
 
+    def length(self, remaining: int) -> int:
+        """Drafts past the root the budget leaves (a tree is cut to it by `fit`)."""
+        return remaining - 1
+
     def draft(self, proposer, rule: AcceptRule, remaining: int, vocab_size: int) -> Plan:
-        tree, nodes = proposer.propose_tree()  # nodes [N-1]
+        return self.planned(None, proposer.propose_tree(), vocab_size)
+
+    def planned(self, draw, drafted: tuple, vocab_size: int) -> Plan:
+        """A proposer's drafted tree (tree, node tokens [N-1])."""
+        tree, nodes = drafted
         return tree, nodes.reshape(-1), None
 
     def fit(self, tree: Tree, tokens: torch.Tensor, remaining: int, past: int, ctx):
