@@ -201,15 +201,18 @@ def test_only_the_loop_runs_verification_forwards():
     """The target's prefill / verification forwards and cache compaction are called from
     verify/loop.py alone (verify/steps.py and verify/ragged.py define them; verify/shapes.py cuts
     trees and gathers accepted rows for it): a second decode loop fails here. The batched loop
-    runs every forward through `batch_forward`."""
+    runs every forward through `batch_forward`. One named exception: the grouped EAGLE drafter
+    compacts its own stacked draft cache with `keep_paths` (verify/eagle3_proposers.py), never the
+    target's."""
     loop_calls = {"batch_forward", "keep_paths", "merge_rows", "select_rows"}
     shape_calls = {"gather_rows", "fit_tree"}
     loop_only = loop_calls | shape_calls | {"prefill", "target_step", "tree_forward", "compact_cache"}
+    allowed = {"eagle3_proposers.py": {"keep_paths"}}
     offenders = {}
     for path in sorted(VERIFY.glob("*.py")):
         if path.name in ("loop.py", "steps.py", "ragged.py", "shapes.py"):
             continue
-        hit = calls_in(path) & loop_only
+        hit = calls_in(path) & loop_only - allowed.get(path.name, set())
         if hit:
             offenders[path.name] = sorted(hit)
     assert not offenders, offenders
