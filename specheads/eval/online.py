@@ -204,7 +204,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         if prediction:
             add_mixes(metrics, session, totals, outputs, max_new_tokens, quiet, batch_size)
             metrics["advice"]["by_concurrency"] = concurrency_advice(
-                target, prompts[0], StepCosts.from_dict(metrics["prediction"]["costs"]),
+                session, prompts, StepCosts.from_dict(metrics["prediction"]["costs"]),
                 spec["acceptance_per_position_conditional"])
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
