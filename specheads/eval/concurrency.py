@@ -190,6 +190,8 @@ def time_loop_overhead(session, prompts: list[list[int]], rows: int, steps: int 
                 sample = _bookkeeping(batch)
                 if rep and sample is not None:
                     samples[key].append(sample)
+    for batch in batches.values():  # their requests end here (proposers closed as a finished row's)
+        batch.drop([row.index for row in batch.rows])
     return tuple(_per_row(samples[(drafted, 1)], samples[(drafted, rows)]) for drafted in (True, False))
 
 
