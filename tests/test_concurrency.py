@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from bench_scripts import load_bench, unload_bench
 
 from specheads.eval.concurrency import BatchCosts, LoopOverhead, predict_by_batch, vllm_schedule
@@ -184,3 +185,28 @@ def test_drafter_timing_refuses_a_prompt_too_short(random_pair):
     target, head = random_pair
     with pytest.raises(PredictError, match="too short to time drafts of 4: it needs 8"):
         time_batch_drafts(target, head, [5, 6, 7], batch_sizes=(1,), ks=range(1, 5), reps=1)
+
+
+def test_a_rewound_drafter_repeats_its_step_exactly(random_pair):
+    """checkpoint / rewind (what makes the timed step repeatable): after a rewind the same accept
+    and drafts give the same draft tokens, and the draft cache is back to its rows."""
+    from specheads.eval.concurrency import positions_of
+    from specheads.verify.eagle3_proposers import Eagle3Proposer
+    from specheads.verify.steps import new_cache, target_step
+
+    target, head = random_pair
+    ids = torch.arange(3, 23)
+    prefill = target_step(target, ids[None], 0, new_cache(target), head.required_layers())
+    drafter = Eagle3Proposer(head, target)
+    drafter.start(ids[:12], int(ids[12]), prefill)
+    point = drafter.checkpoint()
+
+    def step():
+        drafter.accept(ids[12:15], ids[13:16], positions_of(prefill, 12, 3), 12)
+        return drafter.propose(4).tolist()
+
+    first = step()
+    assert drafter.rows == 15
+    drafter.rewind(point)
+    assert drafter.rows == 12 and drafter.cache.get_seq_length() == 12
+    assert step() == first and len(first) == 4
