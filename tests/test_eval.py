@@ -72,7 +72,7 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
     assert engines["llama.cpp"]["flags"].endswith(",draft-eagle3") and engines["specheads"]["use"] in (
         "drafter", "hybrid", "union", "adaptive")
     by = m["advice"]["by_concurrency"]  # the best k per batch size, as vLLM's schedule
-    assert [r["batch_size"] for r in by["rows"]] == [1, 8, 32]
+    assert [r["batch_size"] for r in by["rows"]] == [1, 8, 32] and by["drafter"] == "grouped"  # one draft group over B rows
     assert by["vllm_num_speculative_tokens_per_batch_size"] == [[1, 1, by["rows"][0]["best_k"]], [2, 8, by["rows"][1]["best_k"]],
                                                                [9, 32, by["rows"][2]["best_k"]]]
     report = (out / "report.md").read_text()

@@ -1,23 +1,37 @@
-"""Speed-up by concurrency: the cost of verifying B rows x n tokens, measured, the speed-up it
-predicts per batch size and draft length, and measured batched decodes beside it.
+"""Speed-up by concurrency: the cost of one decode step over B rows, measured part by part, the
+speed-up it predicts per batch size and draft length, and measured batched decodes beside it.
 
 At batch B a plain step verifies B x 1 tokens and a speculative step B x (k + 1) in one target
-forward; the drafter and the loop's bookkeeping run once per row (our verifier drafts row by
-row). So, with T_B(n) the measured seconds of one forward over B rows of n new tokens and the
-per-row costs measured at batch 1 (`StepCosts`):
+forward. EAGLE-3 / EAGLE-1 chain rows over one head draft as one group (docs/algorithms.md §8.7):
+one catch-up forward over every row's accepted tokens, then one forward per further draft
+position, each over all B rows. So, per step,
 
-    plain_step(B)   = T_B(1) + B * o_plain
-    spec_step(B, k) = T_B(k + 1) + B * (draft_fixed + k * draft_per_level + o_spec)
+    plain_step(B)   = T_B(1) + p_step + B * p_row
+    spec_step(B, k) = T_B(k + 1) + D_B(k) + o_step + B * o_row
     speed-up(B, k)  = E_k * plain_step(B) / spec_step(B, k)
 
-with E_k the expected tokens per row and step (acceptance is per row: it does not depend on B).
-The best k per batch size becomes vLLM's `num_speculative_tokens_per_batch_size` schedule.
+* T_B(n): one target forward over B rows of n new tokens (`time_batch_forwards`);
+* D_B(k): the drafter's part of a step over B rows (`time_batch_drafts`: every row's accept, then
+  the group's drafting through `draft_group`, a lone row's through `propose`), timed on real
+  prefilled rows; heads that do not group (and n-gram or tree rows) keep B * (draft_fixed +
+  k * draft_per_level), per row;
+* o_step + B * o_row (p_* for plain steps): the loop's own seconds per step outside the target's
+  section and the drafter (`Batch.step` bookkeeping), batch 1's measured in its decodes and its
+  growth per row measured in situ on short batches of 1 and of the largest B (`time_loop_overhead`);
+* E_k: the expected tokens per row and step (acceptance is per row: it does not depend on B).
+
+T_B and D_B are micro-timed, then scaled by how batch 1's forwards and drafting inside real decodes
+compared with their micro-timing (`StepCosts` corrected by `mixes.in_situ_costs`), so batch 1 is
+priced by its own decodes and every larger batch is a prediction: nothing is fitted to the batched
+decodes it is compared with. The best k per batch size becomes vLLM's
+`num_speculative_tokens_per_batch_size` schedule.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -31,8 +45,13 @@ from specheads.eval.predict import (
     measure_costs,
     median_round_robin,
 )
+from specheads.protocols import GroupedProposer
+from specheads.target import TargetOutput
+from specheads.verify.loop import Batch
 from specheads.verify.ragged import batch_forward
-from specheads.verify.steps import DecodeStats, new_cache, trim_cache
+from specheads.verify.registry import make_proposer
+from specheads.verify.settings import TreeSpec
+from specheads.verify.steps import Clock, DecodeStats, new_cache, target_step, trim_cache
 
 BATCH_SIZES = (1, 8, 32)
 WITHIN = 0.10  # predicted and measured speed-ups agree when within 10% of the measured one
@@ -81,31 +100,217 @@ def _forward(target, ids: torch.Tensor, n: int, rows: int, past: int, cache):
     return run
 
 
+# --- the drafter over B rows -----------------------------------------------------------------------
+
+
+def group_drafter_of(proposer):
+    """The object a chain proposer drafts a group with, or None (it drafts row by row)."""
+    return proposer.group_drafter() if isinstance(proposer, GroupedProposer) else None
+
+
+def time_batch_drafts(target, head, prompt_ids: list[int], batch_sizes=BATCH_SIZES, ks=range(1, 5),
+                      reps: int = 5) -> dict[int, dict[int, float]] | None:
+    """Median seconds of the drafter's part of one decode step over B rows drafting chains of k ->
+    {B: {k: s}}: every row accepts the tokens it accepted last step, then B >= 2 rows draft as one
+    group (`draft_group`: the catch-up forward, then k - 1 forwards), a lone row alone (`propose`),
+    as `loop.propose_all` does. None when the head's chain proposer does not group."""
+    ks = sorted(ks)
+    lead = group_drafter_of(make_proposer(TreeSpec("chain", k=ks[-1]), head, target))
+    if lead is None:
+        return None
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)  # [P]
+    if ids.numel() < ks[-1] + 4:
+        raise PredictError(f"the prompt ({ids.numel()} tokens) is too short to time drafts of "
+                           f"{ks[-1]}: it needs {ks[-1] + 4}")
+    out = {}
+    with torch.no_grad():
+        prefill = target_step(target, ids[None], 0, new_cache(target), lead.layers)  # [1, P, ...]
+        for rows in batch_sizes:
+            members, points = draft_rows(target, head, ids, prefill, rows, ks[-1])
+            out[rows] = median_round_robin({k: _draft_step(members, points, ids, prefill, k) for k in ks},
+                                            reps, target.device)
+    return out
+
+
+def draft_rows(target, head, ids: torch.Tensor, prefill, rows: int, k_max: int) -> tuple[list, list]:
+    """`rows` drafters started on prefixes of ids [P] (every other row one shorter, as ragged as a
+    real batch), leaving room for k_max + 1 accepted tokens after each; two or more rows run one
+    group step first (from then on they defer `accept` to the group, as in the loop)."""
+    members = [group_drafter_of(make_proposer(TreeSpec("chain", k=k_max), head, target)) for _ in range(rows)]
+    for b, m in enumerate(members):
+        start = ids.numel() - k_max - 2 - b % 2
+        m.start(ids[:start], int(ids[start]), prefill)
+    if rows > 1:
+        members[0].draft_group(members, [1] * rows, [None] * rows)
+    return members, [m.checkpoint() for m in members]
+
+
+def _draft_step(members: list, points: list, ids: torch.Tensor, prefill, k: int):
+    """A repeatable drafter step: back to the checkpoints, row b accepts k + 1 - b % (k + 1) tokens
+    (ragged; the longest accepted every draft), then drafts of k."""
+    rows = len(members)
+
+    def run():
+        for b, (m, point) in enumerate(zip(members, points)):
+            m.rewind(point)
+            lo, n = point[0], k + 1 - b % (k + 1)
+            m.accept(ids[lo: lo + n], ids[lo + 1: lo + n + 1], positions_of(prefill, lo, n), lo)
+        if rows == 1:
+            members[0].propose(k)
+        else:
+            members[0].draft_group(members, [k] * rows, [None] * rows)
+    return run
+
+
+def positions_of(out: TargetOutput, lo: int, n: int) -> TargetOutput:
+    """Positions lo .. lo + n - 1 of a one-row forward (views): what the target's verification of
+    those tokens hands the drafter."""
+    return TargetOutput(logits=out.logits[:, lo: lo + n], hidden={i: h[:, lo: lo + n] for i, h in out.hidden.items()},
+                        final=None if out.final is None else out.final[:, lo: lo + n])
+
+
+# --- the loop's own seconds --------------------------------------------------------------------------
+
+
+def time_loop_overhead(session, prompts: list[list[int]], rows: int, steps: int = 6) -> tuple[float, float] | None:
+    """Growth per row of the loop's own seconds per step (`Batch.step` outside the target's section
+    and the drafter's clocks), speculative and plain: batches of 1 and of `rows` rows stepped in
+    situ, interleaved -> (speculative, plain) seconds per extra row; None when no prompt leaves room."""
+    budget = (steps + 2) * (session.k + 1)
+    ctx = session.target.context or 1 << 30
+    fit = [p for p in prompts if len(p) + budget <= ctx]
+    if not fit or rows < 2:
+        return None
+    batches = {(drafted, size): _admitted(session, fit, size, drafted, budget)
+               for drafted in (True, False) for size in (1, rows)}
+    samples: dict = {key: [] for key in batches}
+    with torch.no_grad():
+        for rep in range(steps + 1):  # step 0 warms up, untimed
+            for key, batch in batches.items():
+                sample = _bookkeeping(batch)
+                if rep and sample is not None:
+                    samples[key].append(sample)
+    for batch in batches.values():  # their requests end here (proposers closed as a finished row's)
+        batch.drop([row.index for row in batch.rows])
+    return tuple(_per_row(samples[(drafted, 1)], samples[(drafted, rows)]) for drafted in (True, False))
+
+
+def _admitted(session, prompts: list[list[int]], rows: int, drafted: bool, budget: int) -> Batch:
+    """A batch of `rows` requests (prompts cycled), prefilled."""
+    batch = Batch(session.target)
+    reqs = [session.request(prompts[b % len(prompts)], budget, drafted=drafted) for b in range(rows)]
+    with torch.no_grad():
+        batch.admit(list(enumerate(reqs)))
+    return batch
+
+
+def _bookkeeping(batch: Batch) -> tuple[int, float] | None:
+    """One step of the batch -> (its rows, its seconds outside the target's section and the drafter)."""
+    rows = list(batch.rows)
+    if not rows:
+        return None
+    target_s, draft_s = batch.clock.seconds, sum(row.prop_clock.seconds for row in rows)
+    clock = Clock(batch.target.device)
+    with clock:
+        batch.step()
+    target_s, draft_s = batch.clock.seconds - target_s, sum(row.prop_clock.seconds for row in rows) - draft_s
+    return len(rows), max(clock.seconds - target_s - draft_s, 0.0)
+
+
+def _per_row(small: list[tuple[int, float]], large: list[tuple[int, float]]) -> float:
+    """Seconds per extra row between two batches' median (rows, seconds) steps (never negative)."""
+    if not small or not large:
+        return 0.0
+    (b1, s1), (b2, s2) = ((statistics.median(r for r, _ in x), statistics.median(s for _, s in x)) for x in (small, large))
+    return max((s2 - s1) / (b2 - b1), 0.0) if b2 > b1 else 0.0
+
+
+@dataclass(frozen=True)
+class LoopOverhead:
+    """The loop's own seconds per step at B rows: batch 1's plus (B - 1) per extra row, i.e. a
+    per-step part (one_s - row_s) and B * row_s; speculative and plain steps apart."""
+
+    spec_one_s: float
+    spec_row_s: float
+    plain_one_s: float
+    plain_row_s: float
+
+    def spec(self, rows: int) -> float:
+        return self.spec_one_s + (rows - 1) * self.spec_row_s
+
+    def plain(self, rows: int) -> float:
+        return self.plain_one_s + (rows - 1) * self.plain_row_s
+
+    @classmethod
+    def per_row(cls, costs: StepCosts) -> LoopOverhead:
+        """Batch 1's overheads charged per row at every size (nothing shared by the step)."""
+        return cls(costs.overhead_s, costs.overhead_s, plain_overhead(costs), plain_overhead(costs))
+
+    @classmethod
+    def growing(cls, costs: StepCosts, spec_row_s: float, plain_row_s: float) -> LoopOverhead:
+        """Batch 1's overheads (`costs`, from its decodes) growing by the measured seconds per row."""
+        return cls(costs.overhead_s, spec_row_s, plain_overhead(costs), plain_row_s)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "spec_step_s": self.spec_one_s - self.spec_row_s,
+                "plain_step_s": self.plain_one_s - self.plain_row_s}
+
+
+def plain_overhead(costs: StepCosts) -> float:
+    """A plain step's seconds outside the target's section, at batch 1."""
+    return max(costs.plain() - costs.target(1), 0.0)
+
+
+# --- the cost model ---------------------------------------------------------------------------------
+
+
+def curve(points: dict[int, float], x: int) -> float:
+    """A measured curve at x (linear between measured points and beyond them, `StepCosts`' way)."""
+    return StepCosts(target_s=points).target(x)
+
+
+def between_sizes(table: dict[int, dict[int, float]], rows: int, x: int) -> float:
+    """{B: curve} at `rows` rows: linear between the measured batch sizes around it."""
+    sizes = sorted(table)
+    lo = max([b for b in sizes if b <= rows], default=sizes[0])
+    hi = min([b for b in sizes if b >= rows], default=sizes[-1])
+    at = {b: curve(table[b], x) for b in {lo, hi}}
+    return at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (rows - lo) / (hi - lo)
+
+
 @dataclass(frozen=True)
 class BatchCosts:
-    """Forward seconds per batch size and token count, and the per-row costs measured at batch 1."""
+    """A decode step's parts over B rows (module docstring): target forwards and grouped drafter
+    steps micro-timed per batch size, batch 1's costs from its decodes, the loop's overhead."""
 
     forwards: dict[int, dict[int, float]]  # B -> n -> seconds (micro-timed; B = 1 included)
     per_row: StepCosts  # batch-1 costs corrected by real decodes (mixes.in_situ_costs)
+    drafts: dict[int, dict[int, float]] | None = None  # B -> k -> seconds of D_B(k); None: per row
+    overhead: LoopOverhead | None = None  # None: batch 1's, per row (LoopOverhead.per_row)
 
     def target(self, rows: int, n: int) -> float:
-        """T_B(n): the micro-timed forward (linear between measured counts, StepCosts' way, and between
-        measured batch sizes), scaled by how batch-1 forwards inside real decodes (`per_row.target`)
-        compared with their micro-timing."""
-        sizes = sorted(self.forwards)
-        lo = max([b for b in sizes if b <= rows], default=sizes[0])
-        hi = min([b for b in sizes if b >= rows], default=sizes[-1])
-        at = {b: StepCosts(target_s=self.forwards[b]).target(n) for b in {lo, hi}}
-        micro = at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (rows - lo) / (hi - lo)
-        return micro * self.per_row.target(n) / StepCosts(target_s=self.forwards[1]).target(n)
+        """T_B(n): the micro-timed forward (linear between measured counts and batch sizes), scaled
+        by how batch-1 forwards inside real decodes (`per_row.target`) compared with their micro-timing."""
+        return between_sizes(self.forwards, rows, n) * self.per_row.target(n) / curve(self.forwards[1], n)
+
+    def draft(self, rows: int, k: int) -> float:
+        """D_B(k): the grouped drafter step (micro-timed, scaled as `target` by batch 1's drafting in
+        real decodes), or B times batch 1's drafting per row for a head that does not group."""
+        own = self.per_row.draft_fixed_s + k * self.per_row.draft_per_level_s
+        if self.drafts is None:
+            return rows * own
+        one = curve(self.drafts[1], k)
+        return between_sizes(self.drafts, rows, k) * own / one if one > 0 else 0.0
+
+    @property
+    def loop(self) -> LoopOverhead:
+        return self.overhead or LoopOverhead.per_row(self.per_row)
 
     def plain_step(self, rows: int) -> float:
-        overhead = max(self.per_row.plain() - self.per_row.target(1), 0.0)
-        return self.target(rows, 1) + rows * overhead
+        return self.target(rows, 1) + self.loop.plain(rows)
 
     def spec_step(self, rows: int, k: int) -> float:
-        c = self.per_row
-        return self.target(rows, k + 1) + rows * (c.draft_fixed_s + k * c.draft_per_level_s + c.overhead_s)
+        return self.target(rows, k + 1) + self.draft(rows, k) + self.loop.spec(rows)
 
     def speedup(self, rows: int, k: int, tokens_per_step: float) -> float:
         """Full batches in steady state (every row decoding every step)."""
@@ -117,10 +322,28 @@ class BatchCosts:
         plain = continuous_seconds(plain_steps, rows, self.plain_step)
         return plain / continuous_seconds(spec_steps, rows, lambda b: self.spec_step(b, k))
 
-
     def to_dict(self) -> dict:
-        return {"forwards_s": {str(b): {str(n): s for n, s in f.items()} for b, f in self.forwards.items()},
+        return {"forwards_s": as_json(self.forwards), "drafts_s": as_json(self.drafts) if self.drafts else None,
+                "drafter": "grouped" if self.drafts else "per row", "loop_overhead": self.loop.to_dict(),
                 "per_row": self.per_row.to_dict()}
+
+
+def as_json(table: dict[int, dict[int, float]]) -> dict[str, dict[str, float]]:
+    return {str(b): {str(n): s for n, s in f.items()} for b, f in table.items()}
+
+
+def batch_costs(session, prompts: list[list[int]], per_row: StepCosts, batch_sizes=BATCH_SIZES,
+                reps: int = 5) -> BatchCosts:
+    """Every part of `BatchCosts` measured for the session's target and drafter (drafts of 1 ..
+    max(4, k) timed; the loop's growth per row between 1 and the largest batch size)."""
+    target, k_max = session.target, max(4, session.k)
+    forwards = time_batch_forwards(target, prompts[0], batch_sizes, reps=reps)
+    ctx = target.context or 1 << 30
+    long_enough = [p for p in prompts if k_max + 4 <= len(p) <= ctx]
+    drafts = time_batch_drafts(target, session.head, long_enough[0], batch_sizes, range(1, k_max + 1),
+                               reps) if long_enough else None
+    growth = time_loop_overhead(session, prompts, max(batch_sizes))
+    return BatchCosts(forwards, per_row, drafts, LoopOverhead.growing(per_row, *growth) if growth else None)
 
 
 def continuous_seconds(steps: list[int], rows: int, step_s) -> float:
@@ -160,13 +383,14 @@ def vllm_schedule(rows: list[dict]) -> list[list[int]]:
     return schedule
 
 
-def concurrency_advice(target, prompt_ids: list[int], per_row: StepCosts, cond: list[float],
+def concurrency_advice(session, prompts: list[list[int]], per_row: StepCosts, cond: list[float],
                        batch_sizes=BATCH_SIZES, reps: int = 3) -> dict:
-    """eval's advice by concurrency: the best k at each batch size, predicted from forwards timed
-    over B rows here and eval's per-row costs, and vLLM's per-batch-size schedule of it."""
-    rows = predict_by_batch(BatchCosts(time_batch_forwards(target, prompt_ids, batch_sizes, reps=reps), per_row), cond)
+    """eval's advice by concurrency: the best k at each batch size, predicted from the step's parts
+    timed over B rows here (`batch_costs`) and eval's batch-1 costs, and vLLM's schedule of it."""
+    costs = batch_costs(session, prompts, per_row, batch_sizes, reps)
+    rows = predict_by_batch(costs, cond)
     return {"rows": [{k: v for k, v in r.items() if k != "speedup_by_k"} for r in rows],
-            "vllm_num_speculative_tokens_per_batch_size": vllm_schedule(rows)}
+            "vllm_num_speculative_tokens_per_batch_size": vllm_schedule(rows), "drafter": costs.to_dict()["drafter"]}
 
 
 def timed(fn) -> tuple[object, float]:
@@ -201,14 +425,15 @@ def concurrency_table(session, prompts: list[list[int]], max_new_tokens: int, ba
     best k per size. Per-row costs: micro-timed, corrected by the batch-1 decodes of this run
     (`mixes.in_situ_costs`, as eval does); each request's forwards at batch 1 give the workload that
     `continuous_seconds` schedules at every size, so the batch-1 row checks the cost model on its
-    own decodes and every larger batch is a prediction from T_B(n) and batch-1 counts alone."""
+    own decodes and every larger batch is a prediction from the parts timed over B rows
+    (`batch_costs`) and batch-1 counts alone."""
     if 1 not in batch_sizes:
         raise PredictError("the concurrency table needs batch size 1 (it prices the per-row costs)")
     measured, stats, steps = measure_by_batch(session, prompts, max_new_tokens, batch_sizes)
     plain1, spec1 = stats[1]
     per_row = in_situ_costs(measure_costs(session.target, session.head, prompts[:4], k_max=max(session.k, 2)),
                             plain1, spec1)
-    costs = BatchCosts(time_batch_forwards(session.target, prompts[0], batch_sizes, reps=reps), per_row)
+    costs = batch_costs(session, prompts, per_row, batch_sizes, reps)
     for row in measured:
         row["predicted_speedup"] = costs.workload_speedup(row["batch_size"], session.k, *steps[1])
         row["predicted_speedup_full_batches"] = costs.speedup(row["batch_size"], session.k, row["tau"])
@@ -231,4 +456,9 @@ def markdown(table: dict) -> str:
     lines.append("")
     lines.append(f"vLLM: `\"num_speculative_tokens_per_batch_size\": {table['vllm_num_speculative_tokens_per_batch_size']}`"
                  " in `--speculative-config` (k 0: speculation off at that size).")
+    drafter = table.get("costs", {}).get("drafter")
+    if drafter:
+        how = ("one draft group over B rows, timed per batch size" if drafter == "grouped"
+               else "per row, batch 1's cost times B")
+        lines.append(f"Predicted: spec_step(B, k) = T_B(k + 1) + D_B(k) + o_step + B * o_row; the drafter D_B: {how}.")
     return "\n".join(lines) + "\n"

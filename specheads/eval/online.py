@@ -241,7 +241,7 @@ def predict_chain(metrics: dict, session: Session, totals: Totals, outputs: list
         metrics["advice"]["sampling"] = mix.sampling.describe()
     costs = StepCosts.from_dict(metrics["prediction"]["costs"])
     add_mixes(metrics, session, totals, outputs, costs, max(session.k, metrics["prediction"]["best_chain_k"]), mix)
-    metrics["advice"]["by_concurrency"] = concurrency_advice(target, prompts[0], costs, cond)
+    metrics["advice"]["by_concurrency"] = concurrency_advice(session, prompts, costs, cond)
 
 
 def predict_tree(metrics: dict, session: Session, totals: Totals, outputs: list[dict], prompts: list[list[int]],

@@ -289,7 +289,7 @@ def concurrency_lines(by: dict | None) -> list[str]:
         return []
     each = ", ".join(f"batch {r['batch_size']}: " + (f"k = {r['best_k']} ({r['best_speedup']:.2f}x)" if r["best_k"]
                                                      else "no speculation") for r in by["rows"])
-    return [f"- By concurrency (predicted from target forwards over B rows timed by eval): {each}",
+    return [f"- By concurrency (predicted from target forwards and drafter steps over B rows timed by eval): {each}",
             f"  - vLLM: `\"num_speculative_tokens_per_batch_size\": {by['vllm_num_speculative_tokens_per_batch_size']}` "
             "in `--speculative-config` (k 0: no speculation at that size)",
             "  - SGLang and llama.cpp take one draft length per server (`--speculative-num-steps`, "

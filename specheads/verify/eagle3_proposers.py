@@ -133,6 +133,18 @@ class Eagle3Proposer:
         if not self.deferred:
             self.catch_up()
 
+    def checkpoint(self) -> tuple[int, torch.Tensor]:
+        """Its verified draft state (rows, last output [1, 1, H]), for `rewind` (a timing repeats a step)."""
+        if self.pending is not None:
+            raise RuntimeError("checkpoint with accepted rows pending: draft (or catch up) first")
+        return self.rows, self.last_out
+
+    def rewind(self, point: tuple[int, torch.Tensor]) -> None:
+        """Back to a `checkpoint`: later rows cropped from the draft cache, pending rows dropped."""
+        self.rows, self.last_out = point
+        self.pending = None
+        trim_cache(self.cache, self.rows)
+
     # --- draft groups (protocols.GroupedProposer) ----------------------------------------------
 
     def group_drafter(self) -> Eagle3Proposer | None:
