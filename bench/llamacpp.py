@@ -25,7 +25,8 @@ from pathlib import Path
 from specheads.atomic import write_json, write_text
 from specheads.engines import llamacpp as lc
 from specheads.engines import llamacpp_check
-from specheads.eval.predict import StepCosts, predict
+from specheads.eval.engine_costs import curve_costs
+from specheads.eval.predict import MIN_GAIN, predict
 
 DRAFTLESS_ROWS = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
@@ -79,11 +80,18 @@ def markdown(result: dict) -> str:
     if predicted:
         lines += ["", f"Predicted from llama.cpp's own cost curve ({result['cost_curve_from']}): each row's step mix "
                   "priced at t(n) (+ the drafter's cost on every step of a row with the draft model). "
-                  f"**Recommended: {result['recommended']}**; fastest measured: {result['fastest_measured']}."]
+                  f"**Recommended: {recommended_label(result['recommended'])}** (speculation only when predicted >= "
+                  f"{1 + result['min_gain']:.2f}x); fastest measured: {result['fastest_measured']}; plain drifted "
+                  f"{result['drift']:.1%} between its two runs; the recommendation is "
+                  f"{'' if result['recommended_is_fastest'] else 'NOT '}the fastest measured within that noise."]
     return "\n".join(lines) + "\n"
 
 
 # --- cost curve: llama.cpp's own draft and verification costs, and the speed-up they predict ---------
+def recommended_label(row: str) -> str:
+    return "no speculation (plain)" if row == "plain" else row
+
+
 def cond_acceptance(mine: dict) -> list[float]:
     """Conditional acceptance per draft position from our verifier's counts (llamacpp_check.ours)."""
     out, prev = [], mine["drafts"]
@@ -181,9 +189,7 @@ def cost_curve(run: dict) -> dict:
 
 def predicted(curve: dict, cond: list[float], ks: list[int]):
     """eval/predict.py's chain prediction from llama.cpp's measured costs."""
-    costs = StepCosts({n: ms / 1000 for n, ms in curve["t_ms"].items()}, draft_fixed_s=curve["draft_fixed_ms"] / 1000,
-                      draft_per_level_s=curve["draft_per_token_ms"] / 1000, plain_step_s=curve["plain_step_ms"] / 1000)
-    return predict(cond, costs, ks=ks)
+    return predict(cond, curve_costs(curve), ks=ks)
 
 
 def cost_markdown(r: dict) -> str:
@@ -248,8 +254,16 @@ def add_row_predictions(result: dict, cost: dict) -> None:
         row["within_10pct"] = (abs(row["predicted_speedup"] / row["measured_speedup"] - 1) <= 0.10
                                if row["predicted_speedup"] and row["measured_speedup"] else None)
     rows = result["rows"][:-1]  # the last is plain again (drift)
-    result["recommended"] = max(rows, key=lambda r: r["predicted_speedup"] or 0)["row"]
-    result["fastest_measured"] = max(rows, key=lambda r: r["measured_speedup"] or 0)["row"]
+    best = max(rows, key=lambda r: r["predicted_speedup"] or 0)
+    # speculation only where it is predicted to beat plain by MIN_GAIN (eval's rule): smaller gains are noise
+    recommended = best if (best["predicted_speedup"] or 0) >= 1 + MIN_GAIN else rows[0]
+    fastest = max(rows, key=lambda r: r["measured_speedup"] or 0)
+    # plain measured twice: how far the machine drifted is how far apart two rows can be by chance
+    noise = abs((result["rows"][-1]["measured_speedup"] or 1.0) - 1.0)
+    result["recommended"], result["fastest_measured"] = recommended["row"], fastest["row"]
+    result["min_gain"], result["drift"] = MIN_GAIN, noise
+    result["recommended_is_fastest"] = recommended is fastest or (
+        (recommended["measured_speedup"] or 0) >= (fastest["measured_speedup"] or 0) * (1 - max(noise, MIN_GAIN)))
     result["cost_curve_from"] = cost.get("source")
 
 

@@ -63,6 +63,8 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-predict", action="store_true", help="skip the step-cost measurement, the prediction and the hybrid rows")
     p.add_argument("--verifier-json", help="bench/verifier.py's verifier.json: plot measured speed-ups")
     p.add_argument("--bench-json", help="server load test JSON: plot throughput over concurrency")
+    p.add_argument("--llamacpp-cost", help="bench/llamacpp.py --cost's JSON: predict the drafter in llama.cpp from "
+                   "llama.cpp's own measured costs and advise its k (or no speculation)")
     p.add_argument("--attach", action="store_true",
                    help="also copy metrics, report and plots into the export and its README (for push)")
     p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
@@ -118,7 +120,7 @@ def _eval_online(a: argparse.Namespace) -> int:
                  sampling=sampling_from_args(a), predict=not a.no_predict,
                  verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet,
                  dtype=a.dtype, device=a.device, allow_missing_fingerprint=a.allow_missing_fingerprint,
-                 batch_size=a.batch_size)
+                 batch_size=a.batch_size, llamacpp_cost=a.llamacpp_cost)
     d = m["speculative"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     free = ", ".join(f"{key} {m[key]['tau']:.3f}" for key in ("ngram", "suffix") if key in m)

@@ -41,6 +41,8 @@ def work(tmp_path):
                                                "U+DC00 at position 0"]),
     (["--verifier-json", "missing.json"], ["--verifier-json 'missing.json'"]),
     (["--bench-json", "broken.json"], ["broken.json", "not valid JSON"]),
+    (["--llamacpp-cost", "broken.json"], ["llama.cpp cost file 'broken.json'", "not readable JSON"]),
+    (["--llamacpp-cost", "missing.json"], ["'missing.json' does not exist", "bench/llamacpp.py --cost"]),
     (["--draft", "no_export"], ["no_export", "does not exist"]),
     (["--target", "no_target"], ["no_target"]),
     (["--tree", "eagle2", "--top-k", "0"], ["--top-k"]),

@@ -36,8 +36,12 @@ def prompts_file(tmp_path):
 
 def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "out"
+    cost = tmp_path / "llamacpp_cost.json"  # llama.cpp's measured curve: verification linear in n (a CPU)
+    cost.write_text(json.dumps({"version": "v", "quantization": "Q4_1", "threads": 2, "curve": {
+        "t_ms": {str(n): 5.0 * n for n in range(1, 5)}, "plain_step_ms": 5.0, "draft_fixed_ms": 1.0,
+        "draft_per_token_ms": 0.7}}))
     rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts",
-              str(prompts_file), "--out", str(out), "--max-new-tokens", "12", "--k", "2"])
+              str(prompts_file), "--out", str(out), "--max-new-tokens", "12", "--k", "2", "--llamacpp-cost", str(cost)])
     assert rc == 0 and "tau=" in capsys.readouterr().out
     m = json.loads((out / "metrics.json").read_text())
     assert m["greedy_equal"] is True and m["mismatched_ids"] == [] and m["k"] == 2
@@ -69,8 +73,10 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
     assert m["suffix"]["predicted_speedup_model"] == "measured step mix priced by measured step costs"
     engines = m["advice"]["engines"]
     assert engines["vllm"]["use"] in ("suffix", "drafter") and engines["sglang"]["use"] in ("ngram", "drafter")
-    assert engines["llama.cpp"]["flags"].endswith(",draft-eagle3") and engines["specheads"]["use"] in (
-        "drafter", "hybrid", "union", "adaptive")
+    assert engines["specheads"]["use"] in ("drafter", "hybrid", "union", "adaptive")
+    # llama.cpp priced at its own (linear) costs: no k pays, whatever the acceptance
+    assert engines["llama.cpp"]["use"] == "no speculation" and engines["llama.cpp"]["curve_from"] == str(cost)
+    assert m["llamacpp"]["spec_type"] == "draft-eagle3" and max(m["llamacpp"]["speedup_by_k"].values()) < 1.0
     by = m["advice"]["by_concurrency"]  # the best k per batch size, as vLLM's schedule
     assert [r["batch_size"] for r in by["rows"]] == [1, 8, 32] and by["drafter"] == "grouped"  # one draft group over B rows
     assert by["vllm_num_speculative_tokens_per_batch_size"] == [[1, 1, by["rows"][0]["best_k"]], [2, 8, by["rows"][1]["best_k"]],
@@ -78,6 +84,7 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
     report = (out / "report.md").read_text()
     assert "adaptive draft length (drafter + suffix) tau" in report and "Best setting per engine" in report
     assert "num_speculative_tokens_per_batch_size" in report
+    assert "## In llama.cpp (its own measured costs)" in report and "use: **no speculation**" in report
     assert "## Draft calibration" in report and f"ECE {cal['ece_raw']:.3f}" in report and (out / "reliability.png").is_file()
 
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]

@@ -30,6 +30,7 @@ from specheads.atomic import write_text
 from specheads.data.prompts import read_prompts, user_turn
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.eval.concurrency import concurrency_advice
+from specheads.eval.engine_costs import add_llamacpp_prediction, read_llamacpp_cost
 from specheads.eval.mixes import (
     engine_advice,
     evaluate_mixes,
@@ -115,7 +116,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              tree: TreeSpec | None = None, sampling: Sampling | None = None,
              predict: bool = True, verifier_json: str | None = None, bench_json: str | None = None,
              attach: bool = False, quiet: bool = False, dtype: str | None = None,
-             device: str = "auto", allow_missing_fingerprint: bool = False, batch_size: int = 1) -> dict:
+             device: str = "auto", allow_missing_fingerprint: bool = False, batch_size: int = 1,
+             llamacpp_cost: str | None = None) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
     `predict` adds the hybrid rows, and for chains (greedy or sampled) the predicted speed-up per k
@@ -129,6 +131,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     `batch_size` sequences share each target forward (eval/waves.py): tau, acceptance and outputs
     are batch 1's (suffix decoding's drafts aside), a measured speed-up compares speculative and
     plain decoding both at that batch size, and the prediction stays batch 1's.
+
+    `llamacpp_cost` (a `bench/llamacpp.py --cost` JSON) prices the drafter's acceptance at llama.cpp's
+    own measured costs: the advice for llama.cpp then says which k, or no speculation.
     """
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -140,6 +145,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     rows = read_prompts(prompts_file, limit)
     # broken inputs fail before decoding
     verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")
+    llamacpp = read_llamacpp_cost(llamacpp_cost) if llamacpp_cost else None
     if not Path(draft_dir).is_dir():
         raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
                                 "written by `specheads export`")
@@ -197,6 +203,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         prompts = [eval_prompt_ids(target.tokenizer, user_turn(r.turns[0])) for r in rows]
         mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet)
         (predict_chain if tree.kind == "chain" else predict_tree)(metrics, session, totals, outputs, prompts, mix)
+    if llamacpp is not None:
+        add_llamacpp_prediction(metrics, llamacpp, session.draft.meta.kind, session.draft.meta.format)
     out = Path(out_dir)
     write_text(out / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
     write_report(out, metrics, outputs, verifier, bench)

@@ -254,6 +254,8 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
                   *prediction_table(pred, measured)]
     if adv:
         lines += ["", *advice_lines(adv)]
+    if metrics.get("llamacpp"):
+        lines += ["", *llamacpp_lines(metrics["llamacpp"])]
     if plots:
         lines += ["", "## Plots", "", *[f"![{name}]({file})" for name, file in plots.items()]]
     return "\n".join(lines) + "\n"
@@ -296,6 +298,21 @@ def concurrency_lines(by: dict | None) -> list[str]:
             "`--spec-draft-n-max`): the k of the concurrency you expect most"]
 
 
+def llamacpp_lines(lc: dict) -> list[str]:
+    """The drafter priced at llama.cpp's own measured costs (eval/engine_costs.py)."""
+    if lc.get("skipped"):
+        return [f"- llama.cpp prediction: skipped ({lc['skipped']})"]
+    m = lc["measured_in"]
+    v = ", ".join(f"v({n}) = {x:.2f}" for n, x in sorted(lc["v"].items()))
+    by_k = ", ".join(f"k={k}: {x:.2f}x" for k, x in lc["speedup_by_k"].items())
+    return ["## In llama.cpp (its own measured costs)", "",
+            f"Costs measured in llama-server {m.get('version')} ({m.get('quantization')} target, {m.get('threads')} "
+            f"threads, OMP_WAIT_POLICY {m.get('omp_wait_policy')}; `{lc['curve_from']}`): {v}; a draft token "
+            f"c = {lc['c']:.2f} of a plain step.", "",
+            f"- predicted speed-up over plain llama.cpp per `--spec-draft-n-max`: {by_k}",
+            f"- use: **{lc['use']}** (speculation only when predicted >= {1 + lc['min_gain']:.2f}x)"]
+
+
 def advice_line(engines: dict) -> str:
     """One line per engine of `engine_advice`, for report.md and the terminal."""
     parts = []
@@ -303,7 +320,8 @@ def advice_line(engines: dict) -> str:
         if name == "specheads":
             parts.append(f"specheads serve: {e['use']} (predicted {e['predicted_speedup']:.2f}x)")
         elif name == "llama.cpp":
-            parts.append(f"llama.cpp: {e['use']} (`{e['flags']}`)")
+            predicted = f", predicted {e['predicted_speedup']:.2f}x from its own costs" if "curve_from" in e else ""
+            parts.append(f"llama.cpp: {e['use']} (`{e['flags']}`{predicted})")
         else:
             what = f"`{e['flags']}`" if e["flags"] else "the drafter"
             parts.append(f"{e['engine']}: {what} (predicted {e['predicted_speedup']:.2f}x)")
