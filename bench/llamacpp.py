@@ -262,8 +262,8 @@ def add_row_predictions(result: dict, cost: dict) -> None:
     noise = abs((result["rows"][-1]["measured_speedup"] or 1.0) - 1.0)
     result["recommended"], result["fastest_measured"] = recommended["row"], fastest["row"]
     result["min_gain"], result["drift"] = MIN_GAIN, noise
-    result["recommended_is_fastest"] = recommended is fastest or (
-        (recommended["measured_speedup"] or 0) >= (fastest["measured_speedup"] or 0) * (1 - max(noise, MIN_GAIN)))
+    result["recommended_is_fastest"] = ((recommended["measured_speedup"] or 0)
+                                        >= (fastest["measured_speedup"] or 0) * (1 - max(noise, MIN_GAIN)))
     result["cost_curve_from"] = cost.get("source")
 
 
