@@ -34,17 +34,18 @@ DRAFTS = {1: {1: 0.2, 2: 0.3, 4: 0.5}, 32: {1: 0.6, 2: 0.9, 4: 1.5}}
 
 
 def test_grouped_drafter_and_loop_overhead_golden_values():
-    """D_B(k): the micro-timed group step scaled by batch 1's drafting in real decodes (0.35 / 0.4 at
-    k = 3); the loop: batch 1's overhead plus the measured seconds per extra row."""
+    """D_B(k): batch 1's own drafting; above, the micro-timed group step scaled by one factor, the
+    median over k of batch 1's drafting in real decodes over its micro-timing (0.15 / 0.2, 0.25 / 0.3,
+    0.45 / 0.5 -> 5 / 6); the loop: batch 1's overhead plus the measured seconds per extra row."""
     costs = BatchCosts(FORWARDS, PER_ROW, DRAFTS, LoopOverhead.growing(PER_ROW, 0.001, 0.0005))
     assert costs.draft(1, 3) == pytest.approx(0.35)  # batch 1: its own decodes' drafting
-    assert costs.draft(32, 3) == pytest.approx(1.2 * 0.875)
-    assert costs.draft(16, 3) == pytest.approx((0.4 + 0.8 * 15 / 31) * 0.875)
-    assert costs.draft(32, 6) == pytest.approx(2.1 * 0.65 / 0.7)  # past the timed k: linear
+    assert costs.draft(32, 3) == pytest.approx(1.2 * 5 / 6)
+    assert costs.draft(16, 3) == pytest.approx((0.4 + 0.8 * 15 / 31) * 5 / 6)
+    assert costs.draft(32, 6) == pytest.approx(2.1 * 5 / 6)  # past the timed k: linear
     assert costs.loop.spec(32) == pytest.approx(0.02 + 31 * 0.001)
-    assert costs.spec_step(32, 3) == pytest.approx(13.0 + 1.05 + 0.051)
+    assert costs.spec_step(32, 3) == pytest.approx(13.0 + 1.0 + 0.051)
     assert costs.plain_step(32) == pytest.approx(4.0 + 0.01 + 31 * 0.0005)
-    assert costs.speedup(32, 3, 2.5) == pytest.approx(2.5 * 4.0255 / 14.101)
+    assert costs.speedup(32, 3, 2.5) == pytest.approx(2.5 * 4.0255 / 14.051)
     assert costs.spec_step(1, 3) == pytest.approx(BatchCosts(FORWARDS, PER_ROW).spec_step(1, 3))  # batch 1 unchanged
     d = costs.to_dict()
     assert d["drafter"] == "grouped" and d["drafts_s"]["32"]["4"] == 1.5
@@ -66,6 +67,15 @@ def test_batch_costs_scale_the_micro_curve_by_the_in_situ_one():
     slower = StepCosts(target_s={n: 2 * s for n, s in PER_ROW.target_s.items()}, plain_step_s=2.02)
     costs = BatchCosts(FORWARDS, slower)
     assert costs.target(32, 4) == pytest.approx(26.0) and costs.target(1, 9) == pytest.approx(3.6)
+
+
+def test_one_bad_micro_timing_does_not_reprice_its_count():
+    """A count whose batch-1 micro-timing drew 6x too slow leaves the scale (a median) and batch 8's
+    price of that count alone; batch 1 stays what its own decodes measured."""
+    bad = {1: {**FORWARDS[1], 2: 6.6}, 32: FORWARDS[32]}
+    costs = BatchCosts(bad, PER_ROW)
+    assert costs.target_scale == pytest.approx(1.0)
+    assert costs.target(32, 2) == pytest.approx(7.0) and costs.target(1, 2) == pytest.approx(1.1)
 
 
 def test_best_k_shrinks_with_batch_size_and_turns_off_when_nothing_gains():
