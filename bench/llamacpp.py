@@ -2,7 +2,7 @@
 a draftless type, side by side on the same prompts, in `llama-server` on a CPU.
 
     python bench/llamacpp.py --target T --draft EXPORT_DIR --prompts FILE --out DIR \
-        [--limit N] [--n-predict N] [--threads N] [--k N] [--mix ngram-mod]
+        [--limit N] [--n-predict N] [--threads N] [--k N] [--mix auto|TYPE] [--passes N] [--with-cost]
 
 The target and the export are converted to f32 GGUFs with llama.cpp's own converter
 (specheads.engines.llamacpp). Each row is one `llama-server` process decoding every prompt (chat-
@@ -11,7 +11,11 @@ prompts (llama.cpp's `predicted_n` / `predicted_ms`), accepted/drafted its `draf
 `draft_n`; each server first answers two untimed warm-up requests; every row's outputs are compared
 token for token with the plain row's, and plain runs again last to show how far the machine drifted. Threads, the
 OMP_WAIT_POLICY and the load average before and after each row are recorded: on a shared machine the
-speeds are only comparable within one run. Writes DIR/llamacpp.json and DIR/llamacpp.md.
+speeds are only comparable within one run. Each row's speed-up is over the mean of plain's two runs.
+The mix row takes the fastest draftless type of the run (`--mix auto`). `--with-cost` first measures
+llama.cpp's cost curve in the same run (the `--cost` mode) and predicts every row from it: a curve
+taken in another run, on another machine state, moved the drafter's prediction by 10% here. Writes
+DIR/llamacpp.json and DIR/llamacpp.md.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from specheads.atomic import write_json, write_text
@@ -32,10 +37,30 @@ DRAFTLESS_ROWS = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
 
 def rows_to_run(spec_type: str, draft: Path, k: int, mix: str) -> list[lc.SpecSettings]:
-    """plain first (the reference) and again last (how far the machine drifted during the run)."""
+    """plain first and again last (the reference is their mean; how far apart they are is how far the
+    machine drifted during the run); the mix row's draftless type is `mix`, or with "auto" the
+    fastest draftless row of this run (`resolve_mix`, once those rows are measured)."""
     return [lc.SpecSettings(), *(lc.SpecSettings((t,)) for t in DRAFTLESS_ROWS),
             lc.SpecSettings((spec_type,), draft, n_max=k), lc.SpecSettings((spec_type, mix), draft, n_max=k),
             lc.SpecSettings()]
+
+
+def resolve_mix(spec: lc.SpecSettings, rows: list[dict]) -> lc.SpecSettings:
+    """A mix row asking for "auto" gets the draftless type whose row measured fastest so far."""
+    if "auto" not in spec.types:
+        return spec
+    draftless = [r for r in rows if len(r["spec_types"]) == 1 and r["spec_types"][0] in DRAFTLESS_ROWS and r["tok_s"]]
+    if not draftless:
+        raise lc.LlamaCppError("--mix auto needs the draftless rows measured first")
+    best = max(draftless, key=lambda r: r["tok_s"])["spec_types"][0]
+    return replace(spec, types=tuple(best if t == "auto" else t for t in spec.types))
+
+
+def reference_tok_s(rows: list[dict]) -> float | None:
+    """Plain's tok/s: the mean of its first and last runs when both are there (a row measured in
+    between is compared with the machine as it was on average over the run)."""
+    plains = [r["tok_s"] for r in (rows[0], rows[-1]) if not r["spec_types"] and r["tok_s"]]
+    return sum(plains) / len(plains) if plains else None
 
 
 def summarize(label: str, spec: lc.SpecSettings, outs: list[lc.Completion], plain: list[lc.Completion] | None,
@@ -55,16 +80,17 @@ def summarize(label: str, spec: lc.SpecSettings, outs: list[lc.Completion], plai
 
 
 def markdown(result: dict) -> str:
-    plain = result["rows"][0]["tok_s"] or 0
-    lines = [f"llama.cpp {result['version']}: {result['prompts']} prompts x {result['n_predict']} tokens, greedy, "
+    plain = reference_tok_s(result["rows"]) or 0
+    passes = f" x {result['passes']} passes" if result.get("passes", 1) > 1 else ""
+    lines = [f"llama.cpp {result['version']}: {result['prompts']} prompts{passes} x {result['n_predict']} tokens, greedy, "
              f"threads {result['threads']}, OMP_WAIT_POLICY {result['omp_wait_policy']}, target "
              f"{result.get('quantization', 'f32')}, draft f32. "
              "Speeds taken on a shared machine (load average per row): compare within this table only.", "",
-             "| row | tok/s | vs plain | accepted/drafted | greedy-equal | load (1 min, before/after) |",
+             "| row | tok/s | vs plain (mean of its runs) | accepted/drafted | greedy-equal | load (1 min, before/after) |",
              "|---|---|---|---|---|---|"]
     predicted = "recommended" in result
     if predicted:
-        lines[-2] = lines[-2].replace("| vs plain |", "| vs plain | predicted |")
+        lines[-2] = lines[-2].replace("| vs plain (mean of its runs) |", "| vs plain (mean of its runs) | predicted |")
         lines[-1] = lines[-1] + "---|"
     for r in result["rows"]:
         rate = f"{r['accepted']}/{r['drafted']} = {r['accepted_per_drafted']:.3f}" if r["drafted"] else "-"
@@ -226,8 +252,9 @@ def cost_markdown(r: dict) -> str:
 
 
 def row_prediction(row: dict, curve: dict, model_k: int | None) -> float | None:
-    """A side-by-side row's speed-up predicted from a `--cost` run's curve (same target, draft, threads):
-    its own step mix (llama.cpp's counters: steps, drafted tokens) priced at t(n), which llama.cpp makes
+    """A side-by-side row's speed-up predicted from a `--cost` run's curve (same target, draft, threads).
+    A model row that drafted k on (nearly) every step is priced at the cost run's own median step at that k.
+    Otherwise its own step mix (llama.cpp's counters: steps, drafted tokens) priced at t(n), which llama.cpp makes
     close to linear in n, so a step verifying 1 + d tokens costs t(1) + d * slope whatever the split of d
     across steps; rows with the model drafter add its fixed cost and c per drafted token on every step
     (the mix row too: an upper bound, llama.cpp does not say which steps its draftless type drafted)."""
@@ -237,6 +264,12 @@ def row_prediction(row: dict, curve: dict, model_k: int | None) -> float | None:
         return None
     t = {int(n): float(ms) for n, ms in curve["t_ms"].items()}
     slope = (t[max(t)] - t[1]) / (max(t) - 1) if max(t) > 1 else 0.0
+    measured_step = {int(k): float(ms) for k, ms in (curve.get("step_ms") or {}).items()}
+    if row["draft"] and model_k in measured_step and len(row["spec_types"]) == 1 \
+            and row["drafted"] >= 0.95 * steps * model_k:
+        # the model drafts k on (nearly) every step, fewer only near the token budget: the cost run timed
+        # exactly that step (draft + verification of k + 1)
+        return tokens * curve["plain_step_ms"] / (steps * measured_step[model_k])
     ms = steps * t[1] + row["drafted"] * slope
     if row["draft"] and model_k:
         ms += steps * (curve["draft_fixed_ms"] + model_k * curve["draft_per_token_ms"])
@@ -246,7 +279,7 @@ def row_prediction(row: dict, curve: dict, model_k: int | None) -> float | None:
 def add_row_predictions(result: dict, cost: dict) -> None:
     """Every side-by-side row's predicted speed-up over plain beside its measured one, and the setting
     the prediction recommends (plain when nothing is predicted faster) against the fastest measured."""
-    plain = result["rows"][0]["tok_s"]
+    plain = reference_tok_s(result["rows"])
     for row in result["rows"]:
         row["measured_speedup"] = row["tok_s"] / plain if row["tok_s"] and plain else None
         row["predicted_speedup"] = 1.0 if not row["spec_types"] else row_prediction(row, cost["curve"],
@@ -259,12 +292,13 @@ def add_row_predictions(result: dict, cost: dict) -> None:
     recommended = best if (best["predicted_speedup"] or 0) >= 1 + MIN_GAIN else rows[0]
     fastest = max(rows, key=lambda r: r["measured_speedup"] or 0)
     # plain measured twice: how far the machine drifted is how far apart two rows can be by chance
-    noise = abs((result["rows"][-1]["measured_speedup"] or 1.0) - 1.0)
+    first, again = result["rows"][0]["tok_s"], result["rows"][-1]["tok_s"]
+    noise = abs(again / first - 1.0) if first and again else 0.0
     result["recommended"], result["fastest_measured"] = recommended["row"], fastest["row"]
     result["min_gain"], result["drift"] = MIN_GAIN, noise
     result["recommended_is_fastest"] = ((recommended["measured_speedup"] or 0)
                                         >= (fastest["measured_speedup"] or 0) * (1 - max(noise, MIN_GAIN)))
-    result["cost_curve_from"] = cost.get("source")
+    result["cost_curve_from"] = Path(cost["source"]).name if cost.get("source") else None
 
 
 def measured_speedup(m: dict, curve: dict) -> float:
@@ -312,10 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=16)
     p.add_argument("--n-predict", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--passes", type=int, default=1, help="each row decodes the prompts this many times, each time "
+                   "in a fresh server (a fast target's rows last seconds: more passes, less noise)")
     p.add_argument("--k", type=int, default=None, help="--spec-draft-n-max for the draft rows (default: the export's)")
     p.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
                    help="the servers' OMP_WAIT_POLICY (default: inherited; recorded per row)")
-    p.add_argument("--mix", default="ngram-mod", help="the draftless type mixed with the draft in the last row")
+    p.add_argument("--mix", default="auto", help="the draftless type mixed with the draft in the last row (default "
+                   "auto: the fastest draftless row of this run)")
     p.add_argument("--cost", action="store_true", help="measure llama.cpp's cost curve (t(n), the draft's c) and "
                    "predict the speed-up per k instead of the side-by-side rows")
     p.add_argument("--max-k", type=int, default=4, help="--cost: draft lengths 1..K (verification of 1..K+1 tokens)")
@@ -330,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="llamacpp_cost", help="--cost: file stem of the JSON and markdown")
     p.add_argument("--cost-json", default=None, help="a `--cost` run's JSON (same target GGUF, draft and threads): "
                    "predict every side-by-side row from its curve and say which setting it recommends")
+    p.add_argument("--with-cost", action="store_true", help="measure the cost curve first, in this run (as --cost, "
+                   "on the first --cost-limit prompts, into OUT/llamacpp_cost.json), and predict the rows from it")
+    p.add_argument("--cost-limit", type=int, default=4, help="--with-cost: prompts of the cost run")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -346,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec_type, _ = lc.draft_spec(Path(a.draft))
         b = lc.ensure()
+        if a.with_cost:  # the curve from this run: the machine as the rows meet it
+            cost = cost_main(argparse.Namespace(**{**vars(a), "limit": a.cost_limit}), b, out)
+            write_json(out / "llamacpp_cost.json", cost)
+            write_text(out / "llamacpp_cost.md", cost_markdown(cost))
+            a.cost_json = str(out / "llamacpp_cost.json")
         draft_gguf = out / "draft-f32.gguf"
         if a.target_gguf:  # e.g. the Q4_1 file users serve (prompts go in as ids)
             target_gguf, conv = Path(a.target_gguf), {"target": {"given": a.target_gguf}}
@@ -357,10 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         k = a.k or json.loads((Path(a.draft) / "specheads.json").read_text()).get("num_speculative_tokens")
         rows, plain = [], None
         for spec in rows_to_run(spec_type, draft_gguf, k, a.mix):
+            spec = resolve_mix(spec, rows)
             before = lc.load_average()
             print(f"[bench] {spec.label} ... (load {before})", flush=True)
-            outs, _ = lc.decode_all(b, target_gguf, spec, prompts, a.n_predict, a.threads,
-                                    out / f"server-{spec.label}.log", omp=a.omp_wait_policy, warmup=2)
+            outs = []
+            for _ in range(a.passes):  # a fresh server per pass: types that learn across requests start empty
+                outs += lc.decode_all(b, target_gguf, spec, prompts, a.n_predict, a.threads,
+                                      out / f"server-{spec.label}.log", omp=a.omp_wait_policy, warmup=2)[0]
             label = spec.label if plain is None or spec.types else "plain (again)"
             row = summarize(label, spec, outs, plain, {"before": before, "after": lc.load_average()}, a.threads,
                             a.omp_wait_policy)
@@ -373,9 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"version": b.version(), "target": a.target, "target_gguf": str(target_gguf),
               "quantization": a.quantization if a.target_gguf else "f32", "draft": a.draft, "prompts_file": a.prompts,
-              "prompts": len(prompts), "n_predict": a.n_predict, "threads": a.threads,
+              "prompts": len(prompts), "passes": a.passes, "n_predict": a.n_predict, "threads": a.threads,
               "omp_wait_policy": lc.omp_label(a.omp_wait_policy), "spec_draft_n_max": k,
-              "mix": a.mix, "conversions": conv, "rows": rows}
+              "mix": a.mix, "mixed_with": rows[-2]["spec_types"][1:], "conversions": conv, "rows": rows}
     if a.cost_json:
         add_row_predictions(result, {**json.loads(Path(a.cost_json).read_text()), "source": a.cost_json})
     write_json(out / "llamacpp.json", result)

@@ -165,11 +165,29 @@ def test_bench_rows_and_table():
     plain = [lc.Completion("", [1, 2], {"predicted_n": 2, "predicted_ms": 100.0})]
     spec = [lc.Completion("", [1, 3], {"predicted_n": 2, "predicted_ms": 50.0, "draft_n": 4, "draft_n_accepted": 1})]
     load = {"before": [1.0, 1.0, 1.0], "after": [2.0, 1.0, 1.0]}
-    a, b = summarize("plain", rows[0], plain, None, load, 2), summarize("x", rows[-1], spec, plain, load, 2)
+    a, b = summarize("plain", rows[0], plain, None, load, 2), summarize("x", rows[1], spec, plain, load, 2)
     assert a["tok_s"] == 20.0 and b["tok_s"] == 40.0 and b["greedy_equal"] is False and b["accepted_per_drafted"] == 0.25
     table = markdown({"version": "v", "prompts": 1, "n_predict": 2, "threads": 2, "omp_wait_policy": "(unset)",
                       "rows": [a, b]})
     assert "| plain | 20.0 | 1.00x | - | reference | 1.0 / 2.0 |" in table and "| x | 40.0 | 2.00x | 1/4 = 0.250 | 0/1 |" in table
+    again = summarize("plain (again)", rows[-1], [lc.Completion("", [1, 2], {"predicted_n": 2, "predicted_ms": 200 / 3})],
+                      plain, load, 2)  # 30 tok/s: the reference is the mean of plain's runs, 25
+    table = markdown({"version": "v", "prompts": 1, "n_predict": 2, "threads": 2, "omp_wait_policy": "(unset)",
+                      "rows": [a, b, again]})
+    assert "| plain | 20.0 | 0.80x |" in table and "| x | 40.0 | 1.60x |" in table and "| plain (again) | 30.0 | 1.20x |" in table
+
+
+def test_the_auto_mix_takes_the_fastest_draftless_row():
+    from bench.llamacpp import resolve_mix, rows_to_run
+
+    rows = rows_to_run("draft-eagle3", Path("d.gguf"), 3, "auto")
+    measured = [{"spec_types": [], "tok_s": 100.0}, {"spec_types": ["ngram-simple"], "tok_s": 90.0},
+                {"spec_types": ["ngram-mod"], "tok_s": 104.0}, {"spec_types": ["draft-eagle3"], "tok_s": 200.0}]
+    mix = resolve_mix(rows[-2], measured)
+    assert mix.types == ("draft-eagle3", "ngram-mod") and mix.draft == Path("d.gguf") and mix.n_max == 3
+    assert resolve_mix(rows[1], measured) is rows[1]  # nothing to resolve
+    with pytest.raises(lc.LlamaCppError, match="--mix auto needs the draftless rows"):
+        resolve_mix(rows[-2], measured[:1])
 
 
 # --- with llama.cpp (SPECHEADS_ENGINE_TESTS=1 and the build under the user cache) ----------------------------
@@ -372,6 +390,11 @@ def test_side_by_side_rows_are_predicted_from_the_cost_curve():
     model = row("draft-eagle3", ["draft-eagle3"], "d.gguf", 3, 70.0,
                 [{"predicted_n": 12, "predicted_ms": 0, "draft_n": 10, "draft_n_accepted": 5}])
     assert abs(row_prediction(model, curve, 3) - 110.0 / 142.0) < 1e-12
+    # a model row drafting k on every step (6 steps x 3 = 18) is priced at the cost run's own step at k = 3
+    full = row("draft-eagle3", ["draft-eagle3"], "d.gguf", 3, 70.0,
+               [{"predicted_n": 12, "predicted_ms": 0, "draft_n": 18, "draft_n_accepted": 5}])
+    assert row_prediction(full, {**curve, "step_ms": {"3": 25.0}}, 3) == 11 * 10.0 / (6 * 25.0)
+    assert row_prediction(full, curve, 3) == 11 * 10.0 / (6 * 10.0 + 18 * 4.0 + 6 * 7.0)  # no timed step: the parts
     plain = row("plain", [], None, None, 100.0, [{"predicted_n": 12, "predicted_ms": 0, "draft_n": 0, "draft_n_accepted": 0}])
     result = {"version": "v", "prompts": 1, "n_predict": 12, "threads": 2, "omp_wait_policy": "(unset)",
               "rows": [plain, lookup, model, {**plain, "row": "plain (again)"}]}
