@@ -56,6 +56,27 @@ def resolve_mix(spec: lc.SpecSettings, rows: list[dict]) -> lc.SpecSettings:
     return replace(spec, types=tuple(best if t == "auto" else t for t in spec.types))
 
 
+def interleaved_rows(specs: list[lc.SpecSettings], passes: int, decode, threads: int, omp: str | None) -> list[dict]:
+    """Every row decodes the prompts once per pass (`decode(spec)`: a fresh server), the rows taken in
+    turn within each pass, so a machine that drifts during the run moves every row alike; a mix row on
+    "auto" is resolved once, from the first pass's draftless rows. -> the rows' summaries (the first
+    plain row is the reference of greedy equality, the last is "plain (again)")."""
+    specs, outs = list(specs), [[] for _ in specs]
+    loads = [{"before": None, "after": None} for _ in specs]
+    for _ in range(passes):
+        for i, spec in enumerate(specs):
+            if "auto" in spec.types:
+                specs[i] = spec = resolve_mix(spec, [summarize(s.label, s, o, None, {}, threads)
+                                                     for s, o in zip(specs[:i], outs[:i])])
+            before = lc.load_average()
+            outs[i] += decode(spec)
+            loads[i]["before"] = loads[i]["before"] or before
+            loads[i]["after"] = lc.load_average()
+    last = len(specs) - 1
+    return [summarize("plain (again)" if i == last and i and not spec.types else spec.label, spec, outs[i],
+                      None if i == 0 else outs[0], loads[i], threads, omp) for i, spec in enumerate(specs)]
+
+
 def reference_tok_s(rows: list[dict]) -> float | None:
     """Plain's tok/s: the mean of its first and last runs when both are there (a row measured in
     between is compared with the machine as it was on average over the run)."""
@@ -347,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-predict", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--passes", type=int, default=1, help="each row decodes the prompts this many times, each time "
-                   "in a fresh server (a fast target's rows last seconds: more passes, less noise)")
+                   "in a fresh server, the rows in turn within a pass (a fast target's rows last seconds: more "
+                   "passes, less noise, drift shared by every row)")
     p.add_argument("--k", type=int, default=None, help="--spec-draft-n-max for the draft rows (default: the export's)")
     p.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
                    help="the servers' OMP_WAIT_POLICY (default: inherited; recorded per row)")
@@ -400,21 +422,15 @@ def main(argv: list[str] | None = None) -> int:
         conv["draft"] = lc.convert_draft(Path(a.draft), Path(a.target), draft_gguf)
         prompts = lc.prompt_ids(Path(a.target), Path(a.prompts) if a.prompts else None, a.limit)
         k = a.k or json.loads((Path(a.draft) / "specheads.json").read_text()).get("num_speculative_tokens")
-        rows, plain = [], None
-        for spec in rows_to_run(spec_type, draft_gguf, k, a.mix):
-            spec = resolve_mix(spec, rows)
-            before = lc.load_average()
-            print(f"[bench] {spec.label} ... (load {before})", flush=True)
-            outs = []
-            for _ in range(a.passes):  # a fresh server per pass: types that learn across requests start empty
-                outs += lc.decode_all(b, target_gguf, spec, prompts, a.n_predict, a.threads,
-                                      out / f"server-{spec.label}.log", omp=a.omp_wait_policy, warmup=2)[0]
-            label = spec.label if plain is None or spec.types else "plain (again)"
-            row = summarize(label, spec, outs, plain, {"before": before, "after": lc.load_average()}, a.threads,
-                            a.omp_wait_policy)
-            plain = plain or outs
-            rows.append(row)
-            print(f"        {row['tok_s']:.1f} tok/s, accepted {row['accepted']}/{row['drafted']}, "
+        def decode(spec: lc.SpecSettings) -> list[lc.Completion]:
+            print(f"[bench] {spec.label} ... (load {lc.load_average()})", flush=True)
+            return lc.decode_all(b, target_gguf, spec, prompts, a.n_predict, a.threads,
+                                 out / f"server-{spec.label}.log", omp=a.omp_wait_policy, warmup=2)[0]
+
+        rows = interleaved_rows(rows_to_run(spec_type, draft_gguf, k, a.mix), a.passes, decode, a.threads,
+                                a.omp_wait_policy)
+        for row in rows:
+            print(f"  {row['row']}: {row['tok_s']:.1f} tok/s, accepted {row['accepted']}/{row['drafted']}, "
                   f"equal {row['greedy_equal_prompts']}", flush=True)
     except lc.LlamaCppError as e:
         print(f"bench/llamacpp: {e}", file=sys.stderr)

@@ -177,6 +177,26 @@ def test_bench_rows_and_table():
     assert "| plain | 20.0 | 0.80x |" in table and "| x | 40.0 | 1.60x |" in table and "| plain (again) | 30.0 | 1.20x |" in table
 
 
+def test_rows_are_interleaved_per_pass_and_the_mix_resolved_once():
+    """Pass by pass, every row in turn (a fresh decode each); "auto" becomes the draftless type that
+    was fastest in the first pass and stays so; the last plain row is "plain (again)"."""
+    from bench.llamacpp import DRAFTLESS_ROWS, interleaved_rows, rows_to_run
+
+    order = []  # ngram-map-k decodes two tokens in 20 ms, every other row in 40: the fastest draftless row
+
+    def decode(spec):
+        order.append(spec.label)
+        ms = 20.0 if spec.types == ("ngram-map-k",) else 40.0
+        return [lc.Completion("", [1, 2], {"predicted_n": 2, "predicted_ms": ms})]
+
+    rows = interleaved_rows(rows_to_run("draft-eagle3", Path("d.gguf"), 3, "auto"), 2, decode, 2, None)
+    one_pass = ["plain", *DRAFTLESS_ROWS, "draft-eagle3", "draft-eagle3+ngram-map-k", "plain"]
+    assert order == one_pass * 2
+    assert [r["row"] for r in rows] == [*one_pass[:-1], "plain (again)"]
+    assert rows[0]["tokens"] == 4 and rows[0]["greedy_equal"] is None and rows[-1]["greedy_equal_prompts"] == "2/2"
+    assert rows[2]["tok_s"] == 100.0 and rows[1]["tok_s"] == 50.0
+
+
 def test_the_auto_mix_takes_the_fastest_draftless_row():
     from bench.llamacpp import resolve_mix, rows_to_run
 
