@@ -73,7 +73,10 @@ ANCHORS = {
                "not exist`",
                "no vLLM: target hidden states computed with transformers into speculators' offline "
                "hs_<i>.safetensors files; samples passed pre-tokenized (input_ids + loss_mask), since "
-               "natural-language rows need a vLLM /render endpoint")),
+               "natural-language rows need a vLLM /render endpoint",
+               "options chosen for a CPU: --loss-implementation eager (fused is the default), --draft-attn-impl "
+               "sdpa (simple_flex_attention is), --num-workers 0, --hidden-states-dtype float32; "
+               "--train-data-ratio 0.98 (it requires a validation split)")),
     "specforge": Anchor(
         "specforge", "0.2.0", "specforge_eagle3.py",
         installs=((TORCH_PIN,), ("--no-deps", "specforge==0.2.0"),
@@ -370,6 +373,9 @@ def markdown(report: dict) -> str:
             lines.append(f"  - adaptation: {ad}")
         if "error" in r:
             lines.append(f"  - failed at stage `{r.get('stage')}`: `{_cell(r['error'])}`")
+        if r.get("toolkit_defaults_kept"):
+            kept = ", ".join(f"{k} {v}" for k, v in r["toolkit_defaults_kept"].items())
+            lines.append(f"  - its own defaults kept: {kept}")
         if r.get("export"):
             lines.append(f"  - its checkpoint loaded as is from `{Path(r['export']).name}` "
                          f"(fingerprint checked: {r.get('fingerprint_checked')})")

@@ -178,7 +178,9 @@ def main(job: dict, state: dict) -> dict:
     export_to_sglang(state["checkpoint"], str(draft), str(export), vocab_mapping_path=None)
     tokens = job["steps"] * job["batch_size"] * sum(len(i) for i in ids) / len(ids)
     return {**state, "stage": "done", "export": str(export), "train_s": round(timing["train_s"], 2), **captured,
-            "steps": job["steps"], "train_tokens_est": round(tokens)}
+            "steps": job["steps"], "train_tokens_est": round(tokens),
+            "toolkit_defaults_kept": {"torch_dtype": "bfloat16", "max_grad_norm": 0.5, "ttt loss decay": 0.8,
+                                      "warmup_ratio": min(1.0, job["warmup_steps"] / job["steps"])}}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ serves), loaded as is by specheads' verifier.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -134,10 +135,16 @@ def main(job: dict, state: dict) -> dict:
         return save
 
     ckpt = final_checkpoint(with_adaptations(attempt, CPU_ADAPTATIONS, state))
+    saved = json.loads((ckpt / "config.json").read_text())
+    layer = saved.get("transformer_layer_config", {})
+    defaults = {k: saved.get(k) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    defaults.update(sliding_window=layer.get("sliding_window"), layer_types=layer.get("layer_types"),
+                    saved_dtype=saved.get("dtype"), loss="kl_div (its default for eagle3)")
     trained_tokens = sum(len(i) for i in ids[: int(len(ids) * train_ratio)])  # one epoch's worth
     return {**state, "stage": "done", "export": str(ckpt), "train_s": round(timing["train_s"], 2), **captured,
             "steps": job["steps"], "train_tokens_per_epoch": trained_tokens,
-            "train_tokens_est": round(job["steps"] * trained_tokens / per_epoch), "argv": timing["argv"]}
+            "train_tokens_est": round(job["steps"] * trained_tokens / per_epoch), "argv": timing["argv"],
+            "toolkit_defaults_kept": defaults}
 
 
 if __name__ == "__main__":
