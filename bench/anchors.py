@@ -190,10 +190,10 @@ def train_file(run: Path, out: Path, conversations: int | None) -> Path:
     return dest
 
 
-def load_recipe_for(recipe_path: Path, run: Path, data: Path, out: Path, steps: int, overrides: list[str]):
+def load_recipe_for(recipe_path: Path, target: Path, data: Path, out: Path, steps: int, overrides: list[str]):
     from specheads.config import load_recipe
 
-    return load_recipe(recipe_path, [f"target.path={run / 'target'}", f"data.train=[{data}]",
+    return load_recipe(recipe_path, [f"target.path={target}", f"data.train=[{data}]",
                                      f"train.output_dir={out / 'specheads' / 'checkpoint'}",
                                      f"train.max_steps={steps}", f"train.save_every={steps}",
                                      "train.resume=false", "train.progress=false", *overrides])
@@ -396,8 +396,8 @@ def bench(a: argparse.Namespace, command: str) -> dict:
     out, run = Path(a.out), Path(a.run)
     out.mkdir(parents=True, exist_ok=True)
     data = train_file(run, out, a.conversations)
-    recipe = load_recipe_for(Path(a.recipe), run, data, out, a.steps, a.overrides)
-    target = Target.load(str(run / "target"), device="cpu")
+    recipe = load_recipe_for(Path(a.recipe), a.target, data, out, a.steps, a.overrides)
+    target = Target.load(str(a.target), device="cpu")
     samples_file = out / "data" / "samples.jsonl"
     samples = write_samples(recipe, target, samples_file)
     budget = budget_of(recipe, target, samples)
@@ -407,7 +407,7 @@ def bench(a: argparse.Namespace, command: str) -> dict:
         print(f"[anchors] specheads trained: {rows[-1]['train_s']} s", flush=True)
     for name in a.toolkits:
         if name != "specheads":
-            rows.append(train_anchor(name, out, run / "target", samples_file, budget, a.threads))
+            rows.append(train_anchor(name, out, a.target, samples_file, budget, a.threads))
             print(f"[anchors] {name}: {json.dumps({k: rows[-1].get(k) for k in ('stage', 'error', 'export')})[:600]}",
                   flush=True)
     prompts = _bench_module("verifier.py").encode_rows(target, read_prompts(run / "data" / "heldout_prompts.jsonl",
@@ -421,7 +421,7 @@ def bench(a: argparse.Namespace, command: str) -> dict:
             except (ValueError, FileNotFoundError, KeyError) as err:
                 row.update(stage="load-into-verifier", error=f"{type(err).__name__}: {err}")
         row.pop("export_path", None)  # the report names folders relative to OUT
-    report = {"settings": {"command": command, "target": str(run / "target"), "data": str(data),
+    report = {"settings": {"command": command, "target": str(a.target), "data": str(data),
                            "train_samples": len(samples), "num_prompts": len(prompts), "k": a.k,
                            "max_new_tokens": a.max_new_tokens, "threads": torch.get_num_threads(),
                            "niceness": os.nice(0), "cpu_count": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
@@ -437,6 +437,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run", required=True, help="a run folder: target link, data/train_regen.jsonl, "
                    "data/heldout_prompts.jsonl")
     p.add_argument("--out", required=True, help="folder for anchors.json and anchors.md")
+    p.add_argument("--target", type=Path, default=None, help="the target's HF folder (default: RUN/target)")
     p.add_argument("--anchors", default=",".join(ANCHORS), help=f"comma-separated, of {', '.join(ANCHORS)}")
     p.add_argument("--no-specheads", action="store_true", help="leave specheads' own row out")
     p.add_argument("--recipe", default=str(RECIPE), help="the EAGLE-3 recipe that fixes the shared settings")
@@ -456,8 +457,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(a, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1 (got {value})")
-    if not (Path(a.run) / "target").exists():
-        p.error(f"--run {a.run}: no 'target' in it; pass a `make demo` or `make real` run folder")
+    a.target = a.target or Path(a.run) / "target"
+    if not (a.target / "config.json").is_file():
+        p.error(f"--target {a.target}: no config.json there; pass the target's HF folder (or a --run with a "
+                "'target' link)")
     if not (Path(a.run) / "data" / "heldout_prompts.jsonl").is_file():
         p.error(f"--run {a.run}: no data/heldout_prompts.jsonl in it")
     if not Path(a.recipe).is_file():

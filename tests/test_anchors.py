@@ -151,11 +151,12 @@ def test_markdown_rows_and_failures(anchors):
 
 def test_argument_errors(anchors, tmp_path, capsys):
     (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "heldout_prompts.jsonl").write_text("{}\n")
     for argv, words in [(["--anchors", "medusa"], "--anchors: unknown 'medusa'; expected some of speculators, specforge"),
                         (["--steps", "0"], "--steps must be at least 1 (got 0)"),
-                        (["--run", str(tmp_path / "nope")], "no 'target' in it"),
+                        (["--target", str(tmp_path / "nope")], "no config.json there"),
                         (["--recipe", str(tmp_path / "r.yaml")], "--recipe"), ]:
         args = ["--run", str(tmp_path), "--out", str(tmp_path / "o"), *argv]
         with pytest.raises(SystemExit) as exc:
@@ -178,7 +179,7 @@ def test_shared_samples_and_budget(anchors, tiny_target_dir, demo_data_dir, tmp_
     out = tmp_path / "out"
     data = anchors.train_file(run, out, 20)
     assert len(data.read_text().splitlines()) == 20
-    recipe = anchors.load_recipe_for(anchors.RECIPE, run, data, out, 5,
+    recipe = anchors.load_recipe_for(anchors.RECIPE, run / "target", data, out, 5,
                                      ["train.batch_size=3", "train.val_samples=2", "head.draft_vocab_size=64"])
     target = Target.load(str(run / "target"), device="cpu")
     samples = anchors.write_samples(recipe, target, out / "samples.jsonl")
