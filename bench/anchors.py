@@ -366,18 +366,16 @@ def markdown(report: dict) -> str:
             continue
         lines.append(f"- **{r['toolkit']} {r.get('version', '')}**")
         for note in r.get("install_notes", []):
-            lines.append(f"  - install: {note}")
-        for err in r.get("errors_before_adaptation", []):
-            lines.append(f"  - unchanged run failed: `{_cell(err)}`")
-        for ad in r.get("cpu_adaptations", []):
-            lines.append(f"  - adaptation: {ad}")
-        if "error" in r:
-            lines.append(f"  - failed at stage `{r.get('stage')}`: `{_cell(r['error'])}`")
+            lines.append(f"  - setup: {note}")
+        for err, ad in zip(r.get("errors_before_adaptation", []), r.get("cpu_adaptations", [])):
+            lines.append(f"  - failed with `{_cell(err)}`; then adapted: {ad}")
         if r.get("toolkit_defaults_kept"):
             kept = ", ".join(f"{k} {v}" for k, v in r["toolkit_defaults_kept"].items())
             lines.append(f"  - its own defaults kept: {kept}")
+        if "error" in r:
+            lines.append(f"  - failed at stage `{r.get('stage')}`: `{_cell(r['error'])}`")
         if r.get("export"):
-            lines.append(f"  - its checkpoint loaded as is from `{Path(r['export']).name}` "
+            lines.append(f"  - its checkpoint loaded as is by our verifier from `{r['export']}` "
                          f"(fingerprint checked: {r.get('fingerprint_checked')})")
     return "\n".join(lines) + "\n"
 

@@ -143,8 +143,9 @@ def test_markdown_rows_and_failures(anchors):
     assert "| specheads 0.1.0 | 2.50 | 0.80 / 0.50 / 0.20 | yes | 1.50x | 1000 |  | 4 |" in md
     assert "| speculators 0.9.0 | 2.25 | 0.75 / 0.40 / 0.10 | yes | 1.25x | 2000 | 500 | 2 |" in md
     assert "| specforge 0.2.0 | failed at train | `RuntimeError: 0 active drivers ([]).` |" in md
-    assert "unchanged run failed: `RuntimeError: Cannot access accelerator device when none is available.`" in md
-    assert "adaptation: get_local_rank -> 'cpu'" in md and "install: --no-deps" in md
+    assert ("failed with `RuntimeError: Cannot access accelerator device when none is available.`; then adapted: "
+            "get_local_rank -> 'cpu'") in md
+    assert "setup: --no-deps" in md and "loaded as is by our verifier from `OUT/speculators/train-1/0`" in md
     assert "failed at stage `train`: `RuntimeError: 0 active drivers ([]).`" in md
     assert "4 steps x batch 2 (packed trainers: 100 tokens a step)" in md
 
