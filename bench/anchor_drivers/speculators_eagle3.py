@@ -139,7 +139,8 @@ def main(job: dict, state: dict) -> dict:
     layer = saved.get("transformer_layer_config", {})
     defaults = {k: saved.get(k) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
     defaults.update(sliding_window=layer.get("sliding_window"), layer_types=layer.get("layer_types"),
-                    saved_dtype=saved.get("dtype"), loss="kl_div (its default for eagle3)")
+                    saved_dtype=saved.get("dtype"), loss="kl_div (its default for eagle3)",
+                    optimizer="muon on 2D weights, adamw on the rest (its default)")
     trained_tokens = sum(len(i) for i in ids[: int(len(ids) * train_ratio)])  # one epoch's worth
     return {**state, "stage": "done", "export": str(ckpt), "train_s": round(timing["train_s"], 2), **captured,
             "steps": job["steps"], "train_tokens_per_epoch": trained_tokens,
