@@ -1,0 +1,480 @@
+"""Side by side with the anchors: EAGLE-3 drafters trained by specheads, speculators and SpecForge on
+the same conversations and budget, all measured by specheads' verifier on the same held-out prompts.
+
+    nice -n 19 python bench/anchors.py --run runs/demo --out runs/anchors \
+        [--anchors speculators,specforge] [--steps 300] [--conversations N] [--limit 32] \
+        [--max-new-tokens 96] [--k 3] [--recipe recipes/demo/eagle3.yaml] [--threads 2] [OVERRIDES ...]
+
+`--run` is a folder with `target` (link or HF folder) and `data/train_regen.jsonl` (the target's own
+answers; else `data/train.jsonl`) and `data/heldout_prompts.jsonl` (a `make demo` or `make real` run).
+The recipe (with OVERRIDES) fixes the shared settings: target aux layers, draft vocabulary size, TTT
+steps and decay, learning rate, warm-up, max length, `--steps` x `train.batch_size`. specheads
+tokenises the conversations once (assistant-only loss masks) and every toolkit trains on those very
+samples (the training split of the recipe's seeded hold-out).
+
+Each anchor runs as a library in its own virtualenv under the user cache (created once, CPU torch
+pinned; `ANCHORS` says what is installed and what is left out), through a driver script in
+bench/anchor_drivers/ run as a subprocess. Their capture engines (vLLM, SGLang) need a GPU, so the
+drivers compute the target's hidden states with transformers into each toolkit's offline format,
+then call the toolkit's own trainer. Packed trainers get `batch_size x mean sample length` tokens a
+step. The checkpoint each toolkit saves is loaded as is by specheads' verifier (export/foreign.py
+reads speculators' and SGLang's EAGLE-3 folders); every drafter decodes the same prompts greedily:
+tau, acceptance per position, greedy equality with plain decoding and wall-clock speed-up over plain
+decoding (drafting included). A toolkit that fails keeps its row with the stage and its own error.
+Writes OUT/anchors.json and OUT/anchors.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.atomic import write_json, write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVERS = Path(__file__).resolve().parent / "anchor_drivers"
+RECIPE = ROOT / "recipes" / "demo" / "eagle3.yaml"
+TORCH_PIN = "torch==2.13.0"  # the CPU build (the local index's); never an unpinned torch (CUDA stack)
+STAMP = ".specheads-installed"
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A toolkit: its pip name and version, its driver, and the pip steps of its CPU venv."""
+
+    package: str
+    version: str
+    driver: str
+    installs: tuple[tuple[str, ...], ...]  # `pip install ARGS` steps, in order
+    removes: tuple[str, ...] = ()  # packages uninstalled afterwards
+    notes: tuple[str, ...] = ()  # what installing on a CPU needed, for the table
+
+
+ANCHORS = {
+    "speculators": Anchor(
+        "speculators", "0.9.0", "speculators_eagle3.py",
+        installs=((TORCH_PIN,), ("speculators==0.9.0", TORCH_PIN)),
+        removes=("torchvision", "torchaudio"),
+        notes=("pip install torch==2.13.0 (CPU) first, then speculators==0.9.0 with its own deps "
+               "(it accepts torch<=2.14.1)",
+               "torchvision/torchaudio uninstalled: the PyPI builds pip picks do not match the CPU torch and "
+               "`import transformers.modeling_utils` fails with `RuntimeError: operator torchvision::nms does "
+               "not exist`",
+               "no vLLM: target hidden states computed with transformers into speculators' offline "
+               "hs_<i>.safetensors files; samples passed pre-tokenized (input_ids + loss_mask), since "
+               "natural-language rows need a vLLM /render endpoint",
+               "options chosen for a CPU: --loss-implementation eager (fused is the default), --draft-attn-impl "
+               "sdpa (simple_flex_attention is), --num-workers 0, --hidden-states-dtype float32; "
+               "--train-data-ratio 0.98 (it requires a validation split)")),
+    "specforge": Anchor(
+        "specforge", "0.2.0", "specforge_eagle3.py",
+        installs=((TORCH_PIN,), ("--no-deps", "specforge==0.2.0"),
+                  (TORCH_PIN, "transformers==5.8.1", "datasets", "tqdm", "accelerate", "huggingface-hub",
+                   "numpy", "openai-harmony", "pydantic", "psutil", "pyyaml", "safetensors", "requests",
+                   "typing-extensions", "triton")),
+        notes=("specforge==0.2.0 installed with --no-deps: it pins torch==2.11.0 and sglang==0.5.14 (a CUDA "
+               "stack); its other deps installed beside torch==2.13.0 (CPU), without sglang, yunchang, "
+               "wandb and tensorboard",
+               "triton installed although no kernel of it can run here: its EAGLE-3 loss module does `import "
+               "triton` (`ModuleNotFoundError: No module named 'triton'` without it)",
+               "its offline records are bfloat16 and its draft and frozen lm_head run in bfloat16 (its default "
+               "torch_dtype; float32 states fail with `RuntimeError: expected m1 and m2 to have the same dtype`)",
+               "no SGLang: target hidden states computed with transformers into its offline EAGLE-3 "
+               "records (data.hidden_states_path)")),
+}
+
+
+class AnchorSetupError(RuntimeError):
+    """An anchor's venv cannot be created; says which pip step failed and where its log is."""
+
+
+# --- the anchors' venvs ----------------------------------------------------------------------------
+def venv_dir(name: str) -> Path:
+    from specheads.builtin.tiny_target import cache_dir
+
+    a = ANCHORS[name]
+    return cache_dir() / "anchors" / f"{a.package}-{a.version}"
+
+
+def python_of(name: str) -> Path:
+    return venv_dir(name) / "bin" / "python"
+
+
+def is_ready(name: str) -> bool:
+    stamp = venv_dir(name) / STAMP
+    return python_of(name).exists() and stamp.is_file() and stamp.read_text().strip() == ANCHORS[name].version
+
+
+def installed_version(name: str) -> str | None:
+    """The anchor's version as its venv's importlib.metadata reports it (None: no venv or not installed)."""
+    py = python_of(name)
+    if not py.exists():
+        return None
+    code = f"from importlib.metadata import version; print(version('{ANCHORS[name].package}'))"
+    done = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def ensure_venv(name: str, progress=print) -> Path:
+    """The anchor venv's Python, creating the venv first when needed (once; a stamp marks it done)."""
+    a, folder = ANCHORS[name], venv_dir(name)
+    if is_ready(name):
+        return python_of(name)
+    if installed_version(name) != a.version:
+        log = folder.parent / f"{folder.name}.install.log"
+        progress(f"[anchors] creating the {a.package} {a.version} environment at {folder} (once); log {log}")
+        _pip_run([sys.executable, "-m", "venv", "--clear", str(folder)], log)
+        for args in a.installs:
+            _pip_run([str(python_of(name)), "-m", "pip", "install", *args], log)
+        if a.removes:
+            _pip_run([str(python_of(name)), "-m", "pip", "uninstall", "-y", *a.removes], log)
+        if installed_version(name) != a.version:
+            raise AnchorSetupError(f"{folder}: {a.package}=={a.version} is not importable after installing; see {log}")
+    write_text(folder / STAMP, a.version + "\n")
+    return python_of(name)
+
+
+def _pip_run(cmd: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as fh:
+        fh.write(f"$ {' '.join(cmd)}\n")
+        fh.flush()
+        done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-1500:]
+        raise AnchorSetupError(f"`{' '.join(cmd)}` failed (exit {done.returncode}); log {log}; its end:\n{tail}")
+
+
+# --- shared data and budget ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    """What every toolkit shares: steps x batch (packed trainers: tokens a step) and the head's shape."""
+
+    steps: int
+    batch_size: int
+    tokens_per_step: int
+    max_length: int
+    aux_layers: list[int]
+    draft_vocab_size: int
+    ttt_steps: int
+    step_decay: float
+    lr: float
+    warmup_steps: int
+    seed: int
+
+
+def train_file(run: Path, out: Path, conversations: int | None) -> Path:
+    """The run's regenerated conversations (train_regen.jsonl, else train.jsonl), the first N if asked."""
+    src = run / "data" / "train_regen.jsonl"
+    if not src.is_file():
+        src = run / "data" / "train.jsonl"
+    if not src.is_file():
+        raise FileNotFoundError(f"{run / 'data'}: neither train_regen.jsonl nor train.jsonl; pass a `make demo` "
+                                "or `make real` run folder as --run")
+    if conversations is None:
+        return src
+    lines = [ln for ln in src.read_text().splitlines() if ln.strip()][:conversations]
+    dest = out / "data" / f"conversations_{conversations}.jsonl"
+    write_text(dest, "\n".join(lines) + "\n")
+    return dest
+
+
+def load_recipe_for(recipe_path: Path, target: Path, data: Path, out: Path, steps: int, overrides: list[str]):
+    from specheads.config import load_recipe
+
+    return load_recipe(recipe_path, [f"target.path={target}", f"data.train=[{data}]",
+                                     f"train.output_dir={out / 'specheads' / 'checkpoint'}",
+                                     f"train.max_steps={steps}", f"train.save_every={steps}",
+                                     "train.resume=false", "train.progress=false", *overrides])
+
+
+def write_samples(recipe, target, dest: Path) -> list:
+    """The recipe's training samples (tokenised by specheads, held-out split removed) as JSONL rows
+    of input_ids and loss_mask: the one copy every toolkit trains on."""
+    from specheads.data.samples import prepare_samples, split_samples
+
+    samples, _ = split_samples(recipe, prepare_samples(recipe, target.tokenizer, report=lambda *_: None))
+    rows = [json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}) for s in samples]
+    write_text(dest, "\n".join(rows) + "\n")
+    return samples
+
+
+def budget_of(recipe, target, samples) -> Budget:
+    from specheads.heads.eagle3 import default_aux_layers
+
+    mean_len = statistics.mean(len(s.input_ids) for s in samples)
+    h, t = recipe.head, recipe.train
+    aux = list(getattr(h, "aux_layers", None) or default_aux_layers(target.num_layers))
+    return Budget(steps=t.max_steps, batch_size=t.batch_size, tokens_per_step=round(t.batch_size * mean_len),
+                  max_length=recipe.data.max_length, aux_layers=aux, draft_vocab_size=h.draft_vocab_size,
+                  ttt_steps=h.ttt_steps, step_decay=h.step_decay, lr=t.lr, warmup_steps=t.warmup_steps, seed=t.seed)
+
+
+# --- training: ours and the anchors' ---------------------------------------------------------------
+def train_ours(recipe, out: Path, budget: Budget) -> dict:
+    """specheads' own EAGLE-3 run of the recipe, exported in the vLLM (speculators) format."""
+    from specheads.export import export
+    from specheads.train import train
+
+    t0 = time.perf_counter()
+    ckpt = train(recipe)
+    train_s = time.perf_counter() - t0
+    folder = export(ckpt, "vllm", out / "specheads" / "export", overwrite=True)
+    folder = Path(os.path.relpath(folder, out))
+    tokens = budget.steps * budget.tokens_per_step
+    return {"toolkit": "specheads", "version": _our_version(), "export": f"OUT/{folder}",
+            "export_path": str(out / folder), "train_s": round(train_s, 2),
+            "train_tokens_est": tokens, "train_tokens_per_s": round(tokens / train_s, 1),
+            "note": "target forward inside each step (online features)"}
+
+
+def _our_version() -> str:
+    from importlib.metadata import version
+
+    return version("specheads")
+
+
+def train_anchor(name: str, out: Path, target_dir: Path, samples_file: Path, budget: Budget, threads: int,
+                 progress=print) -> dict:
+    """Run the anchor's driver in its venv; its result.json (with the error in its own words if any)."""
+    a = ANCHORS[name]
+    row = {"toolkit": name, "version": a.version, "install_notes": list(a.notes)}
+    try:
+        py = ensure_venv(name, progress)
+    except AnchorSetupError as err:
+        return {**row, "stage": "install", "error": str(err)}
+    work = out / name
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    job = {"target": str(target_dir.resolve()), "samples": str(samples_file.resolve()), "work": str(work.resolve()),
+           "threads": threads, **budget.__dict__}
+    job_file = work / "job.json"
+    write_json(job_file, job)
+    progress(f"[anchors] {name}: training in {venv_dir(name)} ({budget.steps} steps)")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    with (work / "driver.log").open("w") as log:
+        done = subprocess.run([str(py), str(DRIVERS / a.driver), str(job_file)], cwd=work, env=env,
+                              stdout=log, stderr=subprocess.STDOUT)
+    result_file = work / "result.json"
+    if not result_file.is_file():
+        tail = (work / "driver.log").read_text(errors="replace")[-1500:]
+        return {**row, "stage": "driver", "error": f"driver exited {done.returncode} without a result; log end:\n{tail}"}
+    result = json.loads(_relative(result_file.read_text(), {out.resolve(): "OUT", target_dir.resolve(): "TARGET"}))
+    if result.get("export"):
+        result["export_path"] = str(work / Path(result["export"]).relative_to("OUT/" + name))
+        tokens = result["train_tokens_est"]
+        result["train_tokens_per_s"] = round(tokens / result["train_s"], 1)
+        result["train_tokens_per_s_with_capture"] = round(tokens / (result["train_s"] + result["capture_s"]), 1)
+    return {**row, **result}
+
+
+def _relative(text: str, names: dict[Path, str]) -> str:
+    """`text` with each absolute folder written as its name (reports carry no machine paths)."""
+    for folder, name in names.items():
+        text = text.replace(str(folder), name)
+    return text
+
+
+# --- measuring, with specheads' verifier -----------------------------------------------------------
+def _bench_module(script: str):
+    path = Path(__file__).resolve().parent / script
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_export(folder: str, target, prompts, plain, k: int, max_new_tokens: int) -> dict:
+    """tau, acceptance per position, greedy equality and speed-up over `plain` of a chain of k."""
+    from specheads.session import load_draft
+    from specheads.verify.settings import make_tree_spec
+
+    heads = _bench_module("heads.py")
+    draft = load_draft(folder, target)
+    references = plain["references"]
+    stats, bad = heads.decode_all(target, draft.head, make_tree_spec("chain", k=k), prompts, references, max_new_tokens)
+    s = stats.summary()
+    return {"fingerprint_checked": draft.fingerprint_checked, "k": k, "tau": s["tau"],
+            "acceptance_per_position": s["acceptance_per_position"],
+            "acceptance_per_position_conditional": s["acceptance_per_position_conditional"],
+            "greedy_equal": not bad, "mismatched_ids": bad, "tokens_per_s": heads.rate(stats),
+            "speedup": heads.rate(stats) / plain["tokens_per_s"]}
+
+
+def plain_reference(target, prompts, max_new_tokens: int) -> dict:
+    """Plain greedy decoding of every prompt: the reference tokens and its tokens/s."""
+    heads = _bench_module("heads.py")
+    from specheads.session import eos_ids
+    from specheads.verify.loop import greedy_decode
+    from specheads.verify.steps import DecodeStats
+
+    eos, total, refs = eos_ids(target), DecodeStats(), []
+    for _, ids in prompts:
+        result = greedy_decode(target, ids, max_new_tokens, eos)
+        refs.append(result.tokens)
+        total = total.add(result.stats)
+    return {"references": refs, "tokens_per_s": heads.rate(total)}
+
+
+# --- report ----------------------------------------------------------------------------------------
+def _num(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def markdown(report: dict) -> str:
+    st, b = report["settings"], report["budget"]
+    lines = ["# EAGLE-3 side by side with the anchors", "",
+             f"`{st['command']}`", "",
+             f"target `{st['target']}`; {st['train_samples']} training samples from `{st['data']}` (tokenised once "
+             f"by specheads, the same rows for every toolkit); {b['steps']} steps x batch {b['batch_size']} "
+             f"(packed trainers: {b['tokens_per_step']} tokens a step); aux layers {b['aux_layers']}, draft "
+             f"vocabulary {b['draft_vocab_size']}, TTT {b['ttt_steps']} (decay {b['step_decay']}), lr {b['lr']}, "
+             f"warm-up {b['warmup_steps']}. Measured by specheads' verifier on {st['num_prompts']} held-out prompts, "
+             f"max {st['max_new_tokens']} new tokens, greedy, chain k = {st['k']}, CPU float32, "
+             f"{st['threads']} thread(s), nice {st['niceness']}, load average at the end "
+             f"{', '.join(f'{x:.2f}' for x in st['loadavg_at_end'])}; plain decoding {st['plain_tokens_per_s']:.1f} "
+             "tokens/s. tau counts the bonus token.", "",
+             "| toolkit | tau | acceptance per position | greedy equal | speed-up vs plain | train tokens/s "
+             "| incl. hidden-state capture | train s |",
+             "|---|---:|---|:---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        name = f"{r['toolkit']} {r.get('version', '')}".strip()
+        if "tau" not in r:
+            lines.append(f"| {name} | failed at {r.get('stage')} | `{_cell(r.get('error', ''))}` | | | | | |")
+            continue
+        acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        lines.append(f"| {name} | {r['tau']:.2f} | {acc} | {'yes' if r['greedy_equal'] else 'NO'} | "
+                     f"{r['speedup']:.2f}x | {_num(r.get('train_tokens_per_s'), '.0f')} | "
+                     f"{_num(r.get('train_tokens_per_s_with_capture'), '.0f')} | {_num(r.get('train_s'), '.0f')} |")
+    lines += ["", "What each toolkit needed on a CPU, and what did not work (in its own words):", ""]
+    for r in report["rows"]:
+        if r["toolkit"] == "specheads":
+            continue
+        lines.append(f"- **{r['toolkit']} {r.get('version', '')}**")
+        for note in r.get("install_notes", []):
+            lines.append(f"  - setup: {note}")
+        for err, ad in zip(r.get("errors_before_adaptation", []), r.get("cpu_adaptations", [])):
+            lines.append(f"  - failed with `{_cell(err)}`; then adapted: {ad}")
+        if r.get("toolkit_defaults_kept"):
+            kept = ", ".join(f"{k} {v}" for k, v in r["toolkit_defaults_kept"].items())
+            lines.append(f"  - its own defaults kept: {kept}")
+        if "error" in r:
+            lines.append(f"  - failed at stage `{r.get('stage')}`: `{_cell(r['error'])}`")
+        if r.get("export"):
+            lines.append(f"  - its checkpoint loaded as is by our verifier from `{r['export']}` "
+                         f"(fingerprint checked: {r.get('fingerprint_checked')})")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|").replace("`", "'")[:600]
+
+
+# --- the bench -------------------------------------------------------------------------------------
+def bench(a: argparse.Namespace, command: str) -> dict:
+    from specheads.data.prompts import read_prompts
+    from specheads.provenance import provenance
+    from specheads.target import Target
+
+    torch.set_num_threads(a.threads)
+    out, run = Path(a.out), Path(a.run)
+    out.mkdir(parents=True, exist_ok=True)
+    data = train_file(run, out, a.conversations)
+    recipe = load_recipe_for(Path(a.recipe), a.target, data, out, a.steps, a.overrides)
+    target = Target.load(str(a.target), device="cpu")
+    samples_file = out / "data" / "samples.jsonl"
+    samples = write_samples(recipe, target, samples_file)
+    budget = budget_of(recipe, target, samples)
+    rows = []
+    if "specheads" in a.toolkits:
+        rows.append(train_ours(recipe, out, budget))
+        print(f"[anchors] specheads trained: {rows[-1]['train_s']} s", flush=True)
+    for name in a.toolkits:
+        if name != "specheads":
+            rows.append(train_anchor(name, out, a.target, samples_file, budget, a.threads))
+            print(f"[anchors] {name}: {json.dumps({k: rows[-1].get(k) for k in ('stage', 'error', 'export')})[:600]}",
+                  flush=True)
+    prompts = _bench_module("verifier.py").encode_rows(target, read_prompts(run / "data" / "heldout_prompts.jsonl",
+                                                                          a.limit))
+    plain = plain_reference(target, prompts, a.max_new_tokens)
+    for row in rows:
+        if row.get("export"):
+            try:
+                row.update(measure_export(row.get("export_path", row["export"]), target, prompts, plain, a.k,
+                                          a.max_new_tokens))
+            except (ValueError, FileNotFoundError, KeyError) as err:
+                row.update(stage="load-into-verifier", error=f"{type(err).__name__}: {err}")
+        row.pop("export_path", None)  # the report names folders relative to OUT
+    report = {"settings": {"command": command, "target": str(a.target), "data": str(data),
+                           "train_samples": len(samples), "num_prompts": len(prompts), "k": a.k,
+                           "max_new_tokens": a.max_new_tokens, "threads": torch.get_num_threads(),
+                           "niceness": os.nice(0), "cpu_count": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
+                           "plain_tokens_per_s": plain["tokens_per_s"]},
+              "budget": budget.__dict__, "rows": rows, "provenance": provenance(target=target.fingerprint())}
+    write_json(out / "anchors.json", report)
+    write_text(out / "anchors.md", markdown(report))
+    return report
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, help="a run folder: target link, data/train_regen.jsonl, "
+                   "data/heldout_prompts.jsonl")
+    p.add_argument("--out", required=True, help="folder for anchors.json and anchors.md")
+    p.add_argument("--target", type=Path, default=None, help="the target's HF folder (default: RUN/target)")
+    p.add_argument("--anchors", default=",".join(ANCHORS), help=f"comma-separated, of {', '.join(ANCHORS)}")
+    p.add_argument("--no-specheads", action="store_true", help="leave specheads' own row out")
+    p.add_argument("--recipe", default=str(RECIPE), help="the EAGLE-3 recipe that fixes the shared settings")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps for every toolkit")
+    p.add_argument("--conversations", type=int, default=None, help="the first N conversations only")
+    p.add_argument("--limit", type=int, default=32, help="held-out prompts")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=3, help="chain length")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, every process")
+    p.add_argument("overrides", nargs="*", help="recipe overrides (key=value), shared by every toolkit")
+    a = p.parse_args(argv)
+    anchors = [x.strip() for x in a.anchors.split(",") if x.strip()]
+    unknown = [x for x in anchors if x not in ANCHORS]
+    if unknown:
+        p.error(f"--anchors: unknown '{unknown[0]}'; expected some of {', '.join(ANCHORS)}")
+    for flag in ("steps", "limit", "max_new_tokens", "k", "threads", "conversations"):
+        value = getattr(a, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1 (got {value})")
+    a.target = a.target or Path(a.run) / "target"
+    if not (a.target / "config.json").is_file():
+        p.error(f"--target {a.target}: no config.json there; pass the target's HF folder (or a --run with a "
+                "'target' link)")
+    if not (Path(a.run) / "data" / "heldout_prompts.jsonl").is_file():
+        p.error(f"--run {a.run}: no data/heldout_prompts.jsonl in it")
+    if not Path(a.recipe).is_file():
+        p.error(f"--recipe {a.recipe}: no such file")
+    a.toolkits = ([] if a.no_specheads else ["specheads"]) + anchors
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    a = parse_args(args)
+    report = bench(a, "python bench/anchors.py " + " ".join(args))
+    print(markdown(report), end="")
+    print(f"-> {Path(a.out) / 'anchors.json'}")
+    return 0 if all(r.get("greedy_equal", True) for r in report["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

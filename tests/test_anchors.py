@@ -1,0 +1,215 @@
+"""bench/anchors.py: the parts that need no anchor venv (the drivers' hidden-state taps against the
+target's own, the retry-with-adaptation rule, SpecForge's weight-index view and plain loss, the
+table, argument errors); and, only where an anchor's venv exists under the user cache, that anchor
+trained for a few steps on the tiny target and measured lossless by our verifier."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+from bench_scripts import BENCH, load_bench
+
+DRIVERS = BENCH / "anchor_drivers"
+
+
+@pytest.fixture(scope="module")
+def anchors():
+    return load_bench("anchors.py")
+
+
+@pytest.fixture(scope="module")
+def drivers():
+    """The driver modules (they import their sibling `capture` as the venvs run them: as scripts)."""
+    sys.path.insert(0, str(DRIVERS))
+    try:
+        import capture
+        import specforge_eagle3
+
+        yield capture, specforge_eagle3
+    finally:
+        sys.path.remove(str(DRIVERS))
+        for name in ("capture", "specforge_eagle3"):
+            sys.modules.pop(name, None)
+
+
+def _run_dir(tmp_path, tiny_target_dir, demo_data_dir):
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "target").symlink_to(tiny_target_dir, target_is_directory=True)
+    for name in ("train.jsonl", "heldout_prompts.jsonl"):
+        (run / "data" / name).write_bytes((demo_data_dir / name).read_bytes())
+    return run
+
+
+# --- the drivers' capture, without any anchor ------------------------------------------------------
+def test_driver_taps_equal_the_targets_own(drivers, tiny_target_dir):
+    """aux layer i = HF hidden_states[i] (specheads' tap, vLLM's numbering); last = the last decoder
+    layer's output before the norm; its norm gives the states the lm_head reads (target logits)."""
+    from specheads.target import Target
+
+    capture, _ = drivers
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    model = capture.load_target(str(tiny_target_dir))
+    ids = target.tokenizer("def f(x):\n    return x + 1")["input_ids"]
+    aux, last = capture.hidden_states(model, ids, [2, 4, 5])
+    ours = target.forward(torch.tensor([ids]), layers=[2, 4, 5])
+    for got, layer in zip(aux, [2, 4, 5]):
+        assert got.shape == (len(ids), target.hidden_size)
+        torch.testing.assert_close(got, ours.hidden[layer][0])
+    final = model.get_decoder().norm(last)
+    torch.testing.assert_close(final, ours.final[0])
+    torch.testing.assert_close(model.lm_head(final), ours.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_adaptation_only_after_its_own_error(drivers):
+    capture, _ = drivers
+    state = {"cpu_adaptations": [], "errors_before_adaptation": []}
+    applied = []
+    fixes = [("use the CPU", "no accelerator", lambda: applied.append("cpu"))]
+
+    def attempt(n):
+        if not applied:
+            raise RuntimeError("Cannot run: no accelerator here")
+        return n
+
+    assert capture.with_adaptations(attempt, fixes, state) == 1
+    assert state == {"cpu_adaptations": ["use the CPU"],
+                     "errors_before_adaptation": ["RuntimeError: Cannot run: no accelerator here"]}
+
+    def other(n):
+        raise ValueError("something else")
+
+    with pytest.raises(ValueError, match="something else"):
+        capture.with_adaptations(other, [("unused", "no accelerator", lambda: None)], state)
+    assert state["cpu_adaptations"] == ["use the CPU"]  # nothing applied for an error it does not name
+
+
+def test_indexed_target_maps_every_weight(drivers, tiny_target_dir, tmp_path):
+    from safetensors import safe_open
+
+    _, sf = drivers
+    view = sf.indexed_target({"target": str(tiny_target_dir), "work": str(tmp_path)})
+    index = json.loads((view / "model.safetensors.index.json").read_text())
+    with safe_open(str(tiny_target_dir / "model.safetensors"), framework="pt") as fh:
+        keys = set(fh.keys())
+    assert set(index["weight_map"]) == keys and set(index["weight_map"].values()) == {"model.safetensors"}
+    assert (view / "config.json").resolve() == (tiny_target_dir / "config.json").resolve()
+
+
+def test_plain_soft_cross_entropy_golden():
+    """Uniform target over V on zero logits: log(V) at every supervised position, averaged over all."""
+    sys.path.insert(0, str(DRIVERS))
+    try:
+        from specforge_eagle3 import PlainSoftCrossEntropy
+    finally:
+        sys.path.remove(str(DRIVERS))
+    logits = torch.zeros(1, 4, 8, requires_grad=True)
+    target = torch.full((1, 4, 8), 1 / 8)
+    mask = torch.tensor([[[1.0], [1.0], [0.0], [1.0]]])
+    loss = PlainSoftCrossEntropy.apply(logits, target, mask)
+    assert loss.item() == pytest.approx(3 * math.log(8) / 4)
+    loss.backward()  # softmax(0) = target: no gradient at the optimum
+    assert logits.grad.abs().max().item() < 1e-7
+
+
+# --- report and arguments --------------------------------------------------------------------------
+REPORT = {
+    "settings": {"command": "python bench/anchors.py --run r --out o", "target": "r/target", "data": "r/data/t.jsonl",
+                 "train_samples": 10, "num_prompts": 2, "max_new_tokens": 8, "k": 3, "threads": 2, "niceness": 19,
+                 "loadavg_at_end": [1.0, 1.5, 2.0], "plain_tokens_per_s": 50.0},
+    "budget": {"steps": 4, "batch_size": 2, "tokens_per_step": 100, "aux_layers": [2, 4, 5], "draft_vocab_size": 64,
+               "ttt_steps": 3, "step_decay": 0.8, "lr": 0.002, "warmup_steps": 1},
+    "rows": [
+        {"toolkit": "specheads", "version": "0.1.0", "tau": 2.5, "acceptance_per_position": [0.8, 0.5, 0.2],
+         "greedy_equal": True, "speedup": 1.5, "train_tokens_per_s": 1000.0, "train_s": 4.0},
+        {"toolkit": "speculators", "version": "0.9.0", "tau": 2.25, "acceptance_per_position": [0.75, 0.4, 0.1],
+         "greedy_equal": True, "speedup": 1.25, "train_tokens_per_s": 2000.0, "train_tokens_per_s_with_capture": 500.0,
+         "train_s": 2.0, "install_notes": ["pip install torch==2.13.0 (CPU) first"],
+         "errors_before_adaptation": ["RuntimeError: Cannot access accelerator device when none is available."],
+         "cpu_adaptations": ["get_local_rank -> 'cpu'"], "export": "OUT/speculators/train-1/0",
+         "fingerprint_checked": False},
+        {"toolkit": "specforge", "version": "0.2.0", "stage": "train", "error": "RuntimeError: 0 active drivers ([]).",
+         "install_notes": ["--no-deps"]},
+    ],
+}
+
+
+def test_markdown_rows_and_failures(anchors):
+    md = anchors.markdown(REPORT)
+    assert "| specheads 0.1.0 | 2.50 | 0.80 / 0.50 / 0.20 | yes | 1.50x | 1000 |  | 4 |" in md
+    assert "| speculators 0.9.0 | 2.25 | 0.75 / 0.40 / 0.10 | yes | 1.25x | 2000 | 500 | 2 |" in md
+    assert "| specforge 0.2.0 | failed at train | `RuntimeError: 0 active drivers ([]).` |" in md
+    assert ("failed with `RuntimeError: Cannot access accelerator device when none is available.`; then adapted: "
+            "get_local_rank -> 'cpu'") in md
+    assert "setup: --no-deps" in md and "loaded as is by our verifier from `OUT/speculators/train-1/0`" in md
+    assert "failed at stage `train`: `RuntimeError: 0 active drivers ([]).`" in md
+    assert "4 steps x batch 2 (packed trainers: 100 tokens a step)" in md
+
+
+def test_argument_errors(anchors, tmp_path, capsys):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "heldout_prompts.jsonl").write_text("{}\n")
+    for argv, words in [(["--anchors", "medusa"], "--anchors: unknown 'medusa'; expected some of speculators, specforge"),
+                        (["--steps", "0"], "--steps must be at least 1 (got 0)"),
+                        (["--target", str(tmp_path / "nope")], "no config.json there"),
+                        (["--recipe", str(tmp_path / "r.yaml")], "--recipe"), ]:
+        args = ["--run", str(tmp_path), "--out", str(tmp_path / "o"), *argv]
+        with pytest.raises(SystemExit) as exc:
+            anchors.parse_args(args)
+        assert exc.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_missing_training_data_is_named(anchors, tmp_path):
+    (tmp_path / "data").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither train_regen.jsonl nor train.jsonl"):
+        anchors.train_file(tmp_path, tmp_path / "o", None)
+
+
+def test_shared_samples_and_budget(anchors, tiny_target_dir, demo_data_dir, tmp_path):
+    """The first N conversations, tokenised once (training split only); tokens a step = batch x mean length."""
+    from specheads.target import Target
+
+    run = _run_dir(tmp_path, tiny_target_dir, demo_data_dir)
+    out = tmp_path / "out"
+    data = anchors.train_file(run, out, 20)
+    assert len(data.read_text().splitlines()) == 20
+    recipe = anchors.load_recipe_for(anchors.RECIPE, run / "target", data, out, 5,
+                                     ["train.batch_size=3", "train.val_samples=2", "head.draft_vocab_size=64"])
+    target = Target.load(str(run / "target"), device="cpu")
+    samples = anchors.write_samples(recipe, target, out / "samples.jsonl")
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == len(samples) == 17  # 20, less 1 with no supervised token, less 2 held out
+    assert all(len(r["input_ids"]) == len(r["loss_mask"]) and any(r["loss_mask"]) for r in rows)
+    b = anchors.budget_of(recipe, target, samples)
+    mean = sum(len(r["input_ids"]) for r in rows) / len(rows)
+    assert (b.steps, b.batch_size, b.tokens_per_step) == (5, 3, round(3 * mean))
+    assert b.aux_layers == [2, 4, 5] and b.draft_vocab_size == 64 and b.ttt_steps == 3
+
+
+# --- the real anchors, only where their venvs exist ------------------------------------------------
+def _venv_ready(name: str) -> bool:
+    return load_bench("anchors.py", "bench_anchors_probe").is_ready(name)
+
+
+@pytest.mark.parametrize("name", ["speculators", "specforge"])
+def test_anchor_trains_and_our_verifier_measures_it(name, anchors, tiny_target_dir, demo_data_dir, tmp_path):
+    if not _venv_ready(name):
+        pytest.skip(f"no {name} venv under the user cache: python bench/anchors.py creates it")
+    run = _run_dir(tmp_path, tiny_target_dir, demo_data_dir)
+    out = tmp_path / "out"
+    rc = anchors.main(["--run", str(run), "--out", str(out), "--anchors", name, "--no-specheads", "--steps", "3",
+                       "--conversations", "24", "--limit", "2", "--max-new-tokens", "8", "--threads", "1",
+                       "train.batch_size=2", "train.warmup_steps=1", "head.draft_vocab_size=64"])
+    report = json.loads((out / "anchors.json").read_text())
+    row = report["rows"][0]
+    assert rc == 0 and row["toolkit"] == name and "error" not in row, row
+    assert row["greedy_equal"] and 1.0 <= row["tau"] <= 4.0 and len(row["acceptance_per_position"]) == 3
+    assert row["train_tokens_per_s"] > 0 and row["export"].startswith(f"OUT/{name}/")
+    assert str(tmp_path) not in json.dumps(report["rows"])  # the rows name OUT and TARGET, no machine path
