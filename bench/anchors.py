@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import write_json, write_text
+from specheads.engines.venvs import run_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVERS = Path(__file__).resolve().parent / "anchor_drivers"
@@ -146,14 +147,7 @@ def ensure_venv(name: str, progress=print) -> Path:
 
 
 def _pip_run(cmd: list[str], log: Path) -> None:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as fh:
-        fh.write(f"$ {' '.join(cmd)}\n")
-        fh.flush()
-        done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        tail = log.read_text(errors="replace")[-1500:]
-        raise AnchorSetupError(f"`{' '.join(cmd)}` failed (exit {done.returncode}); log {log}; its end:\n{tail}")
+    run_logged(cmd, log, "setting up an anchor's environment failed", AnchorSetupError)
 
 
 # --- shared data and budget ------------------------------------------------------------------------

@@ -25,6 +25,18 @@ def tiny_target_dir(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("target") / "tiny", preset="test", progress=False)
 
 
+@pytest.fixture
+def demo_run_dir(tmp_path, tiny_target_dir, demo_data_dir):
+    """A run folder as `make demo` leaves one for the bench scripts: target (a link), data/train.jsonl
+    and data/heldout_prompts.jsonl."""
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "target").symlink_to(tiny_target_dir, target_is_directory=True)
+    for name in ("train.jsonl", "heldout_prompts.jsonl"):
+        (run / "data" / name).write_bytes((demo_data_dir / name).read_bytes())
+    return run
+
+
 @pytest.fixture(scope="session")
 def demo_data_dir(tmp_path_factory):
     """A small slice of the standard-library demo conversations."""

@@ -36,15 +36,6 @@ def drivers():
             sys.modules.pop(name, None)
 
 
-def _run_dir(tmp_path, tiny_target_dir, demo_data_dir):
-    run = tmp_path / "run"
-    (run / "data").mkdir(parents=True)
-    (run / "target").symlink_to(tiny_target_dir, target_is_directory=True)
-    for name in ("train.jsonl", "heldout_prompts.jsonl"):
-        (run / "data" / name).write_bytes((demo_data_dir / name).read_bytes())
-    return run
-
-
 # --- the drivers' capture, without any anchor ------------------------------------------------------
 def test_driver_taps_equal_the_targets_own(drivers, tiny_target_dir):
     """aux layer i = HF hidden_states[i] (specheads' tap, vLLM's numbering); last = the last decoder
@@ -172,11 +163,11 @@ def test_missing_training_data_is_named(anchors, tmp_path):
         anchors.train_file(tmp_path, tmp_path / "o", None)
 
 
-def test_shared_samples_and_budget(anchors, tiny_target_dir, demo_data_dir, tmp_path):
+def test_shared_samples_and_budget(anchors, tiny_target_dir, demo_data_dir, tmp_path, demo_run_dir):
     """The first N conversations, tokenised once (training split only); tokens a step = batch x mean length."""
     from specheads.target import Target
 
-    run = _run_dir(tmp_path, tiny_target_dir, demo_data_dir)
+    run = demo_run_dir
     out = tmp_path / "out"
     data = anchors.train_file(run, out, 20)
     assert len(data.read_text().splitlines()) == 20
@@ -199,10 +190,10 @@ def _venv_ready(name: str) -> bool:
 
 
 @pytest.mark.parametrize("name", ["speculators", "specforge"])
-def test_anchor_trains_and_our_verifier_measures_it(name, anchors, tiny_target_dir, demo_data_dir, tmp_path):
+def test_anchor_trains_and_our_verifier_measures_it(name, anchors, tiny_target_dir, demo_data_dir, tmp_path, demo_run_dir):
     if not _venv_ready(name):
         pytest.skip(f"no {name} venv under the user cache: python bench/anchors.py creates it")
-    run = _run_dir(tmp_path, tiny_target_dir, demo_data_dir)
+    run = demo_run_dir
     out = tmp_path / "out"
     rc = anchors.main(["--run", str(run), "--out", str(out), "--anchors", name, "--no-specheads", "--steps", "3",
                        "--conversations", "24", "--limit", "2", "--max-new-tokens", "8", "--threads", "1",

@@ -11,14 +11,10 @@ def load_script():
     return load_bench("heads.py")
 
 
-def test_side_by_side_table(tiny_target_dir, demo_data_dir, tmp_path):
+def test_side_by_side_table(tiny_target_dir, demo_data_dir, tmp_path, demo_run_dir):
     from specheads.heads import HEADS
 
-    run = tmp_path / "run"
-    (run / "data").mkdir(parents=True)
-    (run / "target").symlink_to(tiny_target_dir, target_is_directory=True)
-    for name in ("train.jsonl", "heldout_prompts.jsonl"):
-        (run / "data" / name).write_bytes((demo_data_dir / name).read_bytes())
+    run = demo_run_dir
     bench = load_script()
     out = tmp_path / "out"
     rc = bench.main(["--run", str(run), "--out", str(out), "--steps", "2", "--limit", "2",
@@ -45,13 +41,9 @@ def test_unknown_kind_is_refused(tmp_path, capsys):
     assert "unknown head kinds ['nope']" in capsys.readouterr().err
 
 
-def test_predicted_chain_length_and_speedup(tiny_target_dir, demo_data_dir, tmp_path):
+def test_predicted_chain_length_and_speedup(tiny_target_dir, demo_data_dir, tmp_path, demo_run_dir):
     """--predict: k chosen by eval/predict.py within the DFlash block, then measured and lossless."""
-    run = tmp_path / "run"
-    (run / "data").mkdir(parents=True)
-    (run / "target").symlink_to(tiny_target_dir, target_is_directory=True)
-    for name in ("train.jsonl", "heldout_prompts.jsonl"):
-        (run / "data" / name).write_bytes((demo_data_dir / name).read_bytes())
+    run = demo_run_dir
     bench = load_script()
     out = tmp_path / "out"
     rc = bench.main(["--run", str(run), "--out", str(out), "--kinds", "dflash", "--steps", "2", "--limit", "2",

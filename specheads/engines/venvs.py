@@ -110,6 +110,12 @@ def _check_disk(engine: str, folder: Path) -> None:
 
 
 def _run(cmd: list[str], log: Path, engine: str) -> None:
+    run_logged(cmd, log, f"creating the {engine} environment failed", EngineSetupError)
+
+
+def run_logged(cmd: list[str], log: Path, failure: str, error: type[Exception]) -> None:
+    """Run `cmd` with its output appended to `log`; on a non-zero exit raise `error` saying `failure`,
+    the command, the log and the log's end."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as fh:
         fh.write(f"$ {' '.join(cmd)}\n")
@@ -117,8 +123,7 @@ def _run(cmd: list[str], log: Path, engine: str) -> None:
         done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
-        raise EngineSetupError(f"creating the {engine} environment failed (exit {done.returncode}) at "
-                               f"`{' '.join(cmd)}`; full log {log}; its end:\n{tail}")
+        raise error(f"{failure} (exit {done.returncode}) at `{' '.join(cmd)}`; full log {log}; its end:\n{tail}")
 
 
 def _stamp(folder: Path, version: str) -> None:
