@@ -35,6 +35,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import torch
 
@@ -298,7 +299,7 @@ class BatchCosts:
             return self.per_row.target(n)
         return between_sizes(self.forwards, rows, n) * self.target_scale
 
-    @property
+    @cached_property
     def target_scale(self) -> float:
         """How batch-1 forwards inside real decodes compare with their micro-timing: one factor, the
         median over the timed counts. Not one per count: a count whose micro-timing drew badly must
@@ -311,8 +312,12 @@ class BatchCosts:
         not group)."""
         if rows == 1 or self.drafts is None:
             return rows * self._own_draft(k)
-        scale = median_ratio({j: self._own_draft(j) for j in self.drafts[1]}, self.drafts[1])
-        return between_sizes(self.drafts, rows, k) * scale
+        return between_sizes(self.drafts, rows, k) * self.draft_scale
+
+    @cached_property
+    def draft_scale(self) -> float:
+        """As `target_scale`, for the grouped drafter step (median over the timed k)."""
+        return median_ratio({j: self._own_draft(j) for j in self.drafts[1]}, self.drafts[1])
 
     def _own_draft(self, k: int) -> float:
         return self.per_row.draft_fixed_s + k * self.per_row.draft_per_level_s
