@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specheads.attention import register as register_gqa_sdpa
 from specheads.builtin.tiny_target import BUILD_INFO, PRESETS, cache_path, cached_tiny_target
 from specheads.hf_compat import cache_kwargs
 
@@ -127,6 +128,8 @@ class Target:
             )
         except (OSError, ValueError) as err:
             raise TargetError(f"target '{folder}': cannot load it as a causal LM: {err}") from None
+        if attn_implementation == "sdpa":
+            model.set_attn_implementation(register_gqa_sdpa())  # same numbers, no repeated KV heads
         return cls(model.to(where), tok, folder)
 
     # --- structure -------------------------------------------------------------------------

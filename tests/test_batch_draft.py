@@ -16,6 +16,7 @@ from random_models import make_head, make_target
 from test_sampling import V_SMALL, build_small
 
 from specheads.serve.engine import Guarded
+from specheads.verify.calibration import ConfidenceProbe
 from specheads.verify.eagle1_proposers import Eagle1Proposer
 from specheads.verify.eagle3_proposers import Eagle3Proposer, SampledEagle3Proposer
 from specheads.verify.loop import Batch, decode, decode_batch, greedy_decode, request
@@ -217,3 +218,26 @@ def test_sampled_grouped_rows_draw_the_q_and_tokens_of_their_decode_alone(small)
     point_mass = torch.cat(rules[3].qs)  # the top-1 group's q: one-hot rows
     assert point_mass.numel() and bool(((point_mass == 0) | (point_mass == 1)).all())
     assert not bool(((torch.cat(rules[0].qs) == 0) | (torch.cat(rules[0].qs) == 1)).all())
+
+
+def test_calibration_probes_draft_in_a_group_and_record_what_they_record_alone(small):
+    """eval's `ConfidenceProbe` (greedy chains drawn through a one-hot warper, confidences recorded)
+    over EAGLE-3 rows drafts in one group (4 rows per forward), with the tokens, steps and records
+    (position, accepted) of each row's decode alone, confidences equal to float noise."""
+    target, head = small
+    ps = prompts(4, seed=11)
+    count = Forwards(head)
+    try:
+        probes = [ConfidenceProbe(SampledEagle3Proposer(head, target)) for _ in ps]
+        got = decode_batch(target, [request(target, pr, p, 16, 3) for pr, p in zip(probes, ps)], 4)
+        assert max(b for b, _ in count.take()) == 4  # the drafts ran as a group
+    finally:
+        count.close()
+    for p, probe, res in zip(ps, probes, got):
+        alone = ConfidenceProbe(SampledEagle3Proposer(head, target))
+        one = decode(target, alone, p, 16, 3)
+        assert res.tokens == one.tokens == greedy_decode(target, p, 16).tokens
+        assert res.step_proposed == one.step_proposed
+        assert [(r.position, r.accepted) for r in probe.records] == [(r.position, r.accepted) for r in alone.records]
+        assert probe.records and torch.allclose(torch.tensor([r.confidence for r in probe.records]),
+                                                torch.tensor([r.confidence for r in alone.records]), atol=1e-5)

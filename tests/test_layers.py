@@ -16,7 +16,7 @@ PACKAGE = ROOT / "specheads"
 FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("foundation", {"specheads", "atomic", "integrity", "protocols", "provenance", "hf_compat", "metrics", "schedule",
                     "optim", "builtin", "bounds", "progress", "errors", "engine_facts"}),
-    ("models", {"target", "heads", "from_gguf"}),
+    ("models", {"attention", "target", "heads", "from_gguf"}),
     ("recipes", {"config"}),
     ("data", {"data"}),
     ("artifacts", {"export", "verify", "session", "mixing"}),

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from specheads.protocols import DraftAsk, GroupedProposer
+from specheads.verify.draft_asks import split_step
 from specheads.verify.sampling import warp
 
 BINS = 10  # equal-width confidence bins of the map and the reliability table
@@ -196,16 +198,30 @@ class ConfidenceProbe:
         self.gen = torch.Generator().manual_seed(0)  # one-hot draws never depend on it
         self.records: list[Record] = []
         self.step: tuple[list[int], list[float]] = ([], [])
+        self.conf: ConfidenceWarper | None = None  # this step's, from `begin_step`
 
     def start(self, prompt_ids, first_token, out) -> None:
         self.inner.start(prompt_ids, first_token, out)
 
     @torch.no_grad()
     def propose(self, k: int) -> torch.Tensor:
-        conf = ConfidenceWarper()
-        tokens = self.inner.propose_sampled(k, conf, self.gen)[0].reshape(-1)  # [n]
-        self.step = ([int(t) for t in tokens.tolist()], conf.seen)
-        return tokens
+        return split_step(self, self.inner, k, None)[0]
+
+    def begin_step(self, k: int, sampler) -> DraftAsk:
+        """Ask the drafter for its chain through a one-hot `ConfidenceWarper` (`protocols.SplitProposer`):
+        the greedy drafts, their confidences recorded as they are drawn, alone or in a draft group."""
+        self.conf = ConfidenceWarper()
+        return DraftAsk(k, (self.conf, self.gen))
+
+    def end_step(self, tokens: torch.Tensor, q) -> tuple[torch.Tensor, None]:
+        """The drafted chain [n] as a greedy draft; keeps it and its confidences for `accept`."""
+        tokens = tokens.reshape(-1)
+        self.step = ([int(t) for t in tokens.tolist()], self.conf.seen[: tokens.numel()])
+        return tokens, None
+
+    def group_drafter(self):
+        """The inner drafter's group drafter (`protocols.GroupedProposer`), None if it has none."""
+        return self.inner.group_drafter() if isinstance(self.inner, GroupedProposer) else None
 
     def accept(self, inputs, following, out, start: int) -> None:
         draft, confidences = self.step

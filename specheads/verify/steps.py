@@ -17,10 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from specheads.attention import GQA_SDPA
 from specheads.metrics import chain_summary
 from specheads.target import TargetError, TargetOutput
+from specheads.verify.kv_cache import decode_cache
 from specheads.verify.trees import Tree, prune, subtree
 
 
@@ -220,7 +221,8 @@ def target_step(target, ids: torch.Tensor, past: int, cache, layers=()):
 
 
 def new_cache(target):
-    return DynamicCache(config=target.config)
+    """An empty cache for the target's decode (full-attention layers append in place)."""
+    return decode_cache(target.config)
 
 
 def prefill(target, ids: torch.Tensor, layers, stats: DecodeStats, clock: Clock):
@@ -235,7 +237,7 @@ def prefill(target, ids: torch.Tensor, layers, stats: DecodeStats, clock: Clock)
 
 # --- target forwards over a tree ----------------------------------------------------------------
 
-TREE_ATTENTION = ("eager", "sdpa")  # kernels that honour an arbitrary 4-D mask
+TREE_ATTENTION = ("eager", "sdpa", GQA_SDPA)  # kernels that honour an arbitrary 4-D mask
 
 
 def check_tree_attention(config, what: str = "the target") -> None:
