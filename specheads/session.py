@@ -180,15 +180,16 @@ class Session:
 
     def decode_many(self, prompts: list[list[int]], max_new_tokens: int,
                     sampling: Sampling | list[Sampling] = GREEDY, batch_size: int = 1,
-                    drafted: bool = True) -> list[DecodeResult]:
+                    drafted: bool = True, kept=None) -> list[DecodeResult]:
         """Every prompt decoded (`request`'s way), up to `batch_size` sequences per target forward;
         each result equals the prompt's decode alone (greedy: token for token). `sampling`: one
-        for every prompt, or one per prompt (a seed of its own)."""
+        for every prompt, or one per prompt (a seed of its own); `kept`: a
+        `verify.prompt_cache.PromptCache` of prefills to reuse and fill."""
         each = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(each) != len(prompts):
             raise ValueError(f"decode_many: {len(each)} samplings for {len(prompts)} prompts")
         reqs = [self.request(ids, max_new_tokens, s, drafted) for ids, s in zip(prompts, each)]
-        return decode_batch(self.target, reqs, batch_size)
+        return decode_batch(self.target, reqs, batch_size, kept)
 
     def warm_up(self) -> None:
         """Short untimed decodes (plain, the chain of k, the tree) so first-call overheads stay

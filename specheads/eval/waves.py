@@ -30,6 +30,7 @@ from specheads.session import Session, run_request
 from specheads.verify.calibration import ConfidenceProbe, Record
 from specheads.verify.loop import Request, decode_batch
 from specheads.verify.ngram_proposers import NgramProposer
+from specheads.verify.prompt_cache import PromptCache
 from specheads.verify.settings import Sampling, TreeSpec
 from specheads.verify.steps import DecodeResult, DecodeStats
 from specheads.verify.suffix_proposers import SuffixProposer
@@ -139,17 +140,19 @@ def free_requests(session: Session, proposer, prompts: list[list[int]], max_new_
 def decode_wave(session: Session, free: dict, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                 batch_size: int, probe: bool, bar: Progress) -> list[TurnDecodes]:
     """Every prompt decoded plainly, with the drafter and with each free proposer (method by method;
-    sampled runs with the same seed each) -> one TurnDecodes per prompt, in order."""
+    sampled runs with the same seed each; each prompt prefilled once, `verify.prompt_cache`) -> one
+    TurnDecodes per prompt, in order."""
     target, n = session.target, len(prompts)
-    plain = session.decode_many(prompts, max_new_tokens, sampling, batch_size, drafted=False)
-    bar.update(n)
     reqs, probes = draft_requests(session, prompts, max_new_tokens, sampling, probe)
-    drafts = decode_batch(target, reqs, batch_size)
+    kept = PromptCache({i for r in reqs for i in getattr(r.proposer, "layers", ())})  # one prefill per prompt
+    plain = session.decode_many(prompts, max_new_tokens, sampling, batch_size, drafted=False, kept=kept)
+    bar.update(n)
+    drafts = decode_batch(target, reqs, batch_size, kept)
     bar.update(n)
     others = {}
     for name, proposer in free.items():
         others[name] = decode_batch(target, free_requests(session, proposer, prompts, max_new_tokens, sampling),
-                                    batch_size)
+                                    batch_size, kept)
         bar.update(n)
     return [TurnDecodes(ids, plain[i], drafts[i], {name: r[i] for name, r in others.items()},
                         probes[i].records if probes[i] is not None else [])

@@ -42,6 +42,7 @@ from specheads.protocols import GroupedProposer, SplitProposer, close_proposers
 from specheads.target import TargetOutput
 from specheads.verify.draft_asks import begin, draft_asks, end
 from specheads.verify.ngram_proposers import NO_DRAFT
+from specheads.verify.prompt_cache import Prefilled, PromptCache
 from specheads.verify.ragged import (
     batch_forward,
     check_batch_attention,
@@ -260,36 +261,55 @@ class Batch:
     verification forward over every row; both return the (index, result) of rows that finished.
     `drop` takes rows out between steps (a server's cancelled requests)."""
 
-    def __init__(self, target):
+    def __init__(self, target, prompts: PromptCache | None = None):
         self.target = target
         self.rows: list[_Row] = []
         self.cache = None
         self.clock = Clock(target.device)
+        self.prompts = prompts  # prefills kept for later requests of the same prompt (eval's methods)
 
     def admit(self, items: list[tuple[int, Request]]) -> list[tuple[int, DecodeResult]]:
         """Prefill the requests' prompts in one forward of their own, then join the batch."""
         t0 = time.perf_counter()
         rows = [new_row(i, req, self.target.device) for i, req in items]
         live = [row for row in rows if row.req.budget > 0]
-        if live:
-            self._prefill(live)
+        kept = [None if self.prompts is None else self.prompts.get(row.req.ids[0], row.layers) for row in live]
+        fresh = [row for row, entry in zip(live, kept) if entry is None]
+        reused = [(row, entry) for row, entry in zip(live, kept) if entry is not None]
+        if fresh:
+            self._prefill(fresh)
         self._share_wall(rows, t0)
-        self.rows += live
+        for row, entry in reused:
+            self._reuse(row, entry)
+        self.rows += fresh + [row for row, _ in reused]
         return [(row.index, finish(row)) for row in rows if row.req.budget <= 0] + self._retire()
 
     def _prefill(self, rows: list[_Row]) -> None:
         prompts = [row.req.ids[0] for row in rows]  # [P_b] each
         cache = new_cache(self.target)
+        layers = sorted(set(union_layers(rows)) | set(() if self.prompts is None else self.prompts.layers))
         before = self.clock.seconds
         with self.clock:
             out = batch_forward(self.target, prompts, [torch.arange(p.numel()) for p in prompts],
                                 [torch.ones(p.numel(), p.numel(), dtype=torch.bool).tril() for p in prompts],
-                                [0] * len(rows), cache, union_layers(rows))
+                                [0] * len(rows), cache, layers)
         share = (self.clock.seconds - before) / len(rows)
+        if self.prompts is not None:
+            for b, ids in enumerate(prompts):
+                self.prompts.put(ids, cache, b, out, share)
         self.cache = merge_rows(self.cache, cache)
         for b, (row, ids) in enumerate(zip(rows, prompts)):
             row.result.stats.prefill_forwards, row.result.stats.target_prefill_s = 1, share
             start_row(row, ids, row_output(out, b, ids.numel(), row.layers))
+
+    def _reuse(self, row: _Row, entry: Prefilled) -> None:
+        """A kept prefill of the row's prompt joins the batch, booked as the prefill it replaces
+        (`verify.prompt_cache`: one forward, its seconds, in the row's wall time too)."""
+        self.cache = merge_rows(self.cache, entry.fill(new_cache(self.target)))
+        stats = row.result.stats
+        stats.prefill_forwards, stats.target_prefill_s = 1, entry.seconds
+        stats.wall_s += entry.seconds
+        start_row(row, row.req.ids[0], entry.output)
 
     def step(self) -> list[tuple[int, DecodeResult]]:
         """One verification forward: every row proposes, is verified, accepts and emits."""
@@ -357,14 +377,16 @@ def check_requests(target, requests: list[Request], batch_size: int) -> None:
 
 
 @torch.no_grad()
-def decode_batch(target, requests: list[Request], batch_size: int | None = None) -> list[DecodeResult]:
+def decode_batch(target, requests: list[Request], batch_size: int | None = None,
+                 kept: PromptCache | None = None) -> list[DecodeResult]:
     """Decode every request with up to `batch_size` (default: all) sequences per target forward;
-    a finished sequence's place goes to the next waiting request. -> results in request order."""
+    a finished sequence's place goes to the next waiting request (`kept`: prefills kept across
+    calls, `verify.prompt_cache`). -> results in request order."""
     size = len(requests) if batch_size is None else batch_size
     check_requests(target, requests, size)
     results: list[DecodeResult | None] = [None] * len(requests)
     waiting = list(enumerate(requests))[::-1]  # popped from the end: request order
-    batch = Batch(target)
+    batch = Batch(target, kept)
     while waiting or batch.rows:
         room = size - len(batch.rows)
         if room > 0 and waiting:
