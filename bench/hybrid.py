@@ -10,20 +10,31 @@ calibration records of the drafter's confidence and the decodes that correct the
 costs (`eval.mixes.in_situ_costs`). Then the timed pass, methods interleaved per prompt; the adaptive
 rows of a prompt use the calibration fitted on the other fold of prompts. Every output is checked equal
 to plain greedy decoding; counts and seconds are summed over prompts before any ratio (bench/verifier.py's
-tallies). A row's prediction is its measured step mix priced by the first pass's costs
-(`eval.mixes.row_speedup`). The suffix proposers keep one global cache per method across the prompts,
-as a server's (and the eval's) would; warm-up decodes use throwaway proposers so no prompt's output is
-cached before it is timed. Writes DIR/hybrid.json, DIR/hybrid.md (with `--note`: how the run was made).
+tallies). A row's prediction is its measured step mix priced by the first pass's costs, the target's
+steps by the curve the first pass's decodes of the row's family met (`eval.mixes.RowCosts`: drafter rows
+by the drafter's decodes, free rows by the free proposers', plain by plain's), its proposer seconds put
+in the first pass's time base by the timed pass's plain decodes (`eval.mixes.row_speedup`);
+every row keeps its summed decode stats, so `--reprice` recomputes the predictions offline. The suffix
+proposers keep one global cache per method across the prompts, as a server's (and the eval's) would;
+warm-up decodes use throwaway proposers so no prompt's output is cached before it is timed. Writes
+DIR/hybrid.json, DIR/hybrid.md (with `--note`: how the run was made).
+
+    python bench/hybrid.py --reprice DIR/hybrid.json [--out DIR2]
+
+prices a saved run's rows again with today's `row_speedup` and the per-family costs rebuilt from the
+saved first pass's micro-timed costs and decodes (no model, no timing): old and new predicted / measured
+per row; with `--out`, DIR2/hybrid_repriced.json and .md as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,9 +45,9 @@ from verifier import Method, encode_rows, method_row, plain_method, run_bench, t
 
 from specheads.atomic import write_json, write_text  # noqa: E402
 from specheads.data.prompts import read_prompts  # noqa: E402
-from specheads.eval.mixes import free_step_seconds, in_situ_costs, row_speedup  # noqa: E402
+from specheads.eval.mixes import RowCosts, free_step_seconds, in_situ_costs, row_costs, time_base  # noqa: E402
 from specheads.eval.online import evaluate_rows  # noqa: E402
-from specheads.eval.predict import StepCosts, prediction_metrics  # noqa: E402
+from specheads.eval.predict import PredictError, StepCosts, prediction_metrics  # noqa: E402
 from specheads.session import Session, eos_ids  # noqa: E402
 from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer  # noqa: E402
 from specheads.verify.calibration import Calibration, cross_fitted  # noqa: E402
@@ -45,6 +56,7 @@ from specheads.verify.loop import request  # noqa: E402
 from specheads.verify.ngram_proposers import NgramProposer  # noqa: E402
 from specheads.verify.registry import make_proposer  # noqa: E402
 from specheads.verify.settings import TreeSpec, make_tree_spec  # noqa: E402
+from specheads.verify.steps import DecodeStats  # noqa: E402
 from specheads.verify.suffix_proposers import SuffixProposer  # noqa: E402
 
 HYBRIDS = (  # name, mode, free proposer, choose rule
@@ -152,9 +164,10 @@ def warm_up(target, head, k: int, adaptive: Adaptive, ids: list[int], max_new_to
         timed(method, target, [ids], min(16, max_new_tokens), eos)
 
 
-def first_pass(session: Session, rows, max_new_tokens: int, prompts) -> tuple[StepCosts, Adaptive, dict]:
-    """The eval's first pass (untimed here): calibration records, step costs corrected in situ,
-    the free proposers' measured seconds per step."""
+def first_pass(session: Session, rows, max_new_tokens: int, prompts) -> tuple[RowCosts, Adaptive, dict]:
+    """The eval's first pass (untimed here): calibration records, step costs corrected in situ (blended:
+    what the adaptive rule decides by; per family: what prices the rows), the free proposers' measured
+    seconds per step."""
     totals, _ = evaluate_rows(session, rows, max_new_tokens)
     cond = totals.draft.summary()["acceptance_per_position_conditional"]
     observed = (totals.plain, totals.draft, *totals.free.values())
@@ -167,21 +180,26 @@ def first_pass(session: Session, rows, max_new_tokens: int, prompts) -> tuple[St
     calibrations = {f: calibrations.get(f, Calibration(position_rates=cond)) for f in (0, 1)}
     adaptive = Adaptive(calibrations, LengthCosts.from_step_costs(costs, k_max), k_max, folds)
     free_s = {name: free_step_seconds(stats) for name, stats in totals.free.items()}
-    return costs, adaptive, {"free_step_s": free_s, "records": len(totals.records), "k_max": k_max,
-                             "costs": pred["costs"], "costs_micro": pred["costs_micro"]}
+    decodes = {"plain": totals.plain, "draft": totals.draft, **totals.free}  # what corrected the costs
+    by_family = row_costs(StepCosts.from_dict(pred["costs_micro"]), *observed)
+    return by_family, adaptive, {"free_step_s": free_s, "records": len(totals.records), "k_max": k_max,
+                                 "costs": pred["costs"], "costs_micro": pred["costs_micro"],
+                                 "costs_by_family": by_family.to_dict(),
+                                 "decodes": {name: asdict(stats) for name, stats in decodes.items()}}
 
 
-def predicted(row: dict, tally, costs: StepCosts, mix: Mix | None, free_s: dict) -> float:
-    """A row's predicted speed-up: its measured step mix priced by the first pass's costs."""
+def predicted(row: dict, stats: DecodeStats, costs: RowCosts, plain: DecodeStats, free_s: dict) -> float:
+    """A row's predicted speed-up: its measured step mix (`stats`, and the model levels and steps its row
+    counted) priced by the first pass's costs of its kind's family; `plain`: the timed pass's plain
+    decodes (the time base)."""
     kind = row["settings"].get("kind")
     if kind == "eagle3":
-        return row_speedup(costs, tally.stats, tally.stats.proposed_tokens, tally.stats.drafts)
+        return costs.speedup(kind, stats, plain, stats.proposed_tokens, stats.drafts)
     if kind in ("ngram", "suffix"):
-        return row_speedup(costs, tally.stats, free_step_s=free_s.get(kind, 0.0))
-    if mix is None:  # plain
-        return row_speedup(costs, tally.stats)
+        return costs.speedup(kind, stats, plain, free_step_s=free_s.get(kind, 0.0))
     free = row["settings"].get("free")
-    return row_speedup(costs, tally.stats, mix.levels, mix.model_steps, free_s.get(free, 0.0) if free else 0.0)
+    return costs.speedup(kind, stats, plain, row.get("model_levels", 0), row.get("model_steps", 0),
+                         free_s.get(free, 0.0) if free else 0.0)
 
 
 def markdown(report: dict) -> str:
@@ -243,7 +261,8 @@ def bench(target_path: str, draft_dir: str, prompts_file: str, out_dir: str, k: 
         mix = mixes.get(method.name)
         if mix is not None:
             row.update(chosen=dict(mix.chosen), model_levels=mix.levels, model_steps=mix.model_steps)
-        row["predicted_speedup"] = predicted(row, tally, costs, mix, first["free_step_s"])
+        row["predicted_speedup"] = predicted(row, tally.stats, costs, tallies[0].stats, first["free_step_s"])
+        row["decode_stats"] = asdict(tally.stats)  # what --reprice prices again
         out.append(row)
     report = {"settings": {"target": str(target_path), "draft": str(draft_dir), "prompts": str(prompts_file),
                            "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k,
@@ -257,12 +276,128 @@ def bench(target_path: str, draft_dir: str, prompts_file: str, out_dir: str, k: 
     return report
 
 
+# --- re-pricing a saved run ---------------------------------------------------------------------
+
+
+class RepriceError(ValueError):
+    """A saved hybrid.json that cannot be priced again (the message names the file and the field)."""
+
+
+def stats_from_json(d: dict) -> DecodeStats:
+    """DecodeStats from its JSON (keys of the per-count dicts are strings there)."""
+    return DecodeStats(**{**d, "steps_by_nodes": {int(n): c for n, c in d["steps_by_nodes"].items()},
+                          "target_s_by_nodes": {int(n): s for n, s in d["target_s_by_nodes"].items()}})
+
+
+def saved_stats(row: dict) -> DecodeStats:
+    """A saved row's decode stats: whole in today's runs; in older ones only what `time_base` reads."""
+    if "decode_stats" in row:
+        return stats_from_json(row["decode_stats"])
+    return DecodeStats(decode_forwards=row["target_forwards"], target_decode_s=row["target_decode_s"])
+
+
+def legacy_prediction(row: dict, costs: StepCosts, plain: DecodeStats) -> float:
+    """A row saved before rows kept their decode stats: its old prediction (decode tokens x plain step /
+    (seconds priced by the costs + the proposer seconds as measured, no time base)) solved for the
+    priced seconds, then the proposer seconds put in the costs' time base."""
+    if not row["predicted_speedup"]:
+        return 0.0
+    tokens = round(row["tau"] * row["target_forwards"])  # decode tokens (tau: per decode forward)
+    proposer = row["proposer_s"]
+    priced = tokens * costs.plain() / row["predicted_speedup"] - proposer
+    return tokens * costs.plain() / (priced + proposer * time_base(costs, plain))
+
+
+def saved_row_costs(first: dict) -> tuple[RowCosts, str]:
+    """The costs per row family of a saved first pass, rebuilt from its micro-timed costs and decodes
+    (`eval.mixes.row_costs`, as the run priced them), and how; a run that kept no decodes: its blended
+    costs for every row."""
+    if "costs_micro" not in first or "decodes" not in first:
+        return RowCosts.same(StepCosts.from_dict(first["costs"])), "blended (the run kept no first-pass decodes)"
+    decodes = {name: stats_from_json(d) for name, d in first["decodes"].items()}
+    plain, draft = decodes.pop("plain"), decodes.pop("draft")
+    return row_costs(StepCosts.from_dict(first["costs_micro"]), plain, draft, *decodes.values()), "by family"
+
+
+def reprice(report: dict, source: str) -> dict:
+    """Each saved row's measured, saved predicted and newly predicted speed-up."""
+    try:
+        costs = StepCosts.from_dict(report["first_pass"]["costs"])
+        by_family, how = saved_row_costs(report["first_pass"])
+        free_s, rows = report["first_pass"]["free_step_s"], report["methods"]
+        if not rows or rows[0]["method"] != "plain":
+            raise RepriceError(f"{source}: 'methods' does not start with the plain row: pass a hybrid.json "
+                               "written by bench/hybrid.py")
+        plain = saved_stats(rows[0])
+        out = [{"method": row["method"], "measured": row["speedup"], "saved": row["predicted_speedup"],
+                "now": predicted(row, stats_from_json(row["decode_stats"]), by_family, plain, free_s)
+                if "decode_stats" in row else legacy_prediction(row, costs, plain)} for row in rows]
+    except (KeyError, TypeError, AttributeError, PredictError) as err:
+        raise RepriceError(f"{source}: missing or malformed field {err}: pass a hybrid.json written by "
+                           "bench/hybrid.py") from None
+    return {"source": source, "time_base": time_base(by_family.plain, plain), "target_curves": how,
+            "costs_by_family": by_family.to_dict(), "methods": out}
+
+
+def worst(rows: list[dict], key: str) -> tuple[str, float]:
+    """The row whose `key` prediction is furthest from its measured speed-up, and |predicted / measured - 1|."""
+    errors = {r["method"]: abs(r[key] / r["measured"] - 1) for r in rows if r["measured"]}
+    name = max(errors, key=errors.get)
+    return name, errors[name]
+
+
+def curve_lines(repriced: dict, counts=range(1, 8)) -> list[str]:
+    """The target curve of each row family in ms at the counts rows verify (a repriced run's)."""
+    families = repriced.get("costs_by_family") or {}
+    lines = [f"target steps priced {repriced.get('target_curves', 'blended')}: ms per forward at 1..{counts[-1]} tokens"]
+    for name, costs in families.items():
+        curve = StepCosts.from_dict(costs)
+        lines.append(f"- {name}: " + ", ".join(f"{curve.target(n) * 1e3:.2f}" for n in counts))
+    return lines
+
+
+def reprice_markdown(repriced: dict) -> str:
+    rows = repriced["methods"]
+    lines = ["# Hybrid benchmark, re-priced", "",
+             f"`{repriced['source']}`, priced again offline: each row's proposer seconds in the first pass's time base "
+             f"(x{repriced['time_base']:.3f}: the first pass's one-token target forward over the timed pass's plain one); "
+             "each row's target steps by its family's curve (`eval.mixes.RowCosts`: plain, model: rows that run the "
+             "drafter, free: prompt lookup and suffix decoding alone).", "", *curve_lines(repriced),
+             "", "| method | measured | predicted (saved) | saved / measured | predicted (now) | now / measured |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["measured"] or float("nan")
+        lines.append(f"| {r['method']} | {r['measured']:.2f}x | {r['saved']:.2f}x | {r['saved'] / m:.2f} | "
+                     f"{r['now']:.2f}x | {r['now'] / m:.2f} |")
+    (saved, e_saved), (now, e_now) = worst(rows, "saved"), worst(rows, "now")
+    lines += ["", f"Largest |predicted / measured - 1|: saved {e_saved:.0%} ({saved}), now {e_now:.0%} ({now})."]
+    return "\n".join(lines) + "\n"
+
+
+def reprice_file(path: str, out_dir: str | None) -> str:
+    """--reprice: PATH (a hybrid.json or its folder) priced again; with `out_dir` also written there."""
+    file = Path(path) / "hybrid.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise RepriceError(f"--reprice '{path}': no such file: pass a hybrid.json written by bench/hybrid.py "
+                           "or its folder")
+    try:
+        report = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RepriceError(f"--reprice '{file}': not JSON ({err})") from None
+    repriced = reprice(report, str(path))
+    text = reprice_markdown(repriced)
+    if out_dir:
+        write_json(Path(out_dir) / "hybrid_repriced.json", repriced)
+        write_text(Path(out_dir) / "hybrid_repriced.md", text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True, help="an EAGLE-3 export folder")
-    p.add_argument("--prompts", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--target")
+    p.add_argument("--draft", help="an EAGLE-3 export folder")
+    p.add_argument("--prompts")
+    p.add_argument("--out")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--limit", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -270,7 +405,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--note", default="", help="how the run was made (written under the table)")
+    p.add_argument("--reprice", metavar="PATH", help="price a saved hybrid.json (or its folder) again, offline")
     a = p.parse_args(argv)
+    if a.reprice:
+        try:
+            print(reprice_file(a.reprice, a.out), end="")
+        except RepriceError as err:
+            print(f"bench/hybrid.py: error: {err}", file=sys.stderr)
+            return 1
+        return 0
+    missing = [f"--{n}" for n in ("target", "draft", "prompts", "out") if not getattr(a, n)]
+    if missing:
+        p.error(f"{', '.join(missing)} required (or --reprice PATH)")
     if a.threads:
         torch.set_num_threads(a.threads)
     report = bench(a.target, a.draft, a.prompts, a.out, a.k, a.limit, a.max_new_tokens, a.device, a.dtype, a.note)

@@ -71,6 +71,10 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
         assert r["tau"] >= 1.0 and r["measured_speedup"] > 0 and r["predicted_speedup"] > 0, name
         assert r["tokens"] == d["tokens"] and sum(r["steps_per_draft"].values()) <= r["target_forwards"], name
     assert m["suffix"]["predicted_speedup_model"] == "measured step mix priced by measured step costs"
+    # the rows' costs per family (mixes.RowCosts): one plain step, a target curve each
+    families = m["prediction"]["costs_by_family"]
+    assert set(families) == {"plain", "model", "free"}
+    assert len({f["plain_step_s"] for f in families.values()}) == 1 and all(f["target_s"] for f in families.values())
     engines = m["advice"]["engines"]
     assert engines["vllm"]["use"] in ("suffix", "drafter") and engines["sglang"]["use"] in ("ngram", "drafter")
     assert engines["specheads"]["use"] in ("drafter", "hybrid", "union", "adaptive")

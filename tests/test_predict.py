@@ -246,13 +246,62 @@ def test_a_step_mix_is_priced_by_the_cost_curve():
     costs = StepCosts({1: 0.010, 4: 0.012}, draft_fixed_s=0.001, draft_per_level_s=0.002, overhead_s=0.001,
                       plain_step_s=0.010)
     stats = mix_stats({1: 2, 4: 3}, 11)
-    assert row_speedup(costs, stats, levels=6, model_steps=3, free_step_s=0.0005) == pytest.approx(110 / 78.5)
+    assert row_speedup(costs, stats, None, levels=6, model_steps=3, free_step_s=0.0005) == pytest.approx(110 / 78.5)
     plain = mix_stats({1: 5}, 5)
-    assert row_speedup(StepCosts({1: 0.010}, plain_step_s=0.010), plain) == pytest.approx(1.0)  # plain predicts plain
+    assert row_speedup(StepCosts({1: 0.010}, plain_step_s=0.010), plain, plain) == pytest.approx(1.0)  # plain: plain
     # a decode that measured its proposer's seconds (9 ms here) is priced with them instead of the levels:
     # 2*10 + 3*12 + 5*1 + 9 = 70 ms for the same 11 tokens
     measured = mix_stats({1: 2, 4: 3}, 11, proposer_s=0.009)
-    assert row_speedup(costs, measured, levels=6, model_steps=3, free_step_s=0.0005) == pytest.approx(110 / 70)
+    assert row_speedup(costs, measured, None, levels=6, model_steps=3, free_step_s=0.0005) == pytest.approx(110 / 70)
+
+
+def scaled_costs(costs: StepCosts, factor: float) -> StepCosts:
+    """`costs` as a pass running `factor` times slower would have measured them."""
+    return StepCosts({n: s * factor for n, s in costs.target_s.items()}, costs.draft_fixed_s * factor,
+                     costs.draft_per_level_s * factor, costs.overhead_s * factor, costs.plain_step_s * factor)
+
+
+def test_a_pass_slowed_as_a_whole_moves_no_prediction():
+    """The costs' pass (10 ms one-token forward) and the timed pass (plain: 100 forwards in 1 s, 10 ms) agree;
+    the row spent 9 ms in its proposer: 2*10 + 3*12 + 5*1 + 9 = 70 ms for 11 tokens of 10.5 ms -> 1.65x.
+    A first pass 20% slower (every cost x1.2) or a timed pass 20% slower (the row's proposer and plain's
+    forwards x1.2) leave it there; the proposer's seconds taken as they are (no time base, the old
+    prediction) moved it to 11 * 12.6 / (1.2 * 61 + 9) ms = 1.686x."""
+    from specheads.eval.mixes import row_speedup, time_base
+
+    costs = StepCosts({1: 0.010, 4: 0.012}, draft_fixed_s=0.001, draft_per_level_s=0.002, overhead_s=0.001,
+                      plain_step_s=0.0105)
+    slow_first = scaled_costs(costs, 1.2)
+    row = mix_stats({1: 2, 4: 3}, 11, proposer_s=0.009)
+    plain = mix_stats({1: 100}, 100, target_decode_s=1.0)
+    assert row_speedup(costs, row, plain) == pytest.approx(11 * 10.5 / 70)
+    assert time_base(slow_first, plain) == pytest.approx(1.2) and time_base(costs, plain) == pytest.approx(1.0)
+    assert row_speedup(slow_first, row, plain) == pytest.approx(11 * 10.5 / 70)
+    slow_row = mix_stats({1: 2, 4: 3}, 11, proposer_s=0.009 * 1.2)
+    slow_plain = mix_stats({1: 100}, 100, target_decode_s=1.2)
+    assert row_speedup(costs, slow_row, slow_plain) == pytest.approx(11 * 10.5 / 70)
+    assert row_speedup(slow_first, row, None) == pytest.approx(11 * 12.6 / (1.2 * 61 + 9))  # one time base lost
+    assert row_speedup(slow_first, row, None) > 1.02 * row_speedup(slow_first, row, plain)
+    # priced proposers (no measured seconds) are in the costs' own base already: the time base leaves them
+    priced = mix_stats({1: 2, 4: 3}, 11)
+    assert row_speedup(slow_first, priced, slow_plain, levels=6) == pytest.approx(11 * 10.5 / (61 + 12))
+
+
+def test_eval_hybrid_rows_price_in_the_timed_pass_time_base():
+    """eval's rows (`mix_metrics`): the rows' plain decodes are the time base at batch 1, so a first pass
+    20% slower predicts the same; above batch 1 (shared forwards: no batch-1 forward timed) none is used."""
+    from specheads.eval.mixes import MixTally, RowCosts, mix_metrics
+
+    costs = StepCosts({1: 0.010, 4: 0.012}, overhead_s=0.001, plain_step_s=0.0105)
+    tallies = {"hybrid": MixTally(stats=mix_stats({1: 2, 4: 3}, 11, proposer_s=0.009, wall_s=0.08))}
+    plain = mix_stats({1: 100}, 100, target_decode_s=1.0, wall_s=1.1)
+
+    def predicted(c, batch_size):
+        rows = mix_metrics(tallies, plain, RowCosts.same(c), "suffix", None, None, batch_size=batch_size)
+        return rows["hybrid"]["predicted_speedup"]
+
+    assert predicted(scaled_costs(costs, 1.2), 1) == pytest.approx(predicted(costs, 1)) == pytest.approx(11 * 10.5 / 70)
+    assert predicted(scaled_costs(costs, 1.2), 2) == pytest.approx(11 * 12.6 / (1.2 * 61 + 9))
 
 
 def test_in_situ_costs_replace_the_micro_timings_where_the_decodes_met_them():
@@ -279,6 +328,67 @@ def test_in_situ_costs_replace_the_micro_timings_where_the_decodes_met_them():
     few = mix_stats({1: 3}, 3, wall_s=1.0)  # fewer than MIN_STEPS: nothing measured, the micro costs stay
     assert in_situ_costs(micro, few, mix_stats({}, 0)) is micro
 
+
+def first_pass_by_family():
+    """Micro curve 10 / 11 / 12 ms at 1 / 2 / 4 tokens; the first pass's plain decodes met 1 token at 8 ms,
+    the drafter's 4 tokens at 15 ms (its forward between target forwards slows them), the free proposer's
+    1 token at 8 ms and 4 tokens at 13 ms; the drafter's decodes leave 1 ms of loop per step, plain's step
+    is 8 ms."""
+    micro = StepCosts({1: 0.010, 2: 0.011, 4: 0.012}, draft_fixed_s=0.001, draft_per_level_s=0.002,
+                      overhead_s=0.003, plain_step_s=0.011)
+    plain = mix_stats({1: 100}, 100, wall_s=0.9, target_prefill_s=0.1, target_decode_s=0.8,
+                      target_s_by_nodes={1: 0.8})
+    draft = mix_stats({4: 50}, 150, wall_s=1.4, target_prefill_s=0.1, target_decode_s=0.75, proposer_s=0.5,
+                      proposed_tokens=100, target_s_by_nodes={4: 0.75})
+    free = mix_stats({1: 60, 4: 40}, 180, wall_s=1.1, target_prefill_s=0.1, target_decode_s=1.0, proposer_s=0.01,
+                     proposed_tokens=150, target_s_by_nodes={1: 0.48, 4: 0.52})
+    return micro, plain, draft, free
+
+
+def test_each_row_family_is_priced_by_its_own_first_pass_decodes():
+    """The drafter's curve: 15 ms at 4 tokens met, the micro curve x 15/12 elsewhere (12.5 ms at 1); the free
+    curve: 8 ms at 1, 13 at 4, 11 x 8/10 at 2 (nearest met: 1); plain's: 8 ms at 1, the micro x 0.8 elsewhere.
+    A row of 2 one-token and 3 four-token steps (11 tokens, 9 ms in its proposer, plain's time base: 1.0):
+    running the drafter 2*12.5 + 3*15 + 5*1 + 9 = 84 ms, free 2*8 + 3*13 + 5 + 9 = 69 ms, against 11 * 8 ms
+    plain. The blended curve (14.11 ms at 4 tokens over all 90 steps) priced both 72.3 ms."""
+    from specheads.eval.mixes import MixTally, family, in_situ_costs, mix_metrics, row_costs, row_speedup
+
+    micro, plain, draft, free = first_pass_by_family()
+    rows = row_costs(micro, plain, draft, free)
+    assert rows.model.target_s == pytest.approx({1: 0.0125, 2: 0.01375, 4: 0.015})
+    assert rows.free.target_s == pytest.approx({1: 0.008, 2: 0.0088, 4: 0.013})
+    assert rows.plain.target_s == pytest.approx({1: 0.008, 2: 0.0088, 4: 0.0096})
+    for costs in (rows.plain, rows.model, rows.free):  # only the target curve differs between families
+        assert (costs.overhead_s, costs.plain_step_s, costs.draft_fixed_s) == pytest.approx((0.001, 0.008, 0.006))
+    assert [family(r) for r in ("plain", "eagle3", "hybrid", "union", "adaptive", "ngram", "suffix")] == [
+        "plain", "model", "model", "model", "model", "free", "free"]
+    row = mix_stats({1: 2, 4: 3}, 11, proposer_s=0.009)
+    timed_plain = mix_stats({1: 100}, 100, target_decode_s=0.8)  # the row's own pass: 8 ms forwards, base 1.0
+    assert rows.speedup("adaptive", row, timed_plain) == pytest.approx(88 / 84)
+    assert rows.speedup("union", row, timed_plain) == pytest.approx(88 / 84)
+    assert rows.speedup("suffix", row, timed_plain) == pytest.approx(88 / 69)
+    blended = in_situ_costs(micro, plain, draft, free)
+    assert blended.target(4) == pytest.approx(1.27 / 90)
+    assert row_speedup(blended, row, timed_plain) == pytest.approx(88 / (16 + 3 * 1270 / 90 + 5 + 9))
+    assert abs(row_speedup(blended, row, timed_plain) / rows.speedup("hybrid", row, timed_plain) - 1) > 0.1
+    # eval's rows go through the same rule: the hybrid row by the drafter's curve
+    tallies = {"hybrid": MixTally(stats=mix_stats({1: 2, 4: 3}, 11, proposer_s=0.009, wall_s=0.08))}
+    metrics = mix_metrics(tallies, timed_plain, rows, "suffix", None, None)
+    assert metrics["hybrid"]["predicted_speedup"] == pytest.approx(88 / 84)
+
+
+def test_row_costs_fall_back_to_the_blend_where_a_family_met_nothing():
+    """Free decodes absent (or below MIN_STEPS per count): free rows take the blended costs; no decode met
+    anything: every family keeps the micro-timed costs."""
+    from specheads.eval.mixes import in_situ_costs, row_costs
+
+    micro, plain, draft, _ = first_pass_by_family()
+    rows = row_costs(micro, plain, draft)
+    assert rows.free == in_situ_costs(micro, plain, draft) and rows.model.target(4) == pytest.approx(0.015)
+    few = mix_stats({4: 3}, 9, target_s_by_nodes={4: 0.1})
+    assert row_costs(micro, plain, draft, few).free.target_s == in_situ_costs(micro, plain, draft, few).target_s
+    nothing = row_costs(micro, mix_stats({1: 3}, 3, wall_s=1.0), mix_stats({}, 0))
+    assert nothing.plain is nothing.model is nothing.free is micro
 
 def test_engine_advice_names_each_engines_faster_setting():
     from specheads.eval.mixes import engine_advice

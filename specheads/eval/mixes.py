@@ -12,21 +12,30 @@ the rows the combined proposers build over a tree (`mix_rows`: the union) and na
 
 Prediction of a row (`row_speedup`): its measured mix of steps (steps per verified-token count)
 priced by the measured step costs: the target's seconds per verified-token count as the first
-pass's decodes met them (micro-timed where they met none) and the loop's overhead per step, plus
-the row's own proposer seconds (drafter forwards, free lookups and the adaptive rule's decisions,
-as the row spent them: pricing its model levels at the drafter-only row's rates left out the
-adaptive rule's own work and over-predicted that row), against plain steps for the same tokens. No
-cost is assumed flat.
+pass's decodes of the row's own family met them (`RowCosts`: a row that runs the drafter by the
+drafter's decodes, whose target forwards follow a drafter forward and run slower than plain or free
+ones at the same count; a free row by the free proposers'; micro-timed, scaled, where they met none)
+and the loop's overhead per step, plus the row's own proposer seconds (drafter forwards, free
+lookups and the adaptive rule's decisions, as the row spent them: pricing its model levels at the
+drafter-only row's rates left out the adaptive rule's own work and over-predicted that row), against
+plain steps for the same tokens. No cost is assumed flat. Every second of one prediction is in one
+time base (`time_base`): the row's seconds come from the pass that decoded it, the costs from the
+first pass, so the row's are first put in plain target forwards of their own pass (its plain decodes,
+interleaved with the row's) and then in the costs' seconds. A transient that slows one pass as a
+whole (the first pass of a demo run ran 20% slower than its timed pass and the model rows were
+predicted up to 20% too fast) moves no prediction; what it cannot undo is a pass slowed unevenly,
+which bends the cost curve's shape.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LLAMA_CPP_MIXED, LLAMA_CPP_SPEC, SGLANG, VLLM
 from specheads.eval.predict import StepCosts, monotone
+from specheads.eval.report import FREE_NAMES
 from specheads.eval.waves import Turn, blocks, turn_tally
 from specheads.mixing import SETTINGS, Mixing, check_setting, mix_free
 from specheads.progress import Progress
@@ -47,38 +56,114 @@ MIN_STEPS = 20  # steps of a verified-token count before its measured seconds re
 # --- costs and predictions -------------------------------------------------------------------------
 
 
-def in_situ_costs(costs: StepCosts, plain: DecodeStats, draft: DecodeStats, *others: DecodeStats) -> StepCosts:
-    """The micro-timed `costs` corrected by the first pass's decodes: target seconds per verified-token
-    count where >= MIN_STEPS steps met it (elsewhere the micro curve scaled by the ratio at the
-    nearest measured count), the drafter's per-step part and the loop overhead of the draft's decodes,
-    the plain step of the plain decodes."""
+def met_curve(costs: StepCosts, *decodes: DecodeStats) -> dict[int, float] | None:
+    """Target seconds per verified-token count as `decodes` met them: the mean where >= MIN_STEPS steps
+    met a count, elsewhere the micro-timed `costs` scaled by the ratio at the nearest met count (made
+    monotone); None when they met no count that often."""
     steps, seconds = Counter(), Counter()
-    for s in (plain, draft, *others):
+    for s in decodes:
         steps.update(s.steps_by_nodes)
         seconds.update(s.target_s_by_nodes)
     seen = {n: seconds[n] / steps[n] for n in steps if steps[n] >= MIN_STEPS and seconds[n] > 0}
-    if not seen or not draft.decode_forwards or not plain.decode_forwards:
-        return costs
+    if not seen:
+        return None
     counts = sorted(set(costs.target_s) | set(seen))
     near = [min(seen, key=lambda m, n=n: abs(m - n)) for n in counts]
     curve = [seen.get(n) or costs.target(n) * seen[m] / costs.target(m) for n, m in zip(counts, near)]
+    return dict(zip(counts, monotone(curve)))
+
+
+def in_situ_costs(costs: StepCosts, plain: DecodeStats, draft: DecodeStats, *others: DecodeStats) -> StepCosts:
+    """The micro-timed `costs` corrected by the first pass's decodes: target seconds per verified-token
+    count met by all of them (`met_curve`), the drafter's per-step part and the loop overhead of the
+    draft's decodes, the plain step of the plain decodes."""
+    curve = met_curve(costs, plain, draft, *others)
+    if curve is None or not draft.decode_forwards or not plain.decode_forwards:
+        return costs
     per_level = costs.draft_per_level_s
     fixed = max((draft.proposer_s - per_level * draft.proposed_tokens) / draft.decode_forwards, 0.0)
     rest = draft.wall_s - draft.target_prefill_s - draft.proposer_start_s - draft.target_decode_s - draft.proposer_s
-    return StepCosts(dict(zip(counts, monotone(curve))), fixed, per_level, max(rest, 0.0) / draft.decode_forwards,
+    return StepCosts(curve, fixed, per_level, max(rest, 0.0) / draft.decode_forwards,
                      (plain.wall_s - plain.target_prefill_s) / plain.decode_forwards)
 
 
-def row_speedup(costs: StepCosts, stats: DecodeStats, levels: int = 0, model_steps: int = 0,
-                free_step_s: float = 0.0) -> float:
+def family(row: str) -> str:
+    """Whose first-pass decodes price a row's target steps: "plain" plain's, "free" the free proposers'
+    (a row of prompt lookup or suffix decoding alone), "model" the drafter's (any other row runs the
+    drafter, whose forward between target forwards slows them: eagle3, hybrid, union, adaptive)."""
+    if row == "plain":
+        return "plain"
+    return "free" if row in FREE_NAMES else "model"
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """The first pass's step costs for each `family` of rows: `in_situ_costs` with the target curve of
+    that family's own decodes (the blend where they met no count MIN_STEPS times); `plain` also sets
+    every row's time base (`time_base`: a one-token forward of plain decoding in each pass)."""
+
+    plain: StepCosts
+    model: StepCosts
+    free: StepCosts
+
+    @classmethod
+    def same(cls, costs: StepCosts) -> RowCosts:
+        """One set of costs for every row (micro-timed only, or batched decodes: nothing per family)."""
+        return cls(costs, costs, costs)
+
+    def of(self, row: str) -> StepCosts:
+        return getattr(self, family(row))
+
+    def speedup(self, row: str, stats: DecodeStats, plain: DecodeStats | None, levels: int = 0,
+                model_steps: int = 0, free_step_s: float = 0.0) -> float:
+        """`row_speedup` of the row named `row` (a method kind or an eval row) by its family's costs."""
+        return row_speedup(self.of(row), stats, plain, levels, model_steps, free_step_s, base=self.plain)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name).to_dict() for name in ("plain", "model", "free")}
+
+
+def row_costs(costs: StepCosts, plain: DecodeStats, draft: DecodeStats, *free: DecodeStats) -> RowCosts:
+    """`RowCosts` from the micro-timed `costs` and the first pass's plain, drafter and free decodes."""
+    blended = in_situ_costs(costs, plain, draft, *free)
+    if blended is costs:
+        return RowCosts.same(costs)
+
+    def own(*decodes: DecodeStats) -> StepCosts:
+        curve = met_curve(costs, *decodes) if decodes else None
+        return replace(blended, target_s=curve) if curve else blended
+
+    return RowCosts(own(plain), own(draft), own(*free))
+
+
+def time_base(costs: StepCosts, plain: DecodeStats | None) -> float:
+    """Seconds in `costs`' time base per second of the pass whose plain decodes are `plain`: the ratio of
+    one target forward over one token in each (the same operation, timed by the same clock); 1.0 when
+    `plain` is None (the caller's seconds are the costs' own pass's, or batched: no batch-1 forward) or
+    timed no forward."""
+    if plain is None or not plain.decode_forwards or plain.target_decode_s <= 0:
+        return 1.0
+    return costs.target(1) * plain.decode_forwards / plain.target_decode_s
+
+
+def pass_plain(plain: DecodeStats, batch_size: int) -> DecodeStats | None:
+    """The plain decodes that put a pass's seconds in the costs' time base (`time_base`); None above
+    batch 1, where a forward's seconds are shared among its rows and no batch-1 forward was timed."""
+    return plain if batch_size == 1 else None
+
+
+def row_speedup(costs: StepCosts, stats: DecodeStats, plain: DecodeStats | None, levels: int = 0,
+                model_steps: int = 0, free_step_s: float = 0.0, base: StepCosts | None = None) -> float:
     """Predicted speed-up of a decode's measured step mix (module docstring): the target's verified
     tokens priced by the cost curve plus the loop's overhead per step, and the proposer's own measured
     seconds when the decode has them (they hold what pricing levels would miss: a merged catch-up,
-    the adaptive rule's decisions), else its model levels, drafted steps and free lookups priced."""
+    the adaptive rule's decisions) put in the costs' time base by `plain`, the plain decodes of the
+    pass that decoded `stats` (`time_base` of `base`, default `costs`), else its model levels, drafted
+    steps and free lookups priced by the costs."""
     seconds = sum(c * costs.target(n) for n, c in stats.steps_by_nodes.items())
     seconds += stats.decode_forwards * costs.overhead_s
     if stats.proposer_s > 0:
-        seconds += stats.proposer_s
+        seconds += stats.proposer_s * time_base(base or costs, plain)
     else:
         seconds += levels * costs.draft_per_level_s + model_steps * costs.draft_fixed_s + stats.decode_forwards * free_step_s
     return stats.decode_tokens * costs.plain() / seconds if seconds else 0.0
@@ -183,18 +268,20 @@ def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, cos
     return plain, tallies, free_name, note
 
 
-def mix_metrics(tallies: dict[str, MixTally], plain: DecodeStats, costs: StepCosts, free_name: str,
-                note: str | None, free_stats: DecodeStats | None, greedy: bool = True) -> dict:
+def mix_metrics(tallies: dict[str, MixTally], plain: DecodeStats, costs: RowCosts, free_name: str,
+                note: str | None, free_stats: DecodeStats | None, greedy: bool = True, batch_size: int = 1) -> dict:
     """metrics.json's rows "hybrid", "union", "adaptive": tau, measured and predicted speed-up, the
     step mix (steps per verified draft, model draft levels) and whether the output is plain's (None
-    when sampled: samples need not agree)."""
+    when sampled: samples need not agree); `plain`: the decodes beside the rows, at `batch_size`;
+    `costs`: the first pass's, per row family."""
     free_s = free_step_seconds(free_stats) if free_stats is not None else 0.0
+    unit = pass_plain(plain, batch_size)
     rows = {}
     for name, t in tallies.items():
         rows[name] = {
             **t.stats.summary(), "free": free_name, "free_note": note,
             "measured_speedup": plain.wall_s / t.stats.wall_s if t.stats.wall_s else 0.0,
-            "predicted_speedup": row_speedup(costs, t.stats, t.levels, t.model_steps, free_s),
+            "predicted_speedup": costs.speedup(name, t.stats, unit, t.levels, t.model_steps, free_s),
             "predicted_speedup_model": "measured step mix priced by measured step costs",
             "steps_per_draft": dict(t.steps), "model_levels": t.levels, "model_steps": t.model_steps,
             "greedy_equal": not t.mismatches if greedy else None, "mismatched_ids": t.mismatches,

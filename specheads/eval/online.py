@@ -32,13 +32,15 @@ from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.eval.concurrency import concurrency_advice
 from specheads.eval.engine_costs import add_llamacpp_prediction, read_llamacpp_cost
 from specheads.eval.mixes import (
+    RowCosts,
     engine_advice,
     evaluate_mixes,
     free_step_seconds,
     in_situ_costs,
     mix_metrics,
     mix_rows,
-    row_speedup,
+    pass_plain,
+    row_costs,
 )
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import StepCosts, eval_costs, prediction_metrics
@@ -248,7 +250,10 @@ def predict_chain(metrics: dict, session: Session, totals: Totals, outputs: list
     if not mix.sampling.greedy:  # the advice holds at the temperature its acceptance was measured at
         metrics["advice"]["sampling"] = mix.sampling.describe()
     costs = StepCosts.from_dict(metrics["prediction"]["costs"])
-    add_mixes(metrics, session, totals, outputs, costs, max(session.k, metrics["prediction"]["best_chain_k"]), mix)
+    micro = StepCosts.from_dict(metrics["prediction"]["costs_micro"])
+    rows = row_costs(micro, *observed) if correct is not None else RowCosts.same(costs)
+    metrics["prediction"]["costs_by_family"] = rows.to_dict()
+    add_mixes(metrics, session, totals, outputs, costs, rows, max(session.k, metrics["prediction"]["best_chain_k"]), mix)
     metrics["advice"]["by_concurrency"] = concurrency_advice(session, prompts, costs, cond)
 
 
@@ -262,14 +267,15 @@ def predict_tree(metrics: dict, session: Session, totals: Totals, outputs: list[
         log.warning("no prompt leaves room for the timed forwards: no hybrid rows")
         return
     metrics["step_costs"] = measured[0].to_dict()
-    add_mixes(metrics, session, totals, outputs, measured[0], session.k, mix)
+    add_mixes(metrics, session, totals, outputs, measured[0], RowCosts.same(measured[0]), session.k, mix)
 
 
-def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dict], costs: StepCosts, k_max: int,
-              mix: Mix) -> None:
+def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dict], costs: StepCosts, rows: RowCosts,
+              k_max: int, mix: Mix) -> None:
     """The hybrid rows (eval/mixes.py) the draft shape allows (the others: {"skipped": why}), the free
     rows' step-mix predictions and, where the eval advises (chains), the advice per engine; each output
-    row gets its turn's decodes of the hybrid rows as methods["mix_<row>"]."""
+    row gets its turn's decodes of the hybrid rows as methods["mix_<row>"]. `costs`: what the adaptive
+    rule decides by; `rows`: what prices each row (its family's costs, `mixes.RowCosts`)."""
     cond = metrics["speculative"]["acceptance_per_position_conditional"]
     names, skipped = mix_rows(session.spec.kind == "chain")
     say(mix.quiet, "decoding the hybrid rows (drafter + free proposer)")
@@ -281,12 +287,13 @@ def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dic
         for row, turn in zip(outputs, tally.per_turn, strict=True):
             row["methods"][f"mix_{name}"] = turn
     metrics.update({name: {"skipped": why} for name, why in skipped.items()})
-    metrics.update(mix_metrics(tallies, plain.stats, costs, free_name, note, totals.free.get(free_name),
-                               mix.sampling.greedy))
+    metrics.update(mix_metrics(tallies, plain.stats, rows, free_name, note, totals.free.get(free_name),
+                               mix.sampling.greedy, mix.batch_size))
     if "adaptive" in tallies:  # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (mixing.py)
         metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
     for name, stats in totals.free.items():
-        metrics[name]["predicted_speedup"] = row_speedup(costs, stats, free_step_s=free_step_seconds(stats))
+        metrics[name]["predicted_speedup"] = rows.speedup(name, stats, pass_plain(totals.plain, mix.batch_size),
+                                                          free_step_s=free_step_seconds(stats))
         metrics[name]["predicted_speedup_model"] = "measured step mix priced by measured step costs"
     if "advice" in metrics:
         meta = session.draft.meta
