@@ -436,3 +436,248 @@ def test_side_by_side_rows_are_predicted_from_the_cost_curve():
     lookup["tok_s"] = 120.0  # 20% faster than plain is no longer noise
     add_row_predictions(result, {"curve": curve, "source": "cost.json"})
     assert not result["recommended_is_fastest"] and "is NOT the fastest measured" in markdown(result)
+
+
+# --- what llama-server does per step, priced (bench/llamacpp.py): llama.cpp's own log lines, no binaries --
+def log_lines(requests: list[dict]) -> str:
+    """A llama-server log at -lv 4, in llama.cpp's own format: per request its timings, the cumulative
+    `graphs reused` and, per implementation, the cumulative statistics."""
+    out = ["$ llama-server -m m.gguf", "0.00.001.000 I srv  llama_server: initializing ..."]
+    for i, r in enumerate(requests):
+        out += [f"0.00.3{i:02d}.450 I slot print_timing: id  0 | task {10 * i} | prompt eval time =      "
+                f"{r['prompt_ms']:.2f} ms /    {r['prompt_n']} tokens (    0.26 ms per token,  3804.25 tokens per second)",
+                f"0.00.3{i:02d}.455 I slot print_timing: id  0 | task {10 * i} |        eval time =      "
+                f"{r.get('eval_ms', 12.0):.2f} ms /    {r['eval_n']} tokens (    0.81 ms per token,  1236.50 tokens per second)",
+                f"0.00.3{i:02d}.460 I slot print_timing: id  0 | task {10 * i} |    graphs reused =          {r['reused']}"]
+        for impl, (calls, drafts, tokens, acc, ms) in r.get("stats", {}).items():
+            out.append(f"0.00.3{i:02d}.509 I spec common_specu: statistics {impl:>16}: #calls(b,g,a) =    {i + 1}  "
+                       f"{calls:5d}      0, #gen drafts =  {drafts:5d}, #acc drafts =     0, #gen tokens =  {tokens:5d}, "
+                       f"#acc tokens =  {acc:4d}, dur(b,g,a) = 0.001, {ms:.3f}, 0.000 ms")
+        out.append(f"0.00.3{i:02d}.567 I slot      release: id  0 | task {10 * i} | stop processing: n_tokens = 59")
+    return "\n".join(out) + "\n"
+
+
+def test_server_log_gives_each_requests_own_counters(tmp_path):
+    """llama-server's counters are cumulative over its life; each request gets its own (the first
+    request's are its own), a missing log is no requests."""
+    from specheads.engines import llamacpp_log
+
+    path = tmp_path / "server.log"
+    path.write_text(log_lines([
+        {"prompt_ms": 11.57, "prompt_n": 44, "eval_n": 16, "reused": 4,
+         "stats": {"ngram-simple": (6, 0, 0, 0, 0.004), "draft-eagle3": (6, 6, 15, 9, 2.268)}},
+        {"prompt_ms": 9.5, "prompt_n": 44, "eval_n": 30, "reused": 19,
+         "stats": {"ngram-simple": (10, 1, 12, 7, 0.010), "draft-eagle3": (9, 9, 24, 12, 3.5)}}]))
+    first, second = llamacpp_log.read(path)
+    assert (first["prompt_ms"], first["prompt_n"], first["eval_n"], first["graphs_reused"]) == (11.57, 44, 16, 4)
+    assert first["stats"]["draft-eagle3"] == {"calls_begin": 1, "calls_draft": 6, "calls_accept": 0, "gen_drafts": 6,
+                                              "acc_drafts": 0, "gen_tokens": 15, "acc_tokens": 9, "draft_ms": 2.268}
+    assert second["graphs_reused"] == 15 and second["eval_n"] == 30
+    assert second["stats"]["ngram-simple"] == {"calls_begin": 1, "calls_draft": 4, "calls_accept": 0, "gen_drafts": 1,
+                                               "acc_drafts": 0, "gen_tokens": 12, "acc_tokens": 7, "draft_ms": 0.006}
+    assert second["stats"]["draft-eagle3"]["calls_draft"] == 3 and second["stats"]["draft-eagle3"]["draft_ms"] == 1.232
+    assert llamacpp_log.read(path, last=1) == [second] and llamacpp_log.read(tmp_path / "none.log") == []
+
+
+def test_a_completion_gets_its_log_record_only_where_the_counts_agree():
+    from bench.llamacpp import attach_log, request_log
+
+    outs = [lc.Completion("", [], {"predicted_n": 16}), lc.Completion("", [], {"predicted_n": 30})]
+    records = [{"eval_n": 16, "graphs_reused": 3, "stats": {}}, {"eval_n": 16, "graphs_reused": 4, "stats": {}},
+               {"eval_n": 30, "graphs_reused": 9, "stats": {"x": {}}}]  # a warm-up first
+    attach_log(outs, records)
+    assert [request_log(o) for o in outs] == [{"graphs_reused": 4, "stats": {}}, {"graphs_reused": 9, "stats": {"x": {}}}]
+    fresh = [lc.Completion("", [], {"predicted_n": 17})]
+    attach_log(fresh, records[:1])  # 17 tokens asked, 16 logged: not this request's record
+    assert fresh[0].server_log is None and request_log(fresh[0]) is None
+
+
+def test_verification_samples_are_the_ones_llama_cpp_built_or_reused_a_graph_for():
+    """t(n) from requests that evaluated exactly n tokens in a graph built for them; the graph build's
+    reference from the second 1-token request in a row, when llama.cpp says it reused the first's graph."""
+    from bench.llamacpp import split_verify
+
+    requests = [{"n": 1, "again": False, "ms": 3.0, "prompt_n": 1}, {"n": 1, "again": True, "ms": 2.2, "prompt_n": 1},
+                {"n": 2, "again": False, "ms": 4.0, "prompt_n": 2}, {"n": 3, "again": False, "ms": 9.0, "prompt_n": 2},
+                {"n": 1, "again": False, "ms": 3.2, "prompt_n": 1}, {"n": 1, "again": True, "ms": 2.9, "prompt_n": 1}]
+    # the prefix request first; then: built, reused, built, (evaluated 2, not 3), built, built (not reused)
+    log = [{"graphs_reused": 0}, *({"graphs_reused": r} for r in (0, 1, 0, 0, 0, 0))]
+    assert split_verify(requests, log) == ({1: [3.0, 3.2], 2: [4.0]}, [2.2])
+    # without a log that covers every request, every sample counts
+    assert split_verify(requests, []) == ({1: [3.0, 3.2], 2: [4.0]}, [2.2, 2.9])
+
+
+def test_cost_run_measures_what_a_step_costs_beyond_verification():
+    """The graph build (built less reused 1-token request), a speculative step's overhead (never-drafting
+    step less plain's), the drafter's catch-up per token (prompt time with it less without), one accepted
+    token (synthetic all-accepted less none-accepted step, per draft) and the logits of each verified token
+    (slope over k of what the step leaves after the measured parts)."""
+    from bench.llamacpp import accepted_token_ms, cost_curve, drafter_call_ms, process_per_token_ms
+
+    assert process_per_token_ms([(10, 20.0), (20, 40.0)], [[(10, 25.0), (20, 50.0)], [(10, 23.0), (20, 46.0)]]) == 0.4
+    assert process_per_token_ms([(10, 20.0)], [[(11, 25.0)]]) is None  # not the same prompts
+    every = [lc.Completion("", [], {"predicted_n": 13, "predicted_ms": 36.0, "draft_n": 12, "draft_n_accepted": 9})]
+    none = [lc.Completion("", [], {"predicted_n": 13, "predicted_ms": 300.0, "draft_n": 36, "draft_n_accepted": 0})]
+    assert accepted_token_ms(none, every, 3) == 0.0  # 12 ms a step accepting all, 25 accepting none: clamped
+    assert accepted_token_ms(none, [lc.Completion("", [], {"predicted_n": 13, "predicted_ms": 120.0, "draft_n": 12,
+                                                           "draft_n_accepted": 9})], 3) == pytest.approx(5.0)
+    stats = {"draft-eagle3": {"calls_draft": 4, "draft_ms": 10.0}, "ngram-simple": {"calls_draft": 9, "draft_ms": 1.0}}
+    logged = [lc.Completion("", [], {}, {"stats": stats}), lc.Completion("", [], {}, {"stats": stats})]
+    assert drafter_call_ms(logged) == 2.5 and drafter_call_ms([lc.Completion("", [], {})]) is None
+    # plain step 10 ms; prompt requests: 1 token 12 (built) / 11 (reused), t(n) = 10 + 4 (n - 1)
+    run = {"plain_tok_s": 100.0, "plain_step_ms": 10.0, "verify_reused_ms": [11.0, 11.2, 10.8],
+           "verify_samples_ms": {1: [12.0], 2: [16.0], 3: [20.0], 4: [24.0]}, "nodraft_step_ms": 10.5,
+           "process_per_token_ms": 0.25, "accepted_token_ms": 1.0,
+           # step(k) = drafts 3k + t(k + 1) + (k + 1) 0.25 + 0.5 accepted + 0.5 overhead + 0.6 + 0.8 k (logits)
+           "spec": {k: {"step_ms": 3 * k + 10 + 4 * k + (k + 1) * 0.25 + 0.5 + 0.5 + 0.6 + 0.8 * k, "steps": 10,
+                        "accepted": 5, "draft_call_ms": 3.0 * k} for k in (1, 2, 3)}}
+    c = cost_curve(run)
+    assert c["graph_build_ms"] == pytest.approx(1.0) and c["spec_overhead_ms"] == pytest.approx(0.5)
+    assert c["t_ms"] == pytest.approx({1: 10.0, 2: 14.0, 3: 18.0, 4: 22.0}) and c["accepted_per_step"] == {1: 0.5, 2: 0.5,
+                                                                                                          3: 0.5}
+    assert c["draft_call_ms"] == {1: 3.0, 2: 6.0, 3: 9.0} and c["output_row_ms"] == pytest.approx(0.8)
+    assert cost_curve({**run, "accepted_token_ms": None})["output_row_ms"] is None  # a part unmeasured: no fit
+
+
+# the cost run's prices: t(n) = 10 + 4 (n - 1) (measured to 8, linear beyond), the drafter's step at k = 3
+# timed at 40 ms (its 3 draft decodes 9 ms, 1 accepted token per step), overhead 0.5, a graph build 2, an
+# accepted token 1, the drafter's catch-up 0.25 and a verified token's logits 0.5 ms
+PRICED = {"t_ms": {"1": 10.0, "2": 14.0, "3": 18.0, "4": 22.0, "8": 38.0}, "plain_step_ms": 10.0,
+          "draft_fixed_ms": 1.0, "draft_per_token_ms": 2.0, "step_ms": {"3": 40.0}, "draft_call_ms": {"3": 9.0},
+          "accepted_per_step": {"3": 1.0}, "spec_overhead_ms": 0.5, "graph_build_ms": 2.0, "accepted_token_ms": 1.0,
+          "process_per_token_ms": 0.25, "output_row_ms": 0.5, "request_overhead_ms": 1.0}
+
+
+def priced_row(name, types, draft, k, tokens, drafted, accepted, reused, stats, tok_s=50.0):
+    """A side-by-side row of one request as bench/llamacpp.py saves it, with its server log record."""
+    p = {"predicted_n": tokens + 1, "predicted_ms": 0.0, "draft_n": drafted, "draft_n_accepted": accepted,
+         "server_log": None if reused is None else {"graphs_reused": reused, "stats": stats}}
+    return {"row": name, "spec_types": types, "draft": draft, "spec_draft_n_max": k, "tok_s": tok_s, "drafted": drafted,
+            "accepted": accepted, "per_prompt": [p], "greedy_equal_prompts": "1/1", "greedy_equal": True,
+            "accepted_per_drafted": accepted / drafted if drafted else None,
+            "load_average": {"before": [0.1], "after": [0.1]}}
+
+
+def test_rows_are_priced_as_llama_server_ran_their_steps():
+    """A draftless row: every step t(1) + overhead; each of its 2 drafts (llama.cpp's statistics: 10 tokens)
+    t(1 + 5) - t(1), and each drafted token's logits; each accepted token; 3 graph builds beyond plain's on
+    the prompt; the lookups' own 0.3 ms. A mixed row: the model's timed step on all 10 steps, corrected to
+    the row's accepted tokens; on the 2 steps where the lookup drafted (20 tokens each), t(21) - t(4), 17
+    more logits and 18 more tokens of catch-up instead of the 3 draft decodes; + 4 builds and 0.2 ms of
+    lookups. The old pricing (t(n) and the drafter on every step) missed all of these."""
+    from bench.llamacpp import row_prediction
+
+    plain = priced_row("plain", [], None, None, 40, 0, 0, 39, {})  # 40 steps, 1 graph built: its own baseline
+    lookup = priced_row("ngram-mod", ["ngram-mod"], None, None, 11, 10, 5, 2, {"ngram-mod": {
+        "calls_draft": 6, "gen_drafts": 2, "gen_tokens": 10, "acc_tokens": 5, "draft_ms": 0.3}})
+    plain11 = priced_row("plain", [], None, None, 11, 0, 0, 10, {})
+    # 6 steps x 10.5 + 10 x 0.5 + 2 x (30 - 10) + 5 x 1 + (4 - 1) x 2 + 0.3 = 119.3 ms for 11 tokens
+    assert row_prediction(lookup, PRICED, None, plain11) == pytest.approx(11 * 10.0 / 119.3)
+    assert row_prediction(lookup, PRICED, None, plain11) != pytest.approx(11 * 10.0 / 100.0)  # the old price
+    mixed = priced_row("draft-eagle3+ngram-simple", ["draft-eagle3", "ngram-simple"], "d.gguf", 3, 40, 64, 30, 5, {
+        "ngram-simple": {"calls_draft": 10, "gen_drafts": 2, "gen_tokens": 40, "acc_tokens": 16, "draft_ms": 0.2},
+        "draft-eagle3": {"calls_draft": 8, "gen_drafts": 8, "gen_tokens": 24, "acc_tokens": 14, "draft_ms": 72.0}})
+    # a lookup step: t(21) 90 - t(4) 22 + 17 x 0.5 + 18 x 0.25 - 9 = 72 ms more than the model's step;
+    # 10 x 40 + (30 - 10 x 1) x 1 + 2 x 72 + 4 x 2 + 0.2 = 572.2 ms for 40 tokens
+    assert row_prediction(mixed, PRICED, 3, plain) == pytest.approx(40 * 10.0 / 572.2)
+    assert row_prediction(mixed, PRICED, 3, plain) != pytest.approx(40 * 10.0 / (10 * 10 + 64 * 4 + 10 * 7))  # old
+    # the model alone, drafting 3 on every step: its timed step, corrected to its 12 accepted tokens
+    model = priced_row("draft-eagle3", ["draft-eagle3"], "d.gguf", 3, 22, 30, 12, 9, {})
+    assert row_prediction(model, PRICED, 3, plain) == pytest.approx(22 * 10.0 / (10 * 40 + 2 * 1.0))
+    # no per-implementation statistics (an older run): the mixed row as before, the drafter on every step
+    older = priced_row("draft-eagle3+ngram-simple", ["draft-eagle3", "ngram-simple"], "d.gguf", 3, 40, 64, 30, 5, {})
+    assert row_prediction(older, PRICED, 3, plain) == pytest.approx(40 * 10.0 / (10 * 10 + 64 * 4 + 10 * 7))
+
+
+def test_an_older_cost_run_prices_only_what_it_measured_and_says_what_it_lacked():
+    from bench.llamacpp import add_row_predictions, markdown
+
+    old_curve = {k: v for k, v in PRICED.items() if k not in ("spec_overhead_ms", "graph_build_ms", "accepted_token_ms",
+                                                              "output_row_ms", "draft_call_ms", "accepted_per_step")}
+    plain = priced_row("plain", [], None, None, 11, 0, 0, 10, {}, tok_s=100.0)
+    lookup = priced_row("ngram-mod", ["ngram-mod"], None, None, 11, 10, 5, 2, {})  # a log, no statistics
+    mixed = priced_row("draft-eagle3+ngram-simple", ["draft-eagle3", "ngram-simple"], "d.gguf", 3, 11, 18, 5, None, {})
+    result = {"version": "v", "prompts": 1, "n_predict": 12, "threads": 2, "omp_wait_policy": "(unset)",
+              "rows": [plain, lookup, mixed, {**plain, "row": "plain (again)"}]}
+    add_row_predictions(result, {"curve": old_curve, "source": "cost.json"})
+    # 6 steps x 10 + 10 x 4 (the slope: no statistics) + 5 x 0 + 3 builds x 0 = 100 ms: what it measured
+    assert lookup["predicted_speedup"] == pytest.approx(1.1) and lookup["prediction_basis"] == "draftless"
+    assert "upper bound" in mixed["prediction_basis"]
+    note = markdown(result)
+    for lacked in ("a speculative step's overhead", "a graph build", "an accepted token's sampling and emission",
+                   "the logits of each verified token beyond the last", "some rows' server logs",
+                   "which steps the mixed row's lookup drafted"):
+        assert lacked in note
+    assert "the drafter's catch-up per token" not in note  # this one it measured
+
+
+def test_requests_a_shared_machine_slowed_are_named_and_left_out_of_a_second_measure():
+    """A request whose steps took 1.5x longer against their price than the row's median request did was
+    slowed from outside llama.cpp; the row's speed-up is also given without it (and plain's on the same
+    prompts)."""
+    from bench.llamacpp import add_row_predictions, markdown
+
+    def rows(ms):
+        return [{"predicted_n": 11, "predicted_ms": x, "draft_n": 0, "draft_n_accepted": 0} for x in ms]
+
+    def row(name, types, ms):
+        r = priced_row(name, types, None, None, 10, 0, 0, None, {})
+        r["per_prompt"] = rows(ms)
+        r["tok_s"] = 11 * len(ms) / (sum(ms) / 1000)
+        return r
+
+    plain = row("plain", [], [100.0, 100.0, 100.0, 100.0])
+    slowed = row("ngram-mod", ["ngram-mod"], [100.0, 300.0, 110.0, 100.0])  # the second: 3x the others
+    again = row("plain (again)", [], [100.0, 100.0, 100.0, 100.0])
+    result = {"version": "v", "prompts": 4, "n_predict": 11, "threads": 2, "omp_wait_policy": "(unset)",
+              "rows": [plain, slowed, again]}
+    add_row_predictions(result, {"curve": {**PRICED, "t_ms": {"1": 10.0, "2": 14.0}}, "source": "cost.json"})
+    assert slowed["disturbed"] == [1] and plain["disturbed"] == [] and again["disturbed"] == []
+    assert slowed["measured_speedup"] == pytest.approx(400 / 610)
+    assert slowed["measured_speedup_undisturbed"] == pytest.approx(300 / 310)
+    assert "; 1 disturbed requests, 0.97x measured without them |" in markdown(result)
+
+
+def test_a_finished_run_is_priced_again_from_its_files(tmp_path, capsys):
+    """--reprice RUNDIR: an older run's JSON (no log records in it), cost curve and server logs (the last
+    pass of each row, plain's overwritten by plain again's) priced again, the earlier prediction kept."""
+    from bench.llamacpp import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    curve = {k: v for k, v in PRICED.items() if k not in ("graph_build_ms", "process_per_token_ms")}
+
+    def saved(name, types, draft, k, drafted, accepted):  # 2 passes of one prompt: 11 tokens each
+        r = priced_row(name, types, draft, k, 11, drafted, accepted, None, {})
+        p = {key: v for key, v in r["per_prompt"][0].items() if key != "server_log"}
+        return {**r, "drafted": 2 * drafted, "accepted": 2 * accepted, "predicted_speedup": 0.5,
+                "per_prompt": [dict(p), dict(p)]}
+
+    rows = [saved("plain", [], None, None, 0, 0), saved("ngram-mod", ["ngram-mod"], None, None, 10, 5),
+            saved("plain (again)", [], None, None, 0, 0)]
+    (run / "llamacpp.json").write_text(json.dumps({"prompts": 1, "passes": 2, "n_predict": 11, "rows": rows,
+                                                   "cost_curve_from": "llamacpp_cost.json"}))
+    (run / "llamacpp_cost.json").write_text(json.dumps({"curve": curve}))
+    # two warm-ups of 16 tokens (cumulative counters), then the last pass's request
+    warm = [{"prompt_ms": 5.0, "prompt_n": 10, "eval_n": 16, "reused": 15 * i, "stats": {"ngram-mod": (0, 0, 0, 0, 0.0)}}
+            for i in (1, 2)]
+    (run / "server-plain.log").write_text(log_lines([*warm, {"prompt_ms": 5.0, "prompt_n": 10, "eval_n": 12,
+                                                             "reused": 39}]))  # 10 steps, 1 graph built
+    (run / "server-ngram-mod.log").write_text(log_lines([*warm, {"prompt_ms": 5.0, "prompt_n": 10, "eval_n": 12,
+                                                                 "reused": 32, "stats": {"ngram-mod": (6, 2, 10, 5, 0.3)}}]))
+    (run / "cost-plain.log").write_text(log_lines([*warm, {"prompt_ms": 20.0, "prompt_n": 10, "eval_n": 12, "reused": 1}]))
+    (run / "cost-spec-k3.log").write_text(log_lines([warm[0], {"prompt_ms": 22.5, "prompt_n": 10, "eval_n": 12,
+                                                               "reused": 1}]))
+    assert main(["--reprice", str(run), "--out", str(tmp_path / "out")]) == 0
+    r = json.loads((tmp_path / "out" / "llamacpp_repriced.json").read_text())
+    lookup = r["rows"][1]
+    assert lookup["per_prompt"][0].get("server_log") is None  # the first pass: its log was overwritten
+    assert lookup["per_prompt"][1]["server_log"] == {"graphs_reused": 2, "stats": {"ngram-mod": {
+        "calls_begin": 1, "calls_draft": 6, "calls_accept": 0, "gen_drafts": 2, "acc_drafts": 0, "gen_tokens": 10,
+        "acc_tokens": 5, "draft_ms": 0.3}}}
+    # the drafter's catch-up from the cost logs: (22.5 - 20) / 10; the last pass's counters stand for both:
+    # 2 x [6 x 10.5 + 10 x 0.5 + 2 x 20 + 5 x 1 + 3 builds x 0 + 0.3] = 2 x 113.3 ms for 22 tokens
+    assert r["rows"][1]["predicted_before"] == 0.5 and r["rows"][1]["predicted_speedup"] == pytest.approx(220 / 226.6)
+    assert "| ngram-mod | " in (tmp_path / "out" / "llamacpp_repriced.md").read_text()
+    assert main(["--reprice", str(tmp_path / "nothing")]) == 2
+    assert "cannot re-price" in capsys.readouterr().err

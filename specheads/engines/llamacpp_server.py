@@ -68,6 +68,7 @@ class Completion:
     text: str
     tokens: list[int]
     timings: dict = field(default_factory=dict)
+    server_log: dict | None = None  # what the server logged about this request (llamacpp_log.per_request)
 
     @property
     def drafted(self) -> int:
