@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -211,17 +213,33 @@ class Target:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, layers: list[int] = (), attention_mask=None,
-                position_ids=None, cache=None, use_cache: bool = False) -> TargetOutput:
-        """input_ids [B, T] -> logits [B, T, V] + hidden states at `layers` (each [B, T, H])."""
+                position_ids=None, cache=None, use_cache: bool = False,
+                logits_to_keep: torch.Tensor | None = None) -> TargetOutput:
+        """input_ids [B, T] -> logits [B, T, V] + hidden states at `layers` (each [B, T, H]).
+
+        `logits_to_keep` (positions [U]): logits [B, U, V] at those positions only, by the model's
+        own head (its scaling or soft-capping kept); a model without that argument computes all
+        positions and they are taken after."""
+        keep = {}
+        if logits_to_keep is not None and self._keeps_logits:
+            keep = {"logits_to_keep": logits_to_keep}
         with self._taps(list(layers)) as store, self._final_tap() as final:
             out = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=use_cache, **cache_kwargs(cache),
+                use_cache=use_cache, **cache_kwargs(cache), **keep,
             )
         # output key is `cache` in transformers >= 5.24, `past_key_values` before (dict access: no BC warning)
         key = "cache" if "cache" in out else "past_key_values"
         new_cache = out.get(key) if use_cache else None
-        return TargetOutput(logits=out.logits, hidden=dict(store), cache=new_cache, final=final.get(0))
+        logits = out.logits
+        if logits_to_keep is not None and not keep:
+            logits = logits[:, logits_to_keep.to(logits.device)]
+        return TargetOutput(logits=logits, hidden=dict(store), cache=new_cache, final=final.get(0))
+
+    @functools.cached_property
+    def _keeps_logits(self) -> bool:
+        """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do)."""
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     # --- identity --------------------------------------------------------------------------
     def fingerprint(self) -> dict:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specheads.attention import register
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.target import Target
 
@@ -14,6 +15,9 @@ VOCAB, CTX = 96, 96
 
 
 def make_target(attn: str = "sdpa", seed: int = 0, dtype=torch.float64) -> Target:
+    """A random 8-layer GQA Llama; "sdpa" becomes our GQA kernel, as `Target.load` makes it (so
+    ragged batches run packed, `attention.packed`)."""
+    attn = register() if attn == "sdpa" else attn
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,

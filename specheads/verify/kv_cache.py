@@ -8,7 +8,8 @@ head_dim]; an update writes slots L .. L + n - 1 and widens the view. Everything
 decoder does to a cache stays what it was: a crop narrows the view (in place, so its slots are
 reused by the next update), `verify.ragged.keep_paths` writes inside the view, and any new
 tensor assigned to `keys` / `values` (rows selected, merged or taken) is copied into a fresh
-buffer at the next update. Slots past the view are never read.
+buffer at the next update. Slots past the view are never read. In a packed forward
+(`attention.packed`) the new states [1, heads, T, head_dim] are first unpacked to the padded rows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from specheads.attention import current_packing
 
 HEADROOM = 128  # slots allocated beyond the need, at least; and a quarter more for long caches
 
@@ -50,6 +53,9 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append key / value states [B, heads, n, head_dim] -> the whole cached keys and values."""
+        packing = current_packing()
+        if packing is not None:  # [1, heads, T, head_dim] -> [B, heads, N, head_dim]
+            key_states, value_states = packing.unpack_heads(key_states), packing.unpack_heads(value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys, self._key_buf = _appended(self.keys, key_states, self._key_buf)

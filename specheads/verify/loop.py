@@ -292,7 +292,7 @@ class Batch:
         with self.clock:
             out = batch_forward(self.target, prompts, [torch.arange(p.numel()) for p in prompts],
                                 [torch.ones(p.numel(), p.numel(), dtype=torch.bool).tril() for p in prompts],
-                                [0] * len(rows), cache, layers)
+                                [0] * len(rows), cache, layers, last_only=True)
         share = (self.clock.seconds - before) / len(rows)
         if self.prompts is not None:
             for b, ids in enumerate(prompts):

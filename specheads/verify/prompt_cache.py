@@ -66,13 +66,14 @@ class PromptCache:
         return entry
 
     def put(self, ids: torch.Tensor, cache, b: int, out: TargetOutput, seconds: float) -> None:
-        """Keep row b of a prefill (its first P = len(ids) cache slots and outputs) while room is left."""
+        """Keep row b of a prefill (its first P = len(ids) cache slots and outputs; `out.logits`
+        [B, 1, V]: each row's last position, `ragged.batch_forward(last_only=True)`) while room is left."""
         key, P = tuple(ids.tolist()), ids.numel()
         if self.full or key in self.entries:
             return
         entry = Prefilled([layer.keys[b: b + 1, :, :P].clone() for layer in cache.layers],
                           [layer.values[b: b + 1, :, :P].clone() for layer in cache.layers],
-                          TargetOutput(logits=out.logits[b: b + 1, P - 1: P].clone(),
+                          TargetOutput(logits=out.logits[b: b + 1, -1:].clone(),
                                        hidden={i: h[b: b + 1, :P].clone() for i, h in out.hidden.items()},
                                        final=None if out.final is None else out.final[b: b + 1, :P].clone()),
                           seconds)

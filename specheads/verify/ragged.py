@@ -18,7 +18,10 @@ and join with `merge_rows` (a new row is prefilled on its own cache, then padded
 A draft group (`eagle3_proposers.draft_group`) runs its drafter over the same layout: its members'
 one-row caches `stack_rows`-ed, and each member's rows taken back with `take_row`.
 This needs a kernel that honours arbitrary 4-D masks (sdpa / eager); flash attention cannot
-skip stale slots. A single row without stale slots gets exactly the masks of a sequential
+skip stale slots. With our sdpa kernel and growing cache layers, rows of unequal length are fed
+packed (`attention.packed`): the linear layers and the output head run over the real tokens only,
+the attention over the padded rows above. A prefill computes logits at each row's last position
+only (the first token's; nothing reads the others). A single row without stale slots gets exactly the masks of a sequential
 decode (none for one token), so batch size 1 is this same path.
 """
 
@@ -28,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from specheads.attention import GQA_SDPA, Packing, packed
 from specheads.target import TargetOutput
+from specheads.verify.kv_cache import GrowingLayer
 from specheads.verify.steps import TREE_ATTENTION, DecodeError, trim_cache
 
 
@@ -81,18 +86,57 @@ def batch_mask(masks: list[torch.Tensor], pasts: list[int], cache_len: int, dtyp
     return out[:, None]
 
 
+def packing_for(target, counts: list[int], cache) -> Packing | None:
+    """The packing of rows of counts[b] tokens, or None when padding costs nothing (equal rows) or
+    the target's kernel or cache cannot take packed rows."""
+    if sum(counts) == len(counts) * max(counts):
+        return None
+    if getattr(target.config, "_attn_implementation", None) != GQA_SDPA:
+        return None
+    if not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+        return None
+    return Packing.of(counts, target.device)
+
+
 def batch_forward(target, tokens: list[torch.Tensor], depths: list[torch.Tensor],
-                  masks: list[torch.Tensor], pasts: list[int], cache, layers=()) -> TargetOutput:
+                  masks: list[torch.Tensor], pasts: list[int], cache, layers=(),
+                  last_only: bool = False) -> TargetOutput:
     """One target forward over ragged rows (tokens [N_b], root first, after past_b cached
     positions each); appends N = max N_b slots to every row of `cache`.
 
-    Returns logits [B, N, V]: row b, column j is the target's distribution for a child of node j.
+    Returns logits [B, N, V]: row b, column j is the target's distribution for a child of node j
+    (`last_only`: [B, 1, V], each row's last token's only); hidden states [B, N, H].
     """
     cache_len = cache.get_seq_length()
+    counts = [t.numel() for t in tokens]
     ids, pos = batch_inputs(tokens, depths, pasts, target.device)  # [B, N], [B, N]
     mask = batch_mask(masks, pasts, cache_len, target.dtype, target.device)  # [B, 1, N, L + N]
-    return target.forward(ids, layers=list(layers), attention_mask=mask, position_ids=pos,
-                          cache=cache, use_cache=True)
+    packing = packing_for(target, counts, cache)
+    if packing is None:
+        keep = _last_columns(counts, ids.device) if last_only else None
+        out = target.forward(ids, layers=list(layers), attention_mask=mask, position_ids=pos,
+                             cache=cache, use_cache=True, logits_to_keep=keep)
+        return out if keep is None else _own_last(out, counts, keep)
+    keep = torch.tensor(counts, device=ids.device).cumsum(0) - 1 if last_only else None  # [B]
+    with packed(packing):
+        out = target.forward(packing.pack(ids), layers=list(layers), attention_mask=mask,
+                             position_ids=packing.pack(pos), cache=cache, use_cache=True,
+                             logits_to_keep=keep)  # logits [1, T or B, V], hidden [1, T, H]
+    logits = out.logits.view(-1, 1, out.logits.shape[-1]) if last_only else packing.unpack(out.logits)
+    return TargetOutput(logits=logits, hidden={i: packing.unpack(h) for i, h in out.hidden.items()},
+                        cache=out.cache, final=None if out.final is None else packing.unpack(out.final))
+
+
+def _last_columns(counts: list[int], device) -> torch.Tensor:
+    """The distinct last columns of padded rows of counts[b] tokens, ascending -> [U]."""
+    return torch.tensor(sorted({n - 1 for n in counts}), device=device)
+
+
+def _own_last(out: TargetOutput, counts: list[int], keep: torch.Tensor) -> TargetOutput:
+    """Logits [B, U, V] at the columns `keep` -> [B, 1, V], each row's at its own last column."""
+    at = torch.tensor([keep.tolist().index(n - 1) for n in counts], device=out.logits.device)
+    logits = out.logits[torch.arange(len(counts), device=at.device), at][:, None]  # [B, 1, V]
+    return TargetOutput(logits=logits, hidden=out.hidden, cache=out.cache, final=out.final)
 
 
 def row_output(out: TargetOutput, b: int, n: int, layers) -> TargetOutput:
