@@ -15,6 +15,12 @@ eval compare speculative and plain decoding at that eval's batch size. The speed
 timed forwards are batch 1's at every size (a fixed part of each eval's seconds; `--no-predict`
 leaves them and the hybrid rows out). Each eval loads the target and warms up on its own; the
 first one also pays the process's first-call costs, so put the reference size first.
+
+`--rounds R` cuts the prompts into R consecutive parts and runs every size's eval on part 1, then
+on part 2 (sizes in reverse order), and so on, adding up the seconds and the counts: a machine
+whose speed drifts during the run (a shared host: the same forward 30% slower an hour later, seen
+here) then slows every size alike, where one size after the other would charge the drift to the
+later one. Tau per method is then the parts' tokens over their target forwards.
 """
 
 from __future__ import annotations
@@ -37,11 +43,11 @@ METHODS = ("speculative", "ngram", "suffix", "hybrid", "union", "adaptive")  # m
 EXACT = ("speculative", "ngram")  # drafts independent of the batch: tau must be the first size's exactly
 
 
-def run_one(size: int, args: argparse.Namespace) -> dict:
-    """One eval at batch `size`: its seconds, each method's tau and greedy equality, its outputs."""
-    out = Path(args.out) / f"b{size}"
+def run_one(size: int, args: argparse.Namespace, prompts: str, out: Path, limit: int | None) -> dict:
+    """One eval at batch `size` of `prompts` into `out`: its seconds, each method's tau, counts and
+    greedy equality, its outputs."""
     t0 = time.perf_counter()
-    m = evaluate(args.target, args.draft, args.prompts, str(out), args.max_new_tokens, args.k, args.limit,
+    m = evaluate(args.target, args.draft, prompts, str(out), args.max_new_tokens, args.k, limit,
                  predict=not args.no_predict, quiet=True, dtype=args.dtype, device=args.device,
                  allow_missing_fingerprint=args.allow_missing_fingerprint, batch_size=size)
     wall = time.perf_counter() - t0
@@ -51,11 +57,53 @@ def run_one(size: int, args: argparse.Namespace) -> dict:
         "num_turns": m["num_turns"],
         "greedy_equal_turns": sum(bool(r["greedy_equal"]) for r in rows),
         "methods": {name: {"tau": m[name]["tau"], "greedy_equal": m[name]["greedy_equal"],
+                           "tokens": m[name]["tokens"], "target_forwards": m[name]["target_forwards"],
                            "mismatched_ids": m[name].get("mismatched_ids", m["mismatched_ids"]),
                            "measured_speedup": m[name].get("measured_speedup")}
                     for name in METHODS if m.get(name)},
         "tokens": [(r["plain_ids"], r["speculative_ids"]) for r in rows],
     }
+
+
+def prompt_parts(args: argparse.Namespace) -> list[str]:
+    """The prompt file (its first --limit rows) cut into --rounds consecutive parts, each written
+    under OUT/parts; one round: the file itself."""
+    if args.rounds == 1:
+        return [args.prompts]
+    rows = [line for line in Path(args.prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = rows[: args.limit]
+    if args.rounds > len(rows):
+        raise ValueError(f"--rounds {args.rounds}: more rounds than the {len(rows)} prompts")
+    size = -(-len(rows) // args.rounds)
+    parts = []
+    for i in range(args.rounds):
+        path = Path(args.out) / "parts" / f"part{i}.jsonl"
+        write_text(path, "".join(line + "\n" for line in rows[i * size: (i + 1) * size]))
+        parts.append(str(path))
+    return parts
+
+
+def merged(parts: list[dict]) -> dict:
+    """One size's runs over the parts -> one run: seconds, turns and counts added up, tau per
+    method the parts' tokens over their target forwards, outputs in prompt order."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    methods = {}
+    for name in first["methods"]:
+        rows = [p["methods"][name] for p in parts]
+        tokens, forwards = sum(r["tokens"] for r in rows), sum(r["target_forwards"] for r in rows)
+        methods[name] = {"tau": tokens / forwards if forwards else 0.0,
+                         "greedy_equal": all(r["greedy_equal"] for r in rows),
+                         "tokens": tokens, "target_forwards": forwards,
+                         "mismatched_ids": [i for r in rows for i in r["mismatched_ids"]],
+                         "measured_speedup": None}  # a ratio of walls per part: see each part's eval
+    return {"batch_size": first["batch_size"], "device": first["device"],
+            "wall_s": sum(p["wall_s"] for p in parts), "first_pass_s": sum(p["first_pass_s"] for p in parts),
+            "num_turns": sum(p["num_turns"] for p in parts),
+            "greedy_equal_turns": sum(p["greedy_equal_turns"] for p in parts),
+            "methods": methods, "tokens": [t for p in parts for t in p["tokens"]],
+            "parts_wall_s": [p["wall_s"] for p in parts]}
 
 
 def compare(base: dict, run: dict) -> dict:
@@ -71,7 +119,8 @@ def compare(base: dict, run: dict) -> dict:
 def conditions(args: argparse.Namespace, sizes: list[int]) -> dict:
     return {"target": args.target, "draft": args.draft, "prompts": args.prompts, "limit": args.limit,
             "max_new_tokens": args.max_new_tokens, "k": args.k, "batch_sizes": sizes, "device": args.device,
-            "dtype": args.dtype, "predict": not args.no_predict, "torch_threads": torch.get_num_threads(),
+            "dtype": args.dtype, "predict": not args.no_predict, "rounds": args.rounds,
+            "torch_threads": torch.get_num_threads(),
             "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__}
 
 
@@ -81,7 +130,9 @@ def markdown(report: dict) -> str:
     lines = ["# Eval at several batch sizes", "",
              f"`{c['target']}` with `{c['draft']}`, {runs[0]['num_turns']} turns of `{c['prompts']}`, "
              f"{c['max_new_tokens']} new tokens, {runs[0]['device']}, {c['torch_threads']} thread(s); the time ratio and "
-             f"the comparisons are against batch {runs[0]['batch_size']}.", "",
+             f"the comparisons are against batch {runs[0]['batch_size']}."
+             + (f" In {c['rounds']} rounds over consecutive parts of the prompts, the sizes taking turns "
+                "(seconds and counts added up)." if c.get("rounds", 1) > 1 else ""), "",
              "| batch | eval s | first pass s | time ratio | greedy equal turns | same tau (drafter, ngram) | same outputs |",
              "|---:|---:|---:|---:|---:|:---:|:---:|"]
     for r in runs:
@@ -101,7 +152,13 @@ def markdown(report: dict) -> str:
 
 def bench(args: argparse.Namespace, sizes: list[int]) -> dict:
     """Every batch size's eval, compared with the first; writes the JSON and the Markdown."""
-    runs = [run_one(size, args) for size in sizes]
+    parts = prompt_parts(args)
+    done: dict[int, list[dict]] = {size: [] for size in sizes}
+    for i, part in enumerate(parts):
+        for size in (sizes if i % 2 == 0 else sizes[::-1]):  # alternate which size goes first
+            folder = Path(args.out) / f"b{size}" / ("" if len(parts) == 1 else f"part{i}")
+            done[size].append(run_one(size, args, part, folder, args.limit if len(parts) == 1 else None))
+    runs = [merged(done[size]) for size in sizes]
     for r in runs:
         r["vs_first"] = compare(runs[0], r)
     for r in runs:
@@ -138,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-predict", action="store_true", help="skip the prediction and the hybrid rows")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="cut the prompts into this many parts and run every size on each part in turn")
     add_fingerprint_argument(p)
     a = p.parse_args(argv)
     try:
+        if a.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {a.rounds}")
         report = bench(a, parse_sizes(a.batch_sizes))
     except (ValueError, FileNotFoundError) as err:
         print(f"bench/batched_eval.py: error: {err}", file=sys.stderr)

@@ -100,3 +100,26 @@ def test_batched_eval_script(tiny_target_dir, random_export_dir, prompts, tmp_pa
     assert runs[1]["methods"]["ngram"]["tau"] == runs[0]["methods"]["ngram"]["tau"]
     md = (tmp_path / "be" / "batched_eval.md").read_text()
     assert md.startswith("# Eval at several batch sizes") and "| ngram |" in md
+
+
+def test_batched_eval_in_rounds_adds_up_the_parts(tiny_target_dir, random_export_dir, prompts, tmp_path):
+    """--rounds 2: each size runs on both halves of the prompts in turn; the merged counts are the
+    single run's (prompt lookup's tau, turns, outputs), the seconds those of the parts."""
+    script = load_bench("batched_eval.py")
+    common = ["--target", str(tiny_target_dir), "--draft", str(random_export_dir), "--prompts", str(prompts),
+              "--batch-sizes", "1,2", "--limit", "3", "--max-new-tokens", "6", "--no-predict", "--device", "cpu"]
+    try:
+        assert script.main(common + ["--out", str(tmp_path / "one")]) == 0
+        assert script.main(common + ["--out", str(tmp_path / "two"), "--rounds", "2"]) == 0
+        assert script.main(common + ["--out", str(tmp_path / "bad"), "--rounds", "4"]) == 1  # 3 prompts
+    finally:
+        unload_bench(script)
+    one, two = (json.loads((tmp_path / d / "batched_eval.json").read_text())["runs"] for d in ("one", "two"))
+    for a, b in zip(one, two, strict=True):
+        assert b["num_turns"] == a["num_turns"] == b["greedy_equal_turns"]
+        assert b["methods"]["ngram"]["tau"] == pytest.approx(a["methods"]["ngram"]["tau"])
+        assert b["methods"]["ngram"]["tokens"] == a["methods"]["ngram"]["tokens"]
+        assert b["wall_s"] == pytest.approx(sum(b["parts_wall_s"])) and len(b["parts_wall_s"]) == 2
+        assert b["vs_first"]["same_outputs"]
+    assert (tmp_path / "two" / "b2" / "part1" / "metrics.json").is_file()
+    assert "In 2 rounds" in (tmp_path / "two" / "batched_eval.md").read_text()
