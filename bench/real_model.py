@@ -218,7 +218,7 @@ def evaluate_batched(target: Path, draft: Path, prompts: Path, out: Path, k: int
 
     args = argparse.Namespace(target=str(target), draft=str(draft), prompts=str(prompts), out=str(out), limit=None,
                               max_new_tokens=new_tokens, k=k, device="cpu", dtype="float32", no_predict=False,
-                              allow_missing_fingerprint=False)
+                              allow_missing_fingerprint=False, rounds=1)
     report = batched_eval.bench(args, sizes)
     first = out / f"b{sizes[0]}"
     m = json.loads((first / "metrics.json").read_text())
