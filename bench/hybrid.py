@@ -46,10 +46,10 @@ from verifier import Method, encode_rows, method_row, plain_method, run_bench, t
 from specheads.atomic import write_json, write_text  # noqa: E402
 from specheads.data.prompts import read_prompts  # noqa: E402
 from specheads.eval.mixes import RowCosts, free_step_seconds, in_situ_costs, row_costs, time_base  # noqa: E402
-from specheads.eval.online import evaluate_rows  # noqa: E402
+from specheads.eval.online import COST_K, evaluate_rows  # noqa: E402
 from specheads.eval.predict import PredictError, StepCosts, prediction_metrics  # noqa: E402
 from specheads.session import Session, eos_ids  # noqa: E402
-from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer  # noqa: E402
+from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer, loop_k  # noqa: E402
 from specheads.verify.calibration import Calibration, cross_fitted  # noqa: E402
 from specheads.verify.hybrid_proposers import hybrid_proposer  # noqa: E402
 from specheads.verify.loop import request  # noqa: E402
@@ -125,20 +125,23 @@ class Adaptive:
     costs: LengthCosts
     k_max: int
     folds: dict[tuple[int, ...], int]  # prompt ids -> its fold
+    free_k_max: int | None = None  # the free draft's longest (eval's COST_K)
 
 
 def adaptive_method(name: str, free: str | None, target, head, adaptive: Adaptive, mix: Mix) -> Method:
     """EAGLE-3 (sampled variant: its confidences) with adaptive draft length, beside a free draft or not."""
     spec, make_free = make_tree_spec("chain", k=adaptive.k_max), free_factory(free) if free else (lambda: None)
+    free_k_max = adaptive.free_k_max if free else None
+    longest = loop_k(adaptive.k_max, free_k_max)
 
     def make_request(ids, max_new_tokens, eos):
         calibration = adaptive.calibrations[adaptive.folds.get(tuple(ids), 0)]
         proposer = adaptive_proposer(make_proposer(spec, head, target, sampled=True), calibration, adaptive.costs,
-                                     adaptive.k_max, make_free())
-        return request(target, proposer, ids, max_new_tokens, adaptive.k_max, eos)
+                                     adaptive.k_max, make_free(), free_k_max=free_k_max)
+        return request(target, proposer, ids, max_new_tokens, longest, eos)
 
-    return Method(name, {"kind": "adaptive", "free": free, "k_max": adaptive.k_max, "nodes": adaptive.k_max + 1},
-                  make_request, lambda req: mix.add(req.proposer))
+    return Method(name, {"kind": "adaptive", "free": free, "k_max": adaptive.k_max, "free_k_max": free_k_max,
+                         "nodes": longest + 1}, make_request, lambda req: mix.add(req.proposer))
 
 
 def build_methods(target, head, k: int, adaptive: Adaptive) -> tuple[list[Method], dict[str, Mix]]:
@@ -171,14 +174,15 @@ def first_pass(session: Session, rows, max_new_tokens: int, prompts) -> tuple[Ro
     totals, _ = evaluate_rows(session, rows, max_new_tokens)
     cond = totals.draft.summary()["acceptance_per_position_conditional"]
     observed = (totals.plain, totals.draft, *totals.free.values())
-    pred = prediction_metrics(session.target, session.head, [ids for _, ids in prompts], cond, k_max=8,
+    pred = prediction_metrics(session.target, session.head, [ids for _, ids in prompts], cond, k_max=COST_K,
                               correct=lambda costs: in_situ_costs(costs, *observed))["prediction"]
     costs = StepCosts.from_dict(pred["costs"])
     k_max = max(session.k, pred["best_chain_k"])
     calibrations = cross_fitted(totals.records, cond) if totals.records else {0: Calibration(position_rates=cond)}
     folds = {tuple(t.ids): t.fold for t in totals.turns}
     calibrations = {f: calibrations.get(f, Calibration(position_rates=cond)) for f in (0, 1)}
-    adaptive = Adaptive(calibrations, LengthCosts.from_step_costs(costs, k_max), k_max, folds)
+    free_k_max = max(k_max, COST_K)
+    adaptive = Adaptive(calibrations, LengthCosts.from_step_costs(costs, free_k_max), k_max, folds, free_k_max)
     free_s = {name: free_step_seconds(stats) for name, stats in totals.free.items()}
     decodes = {"plain": totals.plain, "draft": totals.draft, **totals.free}  # what corrected the costs
     by_family = row_costs(StepCosts.from_dict(pred["costs_micro"]), *observed)

@@ -203,9 +203,18 @@ def export(ckpt: Path, out: Path) -> dict:
     return {fmt: str(out / fmt) for fmt in formats}
 
 
-def evaluate(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_tokens: int) -> dict:
+def eval_options(a, data: Path) -> tuple:
+    """eval's options from ours: suffix decoding starts from the training answers (the target's own,
+    as a server that had answered them would hold them) unless --no-suffix-history; --mix-rows."""
+    history = () if a.no_suffix_history else ("--suffix-history", data / "train.jsonl")
+    return (*history, "--mix-rows", a.mix_rows)
+
+
+def evaluate(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_tokens: int,
+             extra: tuple = ()) -> dict:
+    """`specheads eval` on CPU fp32; `extra`: its further options (`eval_options`)."""
     rc = cli(["eval", "--target", target, "--draft", draft, "--prompts", prompts, "--out", out,
-              "--k", k, "--max-new-tokens", new_tokens, "--device", "cpu", "--dtype", "float32"])
+              "--k", k, "--max-new-tokens", new_tokens, "--device", "cpu", "--dtype", "float32", *extra])
     m = json.loads((out / "metrics.json").read_text())
     return summary(m, out / "outputs.jsonl", rc)
 
@@ -276,7 +285,8 @@ def summary(m: dict, outputs: Path, rc: int) -> dict:
             "predicted_speedup_cost_model": (chains.get(m["k"]) or {}).get("speedup"),
             "recommended_k": ((m.get("advice") or {}).get("vllm") or {}).get("num_speculative_tokens"),
             "plain_tokens_per_s": m["plain"]["tokens"] / m["plain"]["wall_s"] if m["plain"]["wall_s"] else None,
-            "rows": {name: row_summary(m[name]) for name in ROWS if m.get(name)},
+            "rows": {name: row_summary(m[name]) for name in ROWS if "tau" in (m.get(name) or {})},
+            "suffix_history": m.get("suffix_history"),
             "calibration": {k: (m.get("calibration") or {}).get(k) for k in ("ece", "records")},
             "engine_advice": (m.get("advice") or {}).get("engines"),
             "per_category": per_category(outputs), "eval_wall_s": m["eval_wall_s"]}
@@ -332,7 +342,11 @@ def markdown(r: dict) -> str:
                      f"{'-' if pm is None else f'{pm:.2f}x'} / {e['predicted_speedup_seed_formula']:.2f}x | "
                      f"{e['measured_speedup']:.2f}x | {e['ngram_measured_speedup']:.2f}x |")
     for name, e in r["evals"].items():
+        history = e.get("suffix_history")
         lines += ["", f"### Every method, {name} (greedy; measured = plain wall / method wall over the same prompts)", "",
+                  (f"Suffix decoding's cache (every row using it) starts from {history['answers']} answers of "
+                   f"{history['file']}, as a server that had answered them would hold them." if history else
+                   "Suffix decoding's cache starts empty."), "",
                   "| method | tau | measured speed-up | predicted speed-up | within 10% | greedy equal |",
                   "|---|---:|---:|---:|:---:|:---:|"]
         for key, row in (e.get("rows") or {}).items():
@@ -412,7 +426,7 @@ def run(a, overrides: list[str]) -> dict:
     if a.eval_batch_sizes == [1]:
         evals = {"MT-bench k=3": st.run("eval_mt_bench_k3", evaluate, target, out / "export" / "vllm",
                                         data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_k3", 3,
-                                        a.eval_new_tokens)}
+                                        a.eval_new_tokens, eval_options(a, data))}
     else:
         evals = {"MT-bench k=3": st.run("eval_mt_bench_k3_batched", evaluate_batched, target, out / "export" / "vllm",
                                         data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_batched", 3,
@@ -422,11 +436,11 @@ def run(a, overrides: list[str]) -> dict:
     if rec and rec != 3 and not a.skip_recommended:
         evals[f"MT-bench k={rec} (recommended)"] = st.run(
             "eval_mt_bench_recommended", evaluate, target, out / "export" / "vllm", data / "mt_bench_first.jsonl",
-            out / "eval" / "mt_bench_rec", rec, a.eval_new_tokens)
+            out / "eval" / "mt_bench_rec", rec, a.eval_new_tokens, eval_options(a, data))
     if not a.skip_heldout_eval:
         evals["held-out regenerated k=3"] = st.run(
             "eval_heldout_k3", evaluate, target, out / "export" / "vllm", data / "heldout_prompts.jsonl",
-            out / "eval" / "heldout_k3", 3, a.eval_new_tokens)
+            out / "eval" / "heldout_k3", 3, a.eval_new_tokens, eval_options(a, data))
     par = st.run("parity", parity, target, final, mt_dir)
     report = {
         "title": a.title, "label": a.label, "target": str(target.name),
@@ -465,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-batch-sizes", default="1",
                    help="the MT-bench eval at each of these batch sizes in one run, e.g. 1,8 (the first is reported)")
     p.add_argument("--skip-recommended", action="store_true", help="only k=3 on MT-bench")
+    p.add_argument("--no-suffix-history", action="store_true",
+                   help="suffix decoding starts from an empty cache (default: the training answers)")
+    p.add_argument("--mix-rows", default="hybrid,union,adaptive", help="eval's hybrid rows (specheads eval --mix-rows)")
     p.add_argument("--skip-heldout-eval", action="store_true",
                    help="no online eval on held-out prompts (the table still has their offline tau)")
     p.add_argument("--llamacpp-gguf", default=None,

@@ -50,7 +50,13 @@ def _export(argv: list[str]) -> int:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    from specheads.cli_options import add_fingerprint_argument, add_sampling_arguments, add_tree_arguments
+    from specheads.cli_options import (
+        SUFFIX_HISTORY_HELP,
+        add_fingerprint_argument,
+        add_sampling_arguments,
+        add_tree_arguments,
+    )
+    from specheads.eval.mixes import MIXES
 
     p = argparse.ArgumentParser(prog="specheads eval", description=(
         "Decode prompts with the target alone and with an exported draft; check the outputs are "
@@ -65,6 +71,9 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-json", help="server load test JSON: plot throughput over concurrency")
     p.add_argument("--llamacpp-cost", help="bench/llamacpp.py --cost's JSON: predict the drafter in llama.cpp from "
                    "llama.cpp's own measured costs and advise its k (or no speculation)")
+    p.add_argument("--suffix-history", metavar="FILE", help=SUFFIX_HISTORY_HELP)
+    p.add_argument("--mix-rows", default=",".join(MIXES),
+                   help=f"which hybrid rows to decode, comma-separated from {', '.join(MIXES)} (default: all)")
     p.add_argument("--attach", action="store_true",
                    help="also copy metrics, report and plots into the export and its README (for push)")
     p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
@@ -120,7 +129,8 @@ def _eval_online(a: argparse.Namespace) -> int:
                  sampling=sampling_from_args(a), predict=not a.no_predict,
                  verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet,
                  dtype=a.dtype, device=a.device, allow_missing_fingerprint=a.allow_missing_fingerprint,
-                 batch_size=a.batch_size, llamacpp_cost=a.llamacpp_cost)
+                 batch_size=a.batch_size, llamacpp_cost=a.llamacpp_cost, suffix_history=a.suffix_history,
+                 mix_rows=tuple(r.strip() for r in a.mix_rows.split(",") if r.strip()))
     d = m["speculative"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     free = ", ".join(f"{key} {m[key]['tau']:.3f}" for key in ("ngram", "suffix") if key in m)

@@ -1,11 +1,12 @@
 """Command-line options shared by `specheads generate`, `eval` and `serve` (and bench/verifier.py):
 the draft tree flags and the sampling flags, parsed into verify.settings' TreeSpec and Sampling,
-the fingerprint policy's override, and --hybrid / --adaptive (specheads/mixing.py).
+the fingerprint policy's override, and --hybrid / --adaptive / --suffix-history (specheads/mixing.py).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from specheads.mixing import resolve_mixing
 from specheads.verify.settings import Sampling, SettingsError, TreeSpec, check_acceptance, make_tree_spec
@@ -71,6 +72,10 @@ HYBRID_HELP = ("combine the drafter with a free proposer (suffix decoding; promp
                "the drafter alone")
 
 
+SUFFIX_HISTORY_HELP = ("conversations whose answers go into suffix decoding's global cache before the first "
+                       "request, as a server that answered them would have it (e.g. the regenerated training data)")
+
+
 def add_mixing_arguments(p: argparse.ArgumentParser) -> None:
     """--hybrid / --adaptive, shared by generate, serve and regenerate --draft (specheads/mixing.py)."""
     p.add_argument("--hybrid", choices=["auto", "choose", "union", "off"], default="auto", help=HYBRID_HELP)
@@ -78,8 +83,10 @@ def add_mixing_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive draft length: per step the draft (drafter, or the free one with --hybrid choose) "
                         "and its length 0..k_max with the most expected tokens per measured cost, from the "
                         "calibration and step costs in EXPORT/eval/metrics.json (default: as --hybrid auto decides)")
+    p.add_argument("--suffix-history", metavar="FILE", help=SUFFIX_HISTORY_HELP)
 
 
 def mixing_from_args(a: argparse.Namespace, draft_dir, spec: TreeSpec | None = None):
-    """The parsed --hybrid / --adaptive -> a checked Mixing for the drafter at `draft_dir`."""
-    return resolve_mixing(a.hybrid, a.adaptive, draft_dir, spec is None or spec.kind == "chain")
+    """The parsed --hybrid / --adaptive / --suffix-history -> a checked Mixing for the drafter at `draft_dir`."""
+    mixing = resolve_mixing(a.hybrid, a.adaptive, draft_dir, spec is None or spec.kind == "chain")
+    return replace(mixing, history=a.suffix_history) if a.suffix_history else mixing

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer
+from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer, loop_k
 from specheads.verify.calibration import Calibration
 from specheads.verify.hybrid_proposers import hybrid_proposer
 from specheads.verify.ngram_proposers import NgramProposer
@@ -40,6 +40,12 @@ def mix_free() -> tuple[str, object, str | None]:
         return "ngram", lambda: NgramProposer(3, 1), f"prompt lookup in place of suffix decoding: {err}"
 
 
+def warm_free(free, history: list[tuple[list[int], list[int]]]) -> None:
+    """Earlier (prompt, answer) pairs into a suffix proposer's global cache (prompt lookup keeps none)."""
+    if history and isinstance(free, SuffixProposer):
+        free.warm(history)
+
+
 @dataclass(frozen=True)
 class Mixing:
     """The drafter alone (`hybrid` "off", not `adaptive`), or combined with the free proposer; the
@@ -51,6 +57,8 @@ class Mixing:
     costs: LengthCosts | None = None
     k_max: int | None = None
     reason: str = "the drafter alone"
+    free_k_max: int | None = None  # the free draft's longest (None: k_max)
+    history: str | None = None  # conversations put in suffix decoding's cache first (`--suffix-history`)
 
     @property
     def active(self) -> bool:
@@ -60,14 +68,20 @@ class Mixing:
         base = {"off": "the drafter alone", "choose": "hybrid choose", "union": "union"}[self.hybrid]
         if not self.adaptive:
             return base
-        with_free = "with the free draft" if self.hybrid == "choose" else "the drafter only"
-        return f"adaptive draft length (k <= {self.k_max}, {with_free})"
+        if self.hybrid != "choose":
+            return f"adaptive draft length (k <= {self.k_max}, the drafter only)"
+        return f"adaptive draft length (k <= {self.k_max}, with the free draft up to {self.free_loop_k()})"
+
+    def free_loop_k(self) -> int:
+        """The longest draft a step verifies (the decode loop's chain)."""
+        return loop_k(self.k_max, self.free_k_max if self.hybrid == "choose" else None)
 
     def proposer(self, model, free, k: int, vocab_size: int | None):
         """The combined proposer over a fresh drafter proposer (`vocab_size`: sampled decoding)."""
         if self.adaptive:
-            return adaptive_proposer(model, self.calibration, self.costs, self.k_max,
-                                     free if self.hybrid == "choose" else None, vocab_size)
+            with_free = self.hybrid == "choose"
+            return adaptive_proposer(model, self.calibration, self.costs, self.k_max, free if with_free else None,
+                                     vocab_size, self.free_k_max if with_free else None)
         return hybrid_proposer(model, free, self.hybrid, k)
 
 
@@ -102,8 +116,9 @@ def default_setting(metrics: dict | None, path: Path, chain: bool) -> tuple[str,
                             f"{predicted.get('drafter', 0):.2f}x)")
 
 
-def adaptive_inputs(metrics: dict | None, path: Path) -> tuple[Calibration, LengthCosts, int]:
-    """The calibration map, the step costs and k_max the eval measured; a clear error without them."""
+def adaptive_inputs(metrics: dict | None, path: Path) -> tuple[Calibration, LengthCosts, int, int]:
+    """The calibration map, the step costs, k_max and the free draft's longest (k_max in files
+    written before it was kept) the eval measured; a clear error without them."""
     row = (metrics or {}).get("adaptive")
     if not row or "length_costs" not in row:
         raise SettingsError(f"--adaptive needs the calibration and step costs a chain eval measures: {path} "
@@ -113,7 +128,9 @@ def adaptive_inputs(metrics: dict | None, path: Path) -> tuple[Calibration, Leng
         rates = metrics["speculative"]["acceptance_per_position_conditional"]
         calibration = (Calibration.from_dict({**cal["map"], "position_rates": rates}, f"{path} calibration.map") if cal
                        else Calibration(position_rates=[float(r) for r in rates]))
-        return calibration, LengthCosts.from_dict(row["length_costs"], f"{path} adaptive.length_costs"), int(row["k_max"])
+        k_max = int(row["k_max"])
+        return (calibration, LengthCosts.from_dict(row["length_costs"], f"{path} adaptive.length_costs"), k_max,
+                int(row.get("free_k_max", k_max)))
     except (KeyError, TypeError, ValueError) as err:
         raise SettingsError(f"{path}: the adaptive rule's inputs are unreadable ({type(err).__name__}: {err}); "
                             "rerun `specheads eval --attach`") from None
@@ -146,5 +163,5 @@ def resolve_mixing(hybrid: str = "off", adaptive: bool | None = False, draft_dir
     check_setting(mode, adapt, chain)
     if not adapt:
         return Mixing(mode, False, reason=reason)
-    calibration, costs, k_max = adaptive_inputs(metrics, path)
-    return Mixing(mode, True, calibration, costs, k_max, reason)
+    calibration, costs, k_max, free_k_max = adaptive_inputs(metrics, path)
+    return Mixing(mode, True, calibration, costs, k_max, reason, free_k_max)

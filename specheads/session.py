@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from specheads.data.suffix_history import history_pairs
 from specheads.export import load_with_meta
 from specheads.export.load import ExportMeta
-from specheads.mixing import Mixing, mix_free
+from specheads.mixing import Mixing, mix_free, warm_free
 from specheads.target import Target
 from specheads.verify.loop import Request, decode_batch, request
 from specheads.verify.ngram_proposers import NO_DRAFT
@@ -121,6 +122,8 @@ class Session:
         if self.mixing.active:  # one free proposer for the session: suffix decoding's global cache spans requests
             _, make_free, self.free_note = mix_free()
             self.free = make_free()
+            if self.mixing.history:
+                warm_free(self.free, history_pairs(self.mixing.history, target.tokenizer))
 
     @classmethod
     def open(cls, target_path: str, draft_dir: str | Path | None, spec: TreeSpec = TreeSpec("chain"),
@@ -149,7 +152,7 @@ class Session:
     @property
     def loop_spec(self) -> TreeSpec:
         """The draft shape the decode loop runs (adaptive draft length: chains of up to k_max)."""
-        return TreeSpec("chain", k=self.mixing.k_max) if self.mixing.adaptive else self.spec
+        return TreeSpec("chain", k=self.mixing.free_loop_k()) if self.mixing.adaptive else self.spec
 
     def decode(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
                stream: TextStream | None = None) -> Decoded:

@@ -22,6 +22,7 @@ from specheads.verify.adaptive_proposers import (
     SampledAdaptiveProposer,
     adaptive_proposer,
     best_length,
+    loop_k,
 )
 from specheads.verify.calibration import (
     Calibration,
@@ -266,3 +267,21 @@ def test_a_free_draft_better_than_the_models_average_skips_the_model(big):
     res = decode(big, adaptive, prompt, 40, 4)
     assert res.tokens == greedy_decode(big, prompt, 40).tokens
     assert adaptive.counts["free"] > 0 and adaptive.model_steps < res.stats.decode_forwards
+
+
+def test_free_drafts_may_run_past_k_max_while_the_model_stops_at_it(big):
+    """free_k_max 8 over k_max 2: suffix drafts of up to 8 tokens are verified where their path
+    probability pays, the model never drafts more than 2 a step, and the output is plain greedy's;
+    without free_k_max no step verifies more than k_max."""
+    longest = Counter()
+    for seed in range(3):
+        prompt = torch.tensor(stream(60, seed=seed))
+        ref = greedy_decode(big, prompt, 48).tokens
+        adaptive = adaptive_proposer(kind_proposer("eagle3", big), IDENTITY, CHEAP, 2, SuffixProposer(), free_k_max=8)
+        assert decode(big, adaptive, prompt, 48, loop_k(2, 8)).tokens == ref
+        assert adaptive.levels <= 2 * adaptive.model_steps and adaptive.summary()["free_k_max"] == 8
+        longest.update(adaptive.lengths)
+        capped = adaptive_proposer(kind_proposer("eagle3", big), IDENTITY, CHEAP, 2, SuffixProposer())
+        assert decode(big, capped, prompt, 48, loop_k(2, 8)).tokens == ref
+        assert max(capped.lengths) <= 2
+    assert max(longest) > 2, longest

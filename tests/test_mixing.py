@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from specheads.cli import main as cli
 from specheads.eval.online import evaluate
 from specheads.generate import run_generate
 from specheads.mixing import SETTINGS, resolve_mixing
+from specheads.session import Session
 from specheads.verify.settings import SettingsError, TreeSpec
 
 
@@ -50,6 +52,7 @@ def test_auto_takes_what_the_eval_predicts_fastest(tmp_path, use):
     assert (mixing.hybrid, mixing.adaptive) == SETTINGS[use] and f"predicts {use} fastest (1.40x" in mixing.reason
     if mixing.adaptive:
         assert mixing.k_max == 4 and mixing.costs.verify[0] == 1.0 and mixing.costs.draft == pytest.approx(0.2)
+        assert mixing.free_k_max == 4  # a file written before free_k_max was kept: the free draft as long as k_max
         assert mixing.calibration(0.95, 1) == pytest.approx(0.9) and mixing.calibration(None, 2) == 0.5
 
 
@@ -128,6 +131,18 @@ def test_serve_with_a_hybrid_answers_plain_greedy(tiny_target_dir, evaluated_exp
         assert metrics[PREFIX + 'drafts_total{engine="0",model_name="mixed"}'] > 0
 
 
+def test_the_eval_keeps_the_free_drafts_length_for_adaptive(evaluated_export):
+    """eval's adaptive row lets free drafts run to COST_K, prices them (one cost per length), and
+    `--adaptive` reads it back: the loop verifies that long with the free draft, k_max without it."""
+    from specheads.eval.online import COST_K
+
+    row = json.loads((evaluated_export / "eval" / "metrics.json").read_text())["adaptive"]
+    assert row["free_k_max"] == max(row["k_max"], COST_K) and len(row["length_costs"]["verify"]) == row["free_k_max"] + 1
+    with_free, alone = resolve_mixing("choose", True, evaluated_export), resolve_mixing("off", True, evaluated_export)
+    assert with_free.free_loop_k() == row["free_k_max"] and f"up to {row['free_k_max']}" in with_free.label()
+    assert alone.free_loop_k() == row["k_max"]
+
+
 def test_outputs_keep_each_methods_decode_of_each_turn(evaluated_export):
     """outputs.jsonl holds every method's tokens / forwards / seconds per turn, the hybrid rows and
     their own plain pass included; summed, they give metrics.json's rows exactly."""
@@ -166,3 +181,35 @@ def test_regenerate_with_a_hybrid_gives_plain_greedy_answers(tiny_target_dir, ev
     assert len(mixed) == len(plain) == 5 and sum(r["regenerated"]["turns"] for r in mixed) > 5
     assert [(r["id"], r["messages"], r["regenerated"]) for r in mixed] == [
         (r["id"], r["messages"], r["regenerated"]) for r in plain]
+
+
+def test_eval_and_generate_take_a_suffix_history_and_eval_the_rows_asked(tmp_path, tiny_target_dir, evaluated_export):
+    """`eval --suffix-history F --mix-rows adaptive`: suffix decoding starts from F's answers (counted in
+    metrics.json), only the adaptive row is decoded (the others say why not), outputs stay plain's;
+    `generate --suffix-history F` decodes greedy-equal; an unknown row or a file without answers is refused."""
+    history = tmp_path / "history.jsonl"
+    history.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p},
+                                                        {"role": "assistant", "content": a}]}) + "\n"
+                               for p, a in [("def add(a, b):", "return a + b"), ("import os", "import sys")]))
+    prompts = evaluated_export.parent / "prompts.jsonl"
+    out = tmp_path / "eval"
+    assert cli(["eval", "--target", str(tiny_target_dir), "--draft", str(evaluated_export), "--prompts", str(prompts),
+                "--out", str(out), "--max-new-tokens", "12", "--k", "2", "--quiet", "--suffix-history", str(history),
+                "--mix-rows", "adaptive"]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["suffix_history"] == {"file": "history.jsonl", "answers": 2}
+    assert m["hybrid"] == {"skipped": "not asked (--mix-rows)"} == m["union"]
+    assert m["adaptive"]["greedy_equal"] is True and m["suffix"]["greedy_equal"] is True
+    mixing = replace(resolve_mixing("choose", True, evaluated_export), history=str(history))
+    session = Session.open(str(tiny_target_dir), evaluated_export, TreeSpec("chain"), device="cpu", mixing=mixing)
+    assert len(session.free.cache.cached_requests) == 2  # the two answers, before any request
+    r = run_generate(str(tiny_target_dir), str(evaluated_export), "def add(a, b):", TreeSpec("chain"), 16, device="cpu",
+                     out=io.StringIO(), err=io.StringIO(), mixing=mixing)
+    assert r["greedy_equal"] is True
+    refused(["eval", "--target", tiny_target_dir, "--draft", evaluated_export, "--prompts", prompts,
+             "--out", tmp_path / "e2", "--mix-rows", "adaptive,best"],
+            ["--mix-rows best", "expected rows from hybrid, union, adaptive"], tmp_path, watch=(evaluated_export,))
+    history.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    refused(["generate", "--target", tiny_target_dir, "--draft", evaluated_export, "--prompt", "hi",
+             "--hybrid", "choose", "--adaptive", "--suffix-history", history],
+            ["history.jsonl", "no assistant"], tmp_path, watch=(evaluated_export,))

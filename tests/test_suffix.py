@@ -3,6 +3,7 @@ verifiers; a global cache that helps later requests and stays within its bound."
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -102,3 +103,64 @@ def test_a_missing_library_names_the_make_target(monkeypatch):
     monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)
     with pytest.raises(SettingsError, match="make suffix"):
         SuffixProposer()
+
+
+def test_path_reliability_golden():
+    """Reported 0.5, 0.5, 0.5 (bin 10 of 20): the first kept, the second missed (the third lost with
+    it) -> 1 of 3 kept; with a prior of 2 tokens at 0.5, (1 + 1) / (3 + 2) = 0.4. Tokens past what the
+    target settled are not counted; survival is non-increasing and starts at the reported value."""
+    from specheads.verify.suffix_proposers import PathReliability
+
+    r = PathReliability(bins=20, prior=2.0)
+    assert r.survival([0.9, 0.95, 0.3]) == [0.9, 0.9, 0.3]  # nothing seen yet: the reported values, monotone
+    r.record([0.5, 0.5, 0.5], [7, 8, 9], [7, 1])
+    assert (r.shown[10], r.kept[10]) == (3, 1) and r(0.5) == pytest.approx(0.4)
+    r.record([0.5, 0.5], [7, 8], [7])  # censored after the first token: one more kept, nothing else
+    assert (r.shown[10], r.kept[10]) == (4, 2) and r(0.5) == pytest.approx(3 / 6)
+    assert r.survival([0.5, 0.9]) == [pytest.approx(0.5), pytest.approx(0.5)]  # 0.9: its bin says 0.9, capped
+
+
+def test_the_proposer_learns_how_its_paths_hold(target):
+    """Decoding records every settled path token in the shared reliability (forks included), a fixed
+    set of counters however long it runs; `survival` reads it."""
+    shared = SuffixProposer()
+    for seed in range(3):
+        decode(target, shared.fork(), torch.tensor(stream(48, seed=seed)), 40, 4)
+    r = shared.reliability
+    assert sum(r.shown) > 20 and 0 < sum(r.kept) < sum(r.shown) and len(r.shown) == r.bins
+    fork = shared.fork()
+    fork.start(torch.tensor(stream(48, seed=0)), 5)
+    draft = fork.propose(4).tolist()
+    if draft:
+        assert fork.survival(len(draft)) == r.survival(fork.probs[:len(draft)])
+
+
+def test_a_warm_cache_drafts_from_earlier_answers():
+    """`warm` puts (prompt, answer) pairs in the global cache as finished requests: a new request that
+    meets an answer's start drafts its continuation; the cache bound still holds."""
+    proposer = SuffixProposer(SuffixSettings(max_cached_requests=4))
+    proposer.warm([([1, 2, 3], [41, 42, 43, 44, 45])] + [([9, i], [50 + i, 51]) for i in range(6)])
+    assert len(proposer.cache.cached_requests) == 4 and not proposer.cache.active_requests
+    proposer.warm([([1, 2, 3], [41, 42, 43, 44, 45])])
+    proposer.start(torch.tensor([7, 41, 42]), 43)
+    assert proposer.propose(2).tolist() == [44, 45]
+
+
+def test_history_pairs_reads_every_answer_and_refuses_none(tmp_path, tiny_target_dir):
+    from specheads.data.conversations import DataError
+    from specheads.data.prompts import encode_chat
+    from specheads.data.suffix_history import history_pairs
+    from specheads.target import Target
+
+    tok = Target.load(str(tiny_target_dir), device="cpu").tokenizer
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "sure thing"}]
+    path = tmp_path / "history.jsonl"
+    path.write_text(json.dumps({"messages": conv}) + "\n")
+    pairs = history_pairs(path, tok)
+    assert [a for _, a in pairs] == [tok.encode("hello there", add_special_tokens=False),
+                                     tok.encode("sure thing", add_special_tokens=False)]
+    assert pairs[1][0] == encode_chat(tok, conv[:3])
+    path.write_text(json.dumps({"messages": conv[:1]}) + "\n")
+    with pytest.raises(DataError, match="no assistant"):
+        history_pairs(path, tok)

@@ -37,10 +37,10 @@ from specheads.engine_facts import DRAFTLESS, LLAMA_CPP, LLAMA_CPP_DRAFTLESS, LL
 from specheads.eval.predict import StepCosts, monotone
 from specheads.eval.report import FREE_NAMES
 from specheads.eval.waves import Turn, blocks, turn_tally
-from specheads.mixing import SETTINGS, Mixing, check_setting, mix_free
+from specheads.mixing import SETTINGS, Mixing, check_setting, mix_free, warm_free
 from specheads.progress import Progress
 from specheads.session import GREEDY, Session, run_request
-from specheads.verify.adaptive_proposers import LengthCosts
+from specheads.verify.adaptive_proposers import LengthCosts, loop_k
 from specheads.verify.calibration import Calibration, Record, cross_fitted
 from specheads.verify.loop import Request, decode_batch
 from specheads.verify.settings import Sampling, TreeSpec
@@ -217,41 +217,51 @@ def mix_rows(chain: bool) -> tuple[tuple[str, ...], dict[str, str]]:
     return tuple(rows), skipped
 
 
+def mix_mixing(name: str, calibration: Calibration, costs: LengthCosts, k_max: int,
+               free_k_max: int | None = None) -> Mixing:
+    """Row `name`'s setting, as `--hybrid` / `--adaptive` would make it."""
+    mode, adaptive = SETTINGS[name]
+    return Mixing(mode, adaptive, calibration, costs, k_max, free_k_max=free_k_max)
+
+
 def mix_proposer(name: str, session: Session, free, calibration: Calibration, costs: LengthCosts, k_max: int,
-                 sampled: bool = False):
+                 sampled: bool = False, free_k_max: int | None = None):
     """A fresh proposer of a row over the session's drafter (the free proposer is the row's, kept across
     turns), built as `Session.proposer` builds a mixed one (`sampled`: drafts for sampled decoding)."""
-    mode, adaptive = SETTINGS[name]
-    mixing = Mixing(mode, adaptive, calibration, costs, k_max)
-    model = session.proposer(sampled=sampled or adaptive)
+    mixing = mix_mixing(name, calibration, costs, k_max, free_k_max)
+    model = session.proposer(sampled=sampled or mixing.adaptive)
     return mixing.proposer(model, free, session.k, session.target.vocab_size if sampled else None)
 
 
 def mix_requests(name: str, session: Session, free, turns: list[Turn], calibrations: dict[int, Calibration],
                  cond: list[float], lengths: LengthCosts, k_max: int, max_new_tokens: int,
-                 sampling: Sampling = GREEDY) -> tuple[list, list[Request]]:
+                 sampling: Sampling = GREEDY, free_k_max: int | None = None) -> tuple[list, list[Request]]:
     """A row's proposer and request per turn (the adaptive rule with its turn's other-fold calibration;
     the free proposer forked per request: one global cache per row, a request per turn), decoded with
     `sampling` (its seed for every request, as the first pass's rows)."""
-    loop = TreeSpec("chain", k=k_max if SETTINGS[name][1] else session.k)  # trees: the proposer decides
+    mixing = mix_mixing(name, Calibration(position_rates=list(cond)), lengths, k_max, free_k_max)
+    loop = TreeSpec("chain", k=mixing.free_loop_k() if mixing.adaptive else session.k)  # trees: the proposer decides
     proposers = [mix_proposer(name, session, free.fork(), calibrations.get(turn.fold, Calibration(position_rates=list(cond))),
-                              lengths, k_max, not sampling.greedy) for turn in turns]
+                              lengths, k_max, not sampling.greedy, free_k_max) for turn in turns]
     return proposers, [run_request(loop, session.target, p, turn.ids, max_new_tokens, session.eos, sampling)
                        for p, turn in zip(proposers, turns)]
 
 
 def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, costs: StepCosts, records: list[Record],
                    cond: list[float], k_max: int, quiet: bool = True, batch_size: int = 1,
-                   sampling: Sampling = GREEDY,
-                   names: tuple[str, ...] = MIXES) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
+                   sampling: Sampling = GREEDY, names: tuple[str, ...] = MIXES, free_k_max: int | None = None,
+                   history: list | None = None) -> tuple[MixTally, dict[str, MixTally], str, str | None]:
     """Decode every turn plainly and with each row of `names`, `batch_size` sequences per target forward
     (at batch size 1 a turn at a time, else each method over all turns at once), greedily or sampled
     with `sampling` -> (the plain decodes, the rows' tallies, the free proposer's name, why it is not
-    suffix decoding)."""
+    suffix decoding). `free_k_max`: the adaptive row's longest free draft (None: k_max); `history`:
+    (prompt, answer) ids put in each row's suffix cache first."""
     free_name, make_free, note = mix_free()
     frees = {name: make_free() for name in names}  # one global cache per row, across its turns
+    for free in frees.values():
+        warm_free(free, history or [])
     calibrations = cross_fitted(records, cond) if records else {}
-    lengths = LengthCosts.from_step_costs(costs, k_max)
+    lengths = LengthCosts.from_step_costs(costs, loop_k(k_max, free_k_max))
     plain, tallies = MixTally(), {name: MixTally() for name in names}  # plain: this pass's own baseline
     with Progress(len(turns) * (1 + len(names)), "eval: hybrid rows", "decodes", quiet=quiet) as bar:
         for block in blocks(turns, batch_size):
@@ -261,7 +271,7 @@ def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, cos
             bar.update(len(block))
             for name in names:
                 proposers, reqs = mix_requests(name, session, frees[name], block, calibrations, cond, lengths, k_max,
-                                               max_new_tokens, sampling)
+                                               max_new_tokens, sampling, free_k_max)
                 for turn, proposer, result in zip(block, proposers, decode_batch(session.target, reqs, batch_size)):
                     tallies[name].add(proposer, result, turn.plain_tokens if sampling.greedy else None, turn.id)
                 bar.update(len(block))

@@ -23,15 +23,17 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.atomic import write_text
 from specheads.data.prompts import read_prompts, user_turn
+from specheads.data.suffix_history import history_pairs
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.eval.concurrency import concurrency_advice
 from specheads.eval.engine_costs import add_llamacpp_prediction, read_llamacpp_cost
 from specheads.eval.mixes import (
+    MIXES,
     RowCosts,
     engine_advice,
     evaluate_mixes,
@@ -119,7 +121,8 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              predict: bool = True, verifier_json: str | None = None, bench_json: str | None = None,
              attach: bool = False, quiet: bool = False, dtype: str | None = None,
              device: str = "auto", allow_missing_fingerprint: bool = False, batch_size: int = 1,
-             llamacpp_cost: str | None = None) -> dict:
+             llamacpp_cost: str | None = None, suffix_history: str | None = None,
+             mix_rows: tuple[str, ...] = MIXES) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
     `predict` adds the hybrid rows, and for chains (greedy or sampled) the predicted speed-up per k
@@ -136,6 +139,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
 
     `llamacpp_cost` (a `bench/llamacpp.py --cost` JSON) prices the drafter's acceptance at llama.cpp's
     own measured costs: the advice for llama.cpp then says which k, or no speculation.
+
+    `suffix_history` (conversations) fills every suffix decoding cache before the first prompt
+    (`data.suffix_history`); `mix_rows`: the hybrid rows to decode (the others are skipped, saying so).
     """
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -144,6 +150,9 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     check_batch_size(batch_size)
     check_acceptance(sampling or Sampling())
     check_report_folder(out_dir)
+    unknown = [r for r in mix_rows if r not in MIXES]
+    if unknown:
+        raise ValueError(f"--mix-rows {','.join(unknown)}: expected rows from {', '.join(MIXES)}")
     rows = read_prompts(prompts_file, limit)
     # broken inputs fail before decoding
     verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")
@@ -157,9 +166,10 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if batch_size > 1:  # before any decoding: ragged rows need an attention that honours 4-D masks
         check_batch_attention(target.config)
     session.warm_up()
+    history = history_pairs(suffix_history, target.tokenizer) if suffix_history else []
     t0 = time.perf_counter()
     totals, outputs = evaluate_rows(session, rows, max_new_tokens, sampling=sampling or Sampling(), quiet=quiet,
-                                    batch_size=batch_size)
+                                    batch_size=batch_size, history=history)
     sampled = sampling is not None and not sampling.greedy
     equal = None if sampled else not totals.mismatches
     spec = method_metrics(totals.draft, totals.plain, tree.levels())
@@ -201,9 +211,11 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             dtype=str(target.dtype).replace("torch.", ""),
         ),
     }
+    if history:  # what suffix decoding knew before the first prompt
+        metrics["suffix_history"] = {"file": Path(suffix_history).name, "answers": len(history)}
     if predict:
         prompts = [eval_prompt_ids(target.tokenizer, user_turn(r.turns[0])) for r in rows]
-        mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet)
+        mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet, tuple(mix_rows), history)
         (predict_chain if tree.kind == "chain" else predict_tree)(metrics, session, totals, outputs, prompts, mix)
     if llamacpp is not None:
         add_llamacpp_prediction(metrics, llamacpp, session.draft.meta.kind, session.draft.meta.format)
@@ -214,6 +226,11 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         attach_to_export(draft_dir, out)
     return metrics
 
+# the longest draft whose verification eval times (the cost curve runs to COST_K + 1 tokens): the
+# adaptive row's free drafts may run this long, since drawing them costs nothing
+COST_K = 8
+
+
 @dataclass(frozen=True)
 class Mix:
     """How the hybrid rows decode: the eval's budget, sampling settings and batch size."""
@@ -222,6 +239,8 @@ class Mix:
     sampling: Sampling
     batch_size: int = 1
     quiet: bool = True
+    rows: tuple[str, ...] = MIXES  # the hybrid rows asked for
+    history: list = field(default_factory=list)  # (prompt ids, answer ids) for suffix decoding's caches
 
 
 def say(quiet: bool, what: str) -> None:
@@ -239,7 +258,7 @@ def predict_chain(metrics: dict, session: Session, totals: Totals, outputs: list
     observed = (totals.plain, totals.draft, *totals.free.values())
     # batched decodes' seconds are shares of batch forwards, not batch-1 step costs: micro-timed costs only
     correct = (lambda costs: in_situ_costs(costs, *observed)) if mix.batch_size == 1 else None
-    prediction = prediction_metrics(target, head, prompts, cond, k_max=max(8, session.k),
+    prediction = prediction_metrics(target, head, prompts, cond, k_max=max(COST_K, session.k),
                                     rank_q=measured_rank_acceptance(target, head, outputs), correct=correct)
     if not prediction:
         log.warning("no prompt leaves room for the timed forwards: no speed-up prediction")
@@ -262,7 +281,7 @@ def predict_tree(metrics: dict, session: Session, totals: Totals, outputs: list[
     """A tree eval: the hybrid rows the mixing code builds over a tree (the others skipped with the
     reason), priced by micro-timed step costs (metrics.json "step_costs"); no chain advice."""
     say(mix.quiet, "timing target and draft steps to price the hybrid rows")
-    measured = eval_costs(session.target, session.head, prompts, k_max=max(8, session.k))
+    measured = eval_costs(session.target, session.head, prompts, k_max=max(COST_K, session.k))
     if measured is None:
         log.warning("no prompt leaves room for the timed forwards: no hybrid rows")
         return
@@ -278,9 +297,13 @@ def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dic
     rule decides by; `rows`: what prices each row (its family's costs, `mixes.RowCosts`)."""
     cond = metrics["speculative"]["acceptance_per_position_conditional"]
     names, skipped = mix_rows(session.spec.kind == "chain")
+    skipped.update({name: "not asked (--mix-rows)" for name in names if name not in mix.rows})
+    names = tuple(name for name in names if name in mix.rows)
     say(mix.quiet, "decoding the hybrid rows (drafter + free proposer)")
+    free_k_max = max(k_max, COST_K)
     plain, tallies, free_name, note = evaluate_mixes(session, totals.turns, mix.max_new_tokens, costs, totals.records,
-                                                     cond, k_max, mix.quiet, mix.batch_size, mix.sampling, names)
+                                                     cond, k_max, mix.quiet, mix.batch_size, mix.sampling, names,
+                                                     free_k_max, mix.history)
     if note:
         log.warning("hybrid rows: %s", note)
     for name, tally in {"plain": plain, **tallies}.items():  # outputs and turns: one entry per decoded turn
@@ -290,7 +313,8 @@ def add_mixes(metrics: dict, session: Session, totals: Totals, outputs: list[dic
     metrics.update(mix_metrics(tallies, plain.stats, rows, free_name, note, totals.free.get(free_name),
                                mix.sampling.greedy, mix.batch_size))
     if "adaptive" in tallies:  # the adaptive rule's inputs as `specheads serve --adaptive` reads them back (mixing.py)
-        metrics["adaptive"].update(k_max=k_max, length_costs=LengthCosts.from_step_costs(costs, k_max).to_dict())
+        metrics["adaptive"].update(k_max=k_max, free_k_max=free_k_max,
+                                   length_costs=LengthCosts.from_step_costs(costs, free_k_max).to_dict())
     for name, stats in totals.free.items():
         metrics[name]["predicted_speedup"] = rows.speedup(name, stats, pass_plain(totals.plain, mix.batch_size),
                                                           free_step_s=free_step_seconds(stats))

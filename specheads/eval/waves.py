@@ -71,15 +71,18 @@ def blocks(items: list, batch_size: int) -> list[list]:
     return [[item] for item in items] if batch_size == 1 else [items] if items else []
 
 
-def free_proposers(ngram_sizes=(3, 1)) -> dict:
+def free_proposers(ngram_sizes=(3, 1), history: list | None = None) -> dict:
     """The training-free proposers every eval compares with: prompt lookup, and suffix decoding
-    (vLLM's `method: suffix`; its global cache spans the whole eval, as a server's would) when
-    arctic-inference is installed. Each decode uses a `fork()` of them."""
+    (vLLM's `method: suffix`; its global cache spans the whole eval, as a server's would, and starts
+    with `history`'s (prompt, answer) ids) when arctic-inference is installed. Each decode uses a
+    `fork()` of them."""
     out = {"ngram": NgramProposer(*ngram_sizes)}
     try:
         out["suffix"] = SuffixProposer()
     except SettingsError as err:
         log.warning("no suffix decoding row: %s", err)
+        return out
+    out["suffix"].warm(history or [])
     return out
 
 
@@ -208,11 +211,12 @@ def decode_block(session: Session, free: dict, block: list[RowDecodes], max_new_
 
 
 def evaluate_rows(session: Session, rows: list[PromptRow], max_new_tokens: int, ngram_sizes=(3, 1),
-                  sampling: Sampling = Sampling(), quiet: bool = True, batch_size: int = 1) -> tuple[Totals, list[dict]]:
+                  sampling: Sampling = Sampling(), quiet: bool = True, batch_size: int = 1,
+                  history: list | None = None) -> tuple[Totals, list[dict]]:
     """Decode every turn of every row (module docstring: waves), then sum them into Totals and one
     output row per turn, in row order (progress over decodes on stderr unless `quiet`)."""
     check_batch_size(batch_size)
-    free, probe = free_proposers(ngram_sizes), probes_drafts(session, sampling)
+    free, probe = free_proposers(ngram_sizes, history), probes_drafts(session, sampling)
     decoded = [RowDecodes(row) for row in rows]
     total = (2 + len(free)) * sum(len(r.turns) for r in rows)
     with Progress(total, "eval", "decodes", quiet=quiet) as bar:

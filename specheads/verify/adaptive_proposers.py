@@ -1,14 +1,15 @@
 """Adaptive draft length: every step verifies the draft, of the model drafter or of a free one
 (suffix decoding, prompt lookup), and the length k in 0..k_max (k = 0: a plain step) with the
-most expected tokens per unit of measured cost.
+most expected tokens per unit of measured cost. A free draft may be longer (up to `free_k_max`):
+drawing it costs nothing, so only its verification is priced, and a copied span pays past k_max.
 
 Expected tokens of a chain of k: 1 + S_1 + .. + S_k, S_j = P(drafts 1..j accepted). For the model
 drafter S_j is the product of calibrated per-position acceptances (`verify.calibration`: the raw
 top draft probability mapped to P(accept | earlier accepted), or the measured per-position rate
 for drafters that report no probability); for suffix decoding S_j is its own cumulative path
-probability; for prompt lookup a^j with a measured online (`AcceptanceMeter`). Cost, in plain
-steps: k c + fixed + v(k + 1) for the model, v(k + 1) for a free draft, v(1) = 1 for a plain step
-(`LengthCosts`, from eval's measured `StepCosts`).
+probability as it has held so far (`PathReliability`, learnt online); for prompt lookup a^j with a
+measured online (`AcceptanceMeter`). Cost, in plain steps: k c + fixed + v(k + 1) for the model,
+v(k + 1) for a free draft, v(1) = 1 for a plain step (`LengthCosts`, from eval's measured `StepCosts`).
 
 The model's length is a stopping rule read before each draft is drawn: position j is drafted only
 if the best length over the known S_1..S_j (later positions extrapolated at position j's rate) is
@@ -95,10 +96,10 @@ def best_length(survival: list[float], costs: LengthCosts, drafted: bool) -> tup
 
 
 def free_survival(free, draft: list[int], meter: AcceptanceMeter) -> list[float]:
-    """S_j of a free draft: suffix decoding's cumulative path probabilities, else a^j measured."""
-    probs = getattr(free, "probs", None)
-    if probs is not None and len(probs) >= len(draft):
-        return [min(max(float(p), 0.0), 1.0) for p in probs[: len(draft)]]
+    """S_j of a free draft: suffix decoding's cumulative path probabilities as measured online
+    (`SuffixProposer.survival`), else a^j measured."""
+    if hasattr(free, "survival") and len(free.probs) >= len(draft):
+        return free.survival(len(draft))
     return [meter.rate ** j for j in range(1, len(draft) + 1)]
 
 
@@ -155,13 +156,15 @@ class AdaptiveProposer:
     A step splits around the model's draft (`protocols.SplitProposer`), so rows whose models share
     a drafter head draft in one draft group (`verify.loop`); alone, `propose` runs both halves."""
 
-    def __init__(self, model, calibration: Calibration, costs: LengthCosts, k_max: int, free=None):
+    def __init__(self, model, calibration: Calibration, costs: LengthCosts, k_max: int, free=None,
+                 free_k_max: int | None = None):
         check_chain(model, "model")
         if free is not None:
             check_chain(free, "free")
-        if k_max < 1:
-            raise SettingsError(f"adaptive draft length needs k_max >= 1, got {k_max}")
+        if k_max < 1 or (free_k_max is not None and free_k_max < 1):
+            raise SettingsError(f"adaptive draft length needs k_max >= 1 and free_k_max >= 1, got {k_max}, {free_k_max}")
         self.model, self.free, self.calibration, self.costs, self.k_max = model, free, calibration, costs, k_max
+        self.free_k_max = k_max if free_k_max is None else free_k_max  # a free draft costs only its verification
         self.layers = merged_layers(model, *([free] if free is not None else []))
         self.meter = AcceptanceMeter()
         self.gen = torch.Generator().manual_seed(0)  # one-hot greedy drafts never depend on it
@@ -221,13 +224,13 @@ class AdaptiveProposer:
         """Before the model drafts (`protocols.SplitProposer`): the free draft and whether (and under
         which stopping rule) the model is asked; sampler None: top-1 drafts (`propose`)."""
         warper, gen = sampler if sampler is not None else (None, self.gen)
-        k = min(k, self.k_max)
+        k_model = min(k, self.k_max)
         self.sampled, self.conf = sampler is not None, None
-        self.free_draft, self.n_free, rate_free = self.free_option(k)
-        if not k or rate_free >= self.expected_model_rate(k):  # the free draft (or a plain step) goes unasked
+        self.free_draft, self.n_free, rate_free = self.free_option(min(k, self.free_k_max))
+        if not k_model or rate_free >= self.expected_model_rate(k_model):  # the free draft (or a plain step) goes unasked
             return None
         self.feed_model()
-        return self.model_ask(k, warper, gen, rate_free)
+        return self.model_ask(k_model, warper, gen, rate_free)
 
     def end_step(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After the model drafted tokens [m] (q [m, V]): the verified draft and its q, as `propose`
@@ -269,7 +272,8 @@ class AdaptiveProposer:
     def summary(self) -> dict:
         """What eval reports: steps per verified draft, verified lengths, model levels drafted."""
         return {"mode": "adaptive", "steps": dict(self.counts), "lengths": {str(n): c for n, c in sorted(self.lengths.items())},
-                "levels": self.levels, "model_steps": self.model_steps, "k_max": self.k_max}
+                "levels": self.levels, "model_steps": self.model_steps, "k_max": self.k_max,
+                "free_k_max": self.free_k_max}
 
 
 class SampledAdaptiveProposer(AdaptiveProposer):
@@ -278,11 +282,11 @@ class SampledAdaptiveProposer(AdaptiveProposer):
     target's `vocab_size` tokens."""
 
     def __init__(self, model, calibration: Calibration, costs: LengthCosts, k_max: int, vocab_size: int,
-                 free=None):
+                 free=None, free_k_max: int | None = None):
         if not isinstance(model, SampledProposer):
             raise SettingsError(f"{type(model).__name__} does not sample its drafts: use AdaptiveProposer "
                                 "(its top-1 drafts are verified as point masses)")
-        super().__init__(model, calibration, costs, k_max, free)
+        super().__init__(model, calibration, costs, k_max, free, free_k_max)
         self.vocab_size = vocab_size
 
     @torch.no_grad()
@@ -292,9 +296,15 @@ class SampledAdaptiveProposer(AdaptiveProposer):
 
 
 def adaptive_proposer(model, calibration: Calibration, costs: LengthCosts, k_max: int, free=None,
-                      vocab_size: int | None = None):
+                      vocab_size: int | None = None, free_k_max: int | None = None):
     """The adaptive proposer: sampled (q-drafting) when the model samples its drafts and the target
-    vocabulary is given, else deterministic drafts (verified as point masses when sampling)."""
+    vocabulary is given, else deterministic drafts (verified as point masses when sampling). The
+    decode loop's chain must allow max(k_max, free_k_max) tokens (`loop_k`)."""
     if isinstance(model, SampledProposer) and vocab_size is not None:
-        return SampledAdaptiveProposer(model, calibration, costs, k_max, vocab_size, free)
-    return AdaptiveProposer(model, calibration, costs, k_max, free)
+        return SampledAdaptiveProposer(model, calibration, costs, k_max, vocab_size, free, free_k_max)
+    return AdaptiveProposer(model, calibration, costs, k_max, free, free_k_max)
+
+
+def loop_k(k_max: int, free_k_max: int | None) -> int:
+    """The longest draft an adaptive step verifies: the model's k_max or the free draft's."""
+    return max(k_max, free_k_max or 0)
