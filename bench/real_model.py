@@ -363,15 +363,18 @@ def markdown(r: dict) -> str:
         lines += [f"| {b['batch_size']} | {b['wall_s']:.0f} | {b['first_pass_s']:.0f} | {b['time_ratio']:.2f} | "
                   f"{b['greedy_equal_turns']}/{b['num_turns']} | {b['same_tau_exact_methods']} | {b['same_outputs']} |"
                   for b in first["batched"]]
-    cats = first["per_category"]
-    methods = [m for m in ROWS if any(m in c for c in cats.values())]
-    lines += ["", "### Per category (MT-bench first turns, k = 3): tau / measured speed-up", "",
-              "| category | prompts | " + " | ".join(ROWS[m] for m in methods) + " |",
-              "|---|---:|" + "---:|" * len(methods)]
-    for c, v in cats.items():
-        n = next(iter(v.values()))["prompts"]
-        lines.append(f"| {c} | {n} | " + " | ".join(
-            f"{v[m]['tau']:.2f} / {v[m]['measured_speedup']:.2f}x" if m in v else "-" for m in methods) + " |")
+    for name, e in r["evals"].items():
+        if not name.startswith("MT-bench k=3"):
+            continue
+        cats = e["per_category"]
+        methods = [m for m in ROWS if any(m in c for c in cats.values())]
+        lines += ["", f"### Per category ({name}, first turns): tau / measured speed-up", "",
+                  "| category | prompts | " + " | ".join(ROWS[m] for m in methods) + " |",
+                  "|---|---:|" + "---:|" * len(methods)]
+        for c, v in cats.items():
+            n = next(iter(v.values()))["prompts"]
+            lines.append(f"| {c} | {n} | " + " | ".join(
+                f"{v[m]['tau']:.2f} / {v[m]['measured_speedup']:.2f}x" if m in v else "-" for m in methods) + " |")
     if r.get("llamacpp"):
         import llamacpp as bench_llamacpp
 
@@ -431,6 +434,10 @@ def run(a, overrides: list[str]) -> dict:
         evals = {"MT-bench k=3": st.run("eval_mt_bench_k3_batched", evaluate_batched, target, out / "export" / "vllm",
                                         data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_batched", 3,
                                         a.eval_new_tokens, a.eval_batch_sizes)}
+    for n in range(2, a.eval_runs + 1):  # the same eval again, later: are the numbers stable?
+        evals[f"MT-bench k=3, run {n}"] = st.run(f"eval_mt_bench_k3_run{n}", evaluate, target, out / "export" / "vllm",
+                                                 data / "mt_bench_first.jsonl", out / "eval" / f"mt_bench_k3_run{n}", 3,
+                                                 a.eval_new_tokens, eval_options(a, data))
     mt_dir = Path(evals["MT-bench k=3"].get("eval_dir") or out / "eval" / "mt_bench_k3")
     rec = evals["MT-bench k=3"]["recommended_k"]
     if rec and rec != 3 and not a.skip_recommended:
@@ -481,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-recommended", action="store_true", help="only k=3 on MT-bench")
     p.add_argument("--no-suffix-history", action="store_true",
                    help="suffix decoding starts from an empty cache (default: the training answers)")
+    p.add_argument("--eval-runs", type=int, default=1, help="run the MT-bench eval N times (batch 1), each reported")
     p.add_argument("--mix-rows", default="hybrid,union,adaptive", help="eval's hybrid rows (specheads eval --mix-rows)")
     p.add_argument("--skip-heldout-eval", action="store_true",
                    help="no online eval on held-out prompts (the table still has their offline tau)")

@@ -55,6 +55,12 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert bench.main(args) == 0
     again = json.loads((results / "real_model.json").read_text())
     assert again["stages"] == report["stages"] and again["table"] == report["table"]
+    # suffix decoding starts from the training answers; a second MT-bench eval with the adaptive row only
+    assert mt_eval["suffix_history"] == {"file": "train.jsonl", "answers": 12}
+    assert bench.main([*args, "--eval-runs", "2", "--mix-rows", "adaptive"]) == 0
+    run2 = json.loads((results / "real_model.json").read_text())["evals"]["MT-bench k=3, run 2"]
+    assert {"adaptive", "suffix"} <= set(run2["rows"]) and "hybrid" not in run2["rows"] and run2["greedy_equal"]
+    assert "### Per category (MT-bench k=3, run 2, first turns)" in (results / "real_model.md").read_text()
     # the MT-bench eval at batch 1 and 2 in one run: batch 1's rows reported, both timed, same outputs
     assert bench.main([*args, "--eval-batch-sizes", "1,2"]) == 0
     batched = json.loads((results / "real_model.json").read_text())["evals"]["MT-bench k=3"]
