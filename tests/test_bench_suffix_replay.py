@@ -33,7 +33,8 @@ def test_replay_counts_every_token_and_prices_plain_steps_exactly(tmp_path, tiny
     answers = [SPAN * 4 + [5 + i] for i in range(3)]
     outputs, metrics = write_eval(tmp_path / "eval", verify, answers)
     history = tmp_path / "history.jsonl"
-    history.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a b c"}]}) + "\n")
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a b c"}]
+    history.write_text(json.dumps({"messages": turns}) + "\n")
     assert suffix_replay.main(["--target", str(tiny_target_dir), "--outputs", str(outputs), "--costs", str(metrics),
                                "--history", str(history), "--out", str(tmp_path / "out")]) == 0
     r = json.loads((tmp_path / "out" / "suffix_replay.json").read_text())
