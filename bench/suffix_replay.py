@@ -13,7 +13,9 @@ own seconds and the loop's overhead are left out (eval's `suffix` and `adaptive`
 Turns go in the eval's order, one global cache per setting across them, as in eval. Settings:
 the longest free draft (3: the drafter's k; 8: eval's COST_K), the path probabilities raw or
 calibrated online (`PathReliability`), and the cache empty or warmed with `--history`'s answers.
-Writes DIR/suffix_replay.json and .md.
+Each setting also reports how the library's path probabilities held (settled draft tokens and
+survivors per bin of the reported probability: `PathReliability`'s counters). Writes
+DIR/suffix_replay.json and .md.
 """
 
 from __future__ import annotations
@@ -80,9 +82,12 @@ def replay(data: list, costs: LengthCosts, k: int, calibrated: bool, history: li
         tokens, cost = tokens + t, cost + c
         for n, count in ls.items():
             lengths[n] = lengths.get(n, 0) + count
-    steps = sum(lengths.values())
+    steps, r = sum(lengths.values()), shared.reliability
+    reliability = [{"reported": f"{b / r.bins:.2f}-{(b + 1) / r.bins:.2f}", "settled": r.shown[b], "kept": r.kept[b]}
+                   for b in range(r.bins) if r.shown[b]]
     return {"tokens": tokens, "cost_plain_steps": cost, "speedup": tokens / cost, "steps": steps,
-            "tokens_per_step": tokens / steps, "verified_lengths": {str(n): lengths[n] for n in sorted(lengths)}}
+            "tokens_per_step": tokens / steps, "verified_lengths": {str(n): lengths[n] for n in sorted(lengths)},
+            "reliability": reliability}
 
 
 def markdown(r: dict) -> str:
@@ -95,6 +100,11 @@ def markdown(r: dict) -> str:
              "| setting | speed-up (target steps) | tokens per step | verified draft lengths |", "|---|---:|---:|---|"]
     lines += [f"| {s['name']} | {s['speedup']:.3f}x | {s['tokens_per_step']:.2f} | "
               f"{', '.join(f'{n}: {c}' for n, c in s['verified_lengths'].items())} |" for s in r["settings"]]
+    first = r["settings"][0]
+    lines += ["", f"How the library's path probabilities held ({first['name']}): settled draft tokens per bin of "
+              "the reported cumulative probability, and the share that survived.", "",
+              "| reported | settled | survived |", "|---|---:|---:|"]
+    lines += [f"| {b['reported']} | {b['settled']} | {b['kept'] / b['settled']:.2f} |" for b in first["reliability"]]
     return "\n".join(lines + [""])
 
 

@@ -47,3 +47,5 @@ def test_replay_counts_every_token_and_prices_plain_steps_exactly(tmp_path, tiny
         by = {s["name"]: s["speedup"] for s in r["settings"]}
         assert by["k <= 8, raw probabilities"] > by["k <= 3, raw probabilities"] > 1.0
     assert "| k <= 8, calibrated online |" in (tmp_path / "out" / "suffix_replay.md").read_text()
+    for s in r["settings"]:  # the reliability counters: every bin seen, survivors within what was settled
+        assert s["reliability"] and all(0 <= b["kept"] <= b["settled"] for b in s["reliability"])

@@ -18,7 +18,7 @@ def history_pairs(path: str | Path, tokenizer) -> list[tuple[list[int], list[int
     for c in conversations:
         messages = [{"role": m.role, "content": m.content} for m in c.messages]
         for i, m in enumerate(messages):
-            if m["role"] == "assistant" and i and isinstance(m["content"], str) and m["content"]:
+            if m["role"] == "assistant" and i and m["content"]:
                 answer = tokenizer.encode(m["content"], add_special_tokens=False)
                 pairs.append((encode_chat(tokenizer, messages[:i]), answer))
     if not pairs:

@@ -217,19 +217,13 @@ def mix_rows(chain: bool) -> tuple[tuple[str, ...], dict[str, str]]:
     return tuple(rows), skipped
 
 
-def mix_mixing(name: str, calibration: Calibration, costs: LengthCosts, k_max: int,
-               free_k_max: int | None = None) -> Mixing:
-    """Row `name`'s setting, as `--hybrid` / `--adaptive` would make it."""
-    mode, adaptive = SETTINGS[name]
-    return Mixing(mode, adaptive, calibration, costs, k_max, free_k_max=free_k_max)
-
-
 def mix_proposer(name: str, session: Session, free, calibration: Calibration, costs: LengthCosts, k_max: int,
                  sampled: bool = False, free_k_max: int | None = None):
     """A fresh proposer of a row over the session's drafter (the free proposer is the row's, kept across
     turns), built as `Session.proposer` builds a mixed one (`sampled`: drafts for sampled decoding)."""
-    mixing = mix_mixing(name, calibration, costs, k_max, free_k_max)
-    model = session.proposer(sampled=sampled or mixing.adaptive)
+    mode, adaptive = SETTINGS[name]
+    mixing = Mixing(mode, adaptive, calibration, costs, k_max, free_k_max=free_k_max)
+    model = session.proposer(sampled=sampled or adaptive)
     return mixing.proposer(model, free, session.k, session.target.vocab_size if sampled else None)
 
 
@@ -239,8 +233,8 @@ def mix_requests(name: str, session: Session, free, turns: list[Turn], calibrati
     """A row's proposer and request per turn (the adaptive rule with its turn's other-fold calibration;
     the free proposer forked per request: one global cache per row, a request per turn), decoded with
     `sampling` (its seed for every request, as the first pass's rows)."""
-    mixing = mix_mixing(name, Calibration(position_rates=list(cond)), lengths, k_max, free_k_max)
-    loop = TreeSpec("chain", k=mixing.free_loop_k() if mixing.adaptive else session.k)  # trees: the proposer decides
+    adaptive = SETTINGS[name][1]  # eval's adaptive row always has the free draft beside the drafter
+    loop = TreeSpec("chain", k=loop_k(k_max, free_k_max) if adaptive else session.k)  # trees: the proposer decides
     proposers = [mix_proposer(name, session, free.fork(), calibrations.get(turn.fold, Calibration(position_rates=list(cond))),
                               lengths, k_max, not sampling.greedy, free_k_max) for turn in turns]
     return proposers, [run_request(loop, session.target, p, turn.ids, max_new_tokens, session.eos, sampling)

@@ -59,6 +59,10 @@ from specheads.verify.steps import DecodeStats
 
 log = logging.getLogger(__name__)
 
+# the longest draft whose verification eval times (the cost curve runs to COST_K + 1 tokens): the
+# adaptive row's free drafts may run this long, since drawing them costs nothing
+COST_K = 8
+
 
 # --- metrics -----------------------------------------------------------------------------------
 
@@ -225,11 +229,6 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if attach:
         attach_to_export(draft_dir, out)
     return metrics
-
-# the longest draft whose verification eval times (the cost curve runs to COST_K + 1 tokens): the
-# adaptive row's free drafts may run this long, since drawing them costs nothing
-COST_K = 8
-
 
 @dataclass(frozen=True)
 class Mix:

@@ -42,9 +42,9 @@ class SuffixSettings:
 class PathReliability:
     """How often suffix decoding's drafts really survive, per bin of the cumulative path probability
     the library reports for them, learnt online from every settled draft token of every request
-    (20 counters per bin set: bounded in memory). The library's probabilities are frequencies in the
-    cache and run optimistic: on SmolLM2's MT-bench answers a reported 0.5 survived 38% of the time.
-    Each bin starts at the reported value, worth `prior` settled tokens, and moves to the measured rate."""
+    (two counters a bin: fixed memory). The library's probabilities are frequencies in the cache and
+    can run optimistic (bench/suffix_replay.py reports the table on real answers). Each bin starts at
+    the reported value, worth `prior` settled tokens, and moves to the measured rate."""
 
     def __init__(self, bins: int = 20, prior: float = 20.0):
         self.bins, self.prior = bins, prior
