@@ -289,7 +289,17 @@ def summary(m: dict, outputs: Path, rc: int) -> dict:
             "suffix_history": m.get("suffix_history"),
             "calibration": {k: (m.get("calibration") or {}).get(k) for k in ("ece", "records")},
             "engine_advice": (m.get("advice") or {}).get("engines"),
-            "per_category": per_category(outputs), "eval_wall_s": m["eval_wall_s"]}
+            "per_category": per_category(outputs), "eval_wall_s": m["eval_wall_s"],
+            "machine": m.get("provenance", {}).get("machine")}
+
+
+def measured_on(e: dict) -> str:
+    """One line: plain decoding's speed in this eval, and the machine when the eval recorded it."""
+    tps = e.get("plain_tokens_per_s")
+    mach = e.get("machine")
+    where = (f" on {mach['cpu']} ({mach['cpus']} CPUs, {mach['torch_threads']} torch threads, load average "
+             f"{mach['load_1min']} at the start)" if mach else "")
+    return f"Plain decoding ran at {tps:.1f} tok/s{where}." if tps else ""
 
 
 def parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
@@ -346,7 +356,7 @@ def markdown(r: dict) -> str:
         lines += ["", f"### Every method, {name} (greedy; measured = plain wall / method wall over the same prompts)", "",
                   (f"Suffix decoding's cache (every row using it) starts from {history['answers']} answers of "
                    f"{history['file']}, as a server that had answered them would hold them." if history else
-                   "Suffix decoding's cache starts empty."), "",
+                   "Suffix decoding's cache starts empty."), measured_on(e), "",
                   "| method | tau | measured speed-up | predicted speed-up | within 10% | greedy equal |",
                   "|---|---:|---:|---:|:---:|:---:|"]
         for key, row in (e.get("rows") or {}).items():

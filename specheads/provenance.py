@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -19,6 +21,25 @@ def git_sha() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (speed figures differ between the CPUs a machine can be drawn with)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """What a speed figure was measured on: CPU model and count, torch threads, 1-minute load average."""
+    import torch
+
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_1min": round(os.getloadavg()[0], 2)}
 
 
 def provenance(**extra) -> dict:

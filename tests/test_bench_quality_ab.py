@@ -33,3 +33,20 @@ def test_summary_mean_spread_and_table(qab):
     table = qab.markdown(summary, cond)
     assert "| muon | 1.900 | 0.200 | 0.100 | +0.300 | 1.900 1.800 2.000 | 10 |" in table
     assert f"{cond['torch_threads']} thread(s)" in table
+
+
+def test_every_smollm2_configuration_is_a_valid_recipe():
+    """bench/quality_ab_real.py: quality_ab's options over the SmolLM2 recipe (its norm_before_fc is the baseline)."""
+    real = load_bench("quality_ab_real.py")
+    try:
+        recipe_path = real.real_model.RECIPE
+        configs = real.configs()
+        assert "baseline" not in configs and "norm_before_fc" not in configs and "no_norm_before_fc" in configs
+        for name, overrides in configs.items():
+            head = load_recipe(recipe_path, overrides).head
+            assert not (head.norm_before_fc and head.fc_norm), name
+        e31 = load_recipe(recipe_path, configs["eagle31"]).head
+        assert (e31.norm_before_fc, e31.fc_norm, e31.norm_output) == (False, True, True)
+        assert load_recipe(recipe_path, configs["lk"]).head.loss == "lk"
+    finally:
+        unload_bench(real)

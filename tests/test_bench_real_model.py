@@ -83,3 +83,18 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert (more / "data" / "vocab_stats.json").is_file()  # the draft vocabulary counted from the answers only
     assert [t["epoch"] for t in grown["table"]] == [1] and 1.0 <= grown["table"][0]["tau"] <= 4.0
     assert all(grown["stages"][s] > 0 for s in ("regenerate_new", "capture", "train", "table"))
+
+    # bench/quality_ab_real.py on that run: EAGLE 3.1's per-feature norms from the same cache and budget
+    qab = load_bench("quality_ab_real.py")
+    ab = tmp_path / "ab"
+    assert qab.main(["--run", str(out), "--out", str(ab), "--configs", "eagle31"]) == 0
+    r = json.loads((ab / "quality_ab_real.json").read_text())
+    table_final = [t["tau"] for t in report["table"] if t["fraction"] == "1"]
+    assert [e["tau"] for e in r["baseline"]["epochs"]] == pytest.approx(table_final)  # the run's own table, scored again
+    (cfg,) = r["configs"]
+    assert cfg["overrides"][0] == "head.norm_before_fc=false" and "head.fc_norm=true" in cfg["overrides"]
+    assert [e["epoch"] for e in cfg["epochs"]] == [1, 2] and all(1.0 <= e["tau"] <= 4.0 for e in cfg["epochs"])
+    head_cfg = json.loads((ab / "eagle31" / "ckpt" / "checkpoint-000006" / "head_config.json").read_text())
+    assert head_cfg["fc_norm"] is True and head_cfg["norm_before_fc"] is False  # the option reached the head
+    assert "| eagle31 |" in (ab / "quality_ab_real.md").read_text()
+    assert qab.main(["--run", str(tmp_path / "nothing"), "--out", str(ab)]) == 2  # not a make-real run: refused

@@ -49,7 +49,7 @@ from specheads.eval.predict import StepCosts, eval_costs, prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.eval.waves import Totals, check_batch_size, eval_prompt_ids, evaluate_rows
 from specheads.metrics import broken_draft_warning, predicted_speedup
-from specheads.provenance import provenance
+from specheads.provenance import machine, provenance
 from specheads.session import Session
 from specheads.verify.adaptive_proposers import LengthCosts
 from specheads.verify.calibration import calibration_report
@@ -171,7 +171,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         check_batch_attention(target.config)
     session.warm_up()
     history = history_pairs(suffix_history, target.tokenizer) if suffix_history else []
-    t0 = time.perf_counter()
+    t0, machine_at_start = time.perf_counter(), machine()  # the load before this eval adds its own
     totals, outputs = evaluate_rows(session, rows, max_new_tokens, sampling=sampling or Sampling(), quiet=quiet,
                                     batch_size=batch_size, history=history)
     sampled = sampling is not None and not sampling.greedy
@@ -212,7 +212,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             target=target.fingerprint(), target_path=str(target.path), draft=str(draft_dir),
             draft_format=session.draft.meta.format, fingerprint_checked=session.draft.fingerprint_checked,
             prompts_file=str(prompts_file), limit=limit, device=str(target.device),
-            dtype=str(target.dtype).replace("torch.", ""),
+            dtype=str(target.dtype).replace("torch.", ""), machine=machine_at_start,
         ),
     }
     if history:  # what suffix decoding knew before the first prompt

@@ -1,0 +1,157 @@
+"""The drafter-quality A/B on SmolLM2: each option of bench/quality_ab.py trained on a finished `make real`
+run's own data, feature cache and step budget, scored per epoch exactly as that run's table is.
+
+    python bench/quality_ab_real.py --run runs/real900 --out DIR [--configs eagle31,lk,...]
+
+RUN is a `bench/real_model.py --out RUN` folder past its `train_1` stage: its target, its regenerated
+train conversations, its int8 feature cache (features_1, so the target does not run again), its
+steps, batch size and seed (the SmolLM2 recipe's). The baseline is RUN's own checkpoints (not trained
+again). Every configuration is quality_ab.py's overrides over the SmolLM2 recipe (which already sets
+EAGLE 3.1's `norm_before_fc`: a configuration with `fc_norm` turns it off, the two exclude each other;
+`no_norm_before_fc` is the 2025 head). Held-out teacher-forced tau of every epoch's checkpoint on
+RUN's held-out regenerated conversations (real_model.py's `epochs_table`). One seed: a configuration
+costs a training run (~20-30 min on 2 cores for 900 conversations x 4 epochs). A finished configuration
+(DIR/<name>/result.json) is read again, an unfinished one resumes from its last checkpoint.
+Writes DIR/quality_ab_real.json and DIR/quality_ab_real.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ siblings
+
+import quality_ab  # noqa: E402
+import real_model  # noqa: E402
+
+from specheads.atomic import write_json, write_text  # noqa: E402
+
+EXTRA = {"no_norm_before_fc": ["head.norm_before_fc=false"]}
+
+
+def configs() -> dict[str, list[str]]:
+    """name -> overrides over the SmolLM2 recipe (quality_ab's, `norm_before_fc` being the baseline here)."""
+    out = {}
+    for name, overrides in {**quality_ab.CONFIGS, **EXTRA}.items():
+        if name in ("baseline", "norm_before_fc"):
+            continue
+        off = ["head.norm_before_fc=false"] if "head.fc_norm=true" in overrides else []
+        out[name] = [*off, *overrides]
+    return out
+
+
+class NotARealRun(ValueError):
+    """--run is not a finished `make real` run (the message names the file and what is missing)."""
+
+
+def real_setup(run: Path) -> dict:
+    """What RUN holds: target, data, feature cache, the train stage's budget and the settings."""
+    stages, report = run / "stages.json", run / "real_model.json"
+    try:
+        budget = json.loads(stages.read_text())["train_1"]["result"]
+        made = json.loads(report.read_text())
+        settings = made["settings"]
+    except (OSError, ValueError, KeyError) as e:
+        raise NotARealRun(f"--run {run}: not a finished `make real` run ({stages} with a train_1 stage and "
+                          f"{report} are needed; {type(e).__name__}: {e}); run bench/real_model.py --out {run} first") from None
+    missing = [p for p in (run / "data" / "train.jsonl", run / "data" / "heldout.jsonl", run / "features_1",
+                           run / "ckpt_1") if not p.exists()]
+    if missing:
+        raise NotARealRun(f"--run {run}: {missing[0]} is missing; run bench/real_model.py --out {run} again")
+    target = Path(settings["target"]) if settings.get("target") else run / "target"  # --gguf: converted there
+    return {"target": target, "train": run / "data" / "train.jsonl",
+            "heldout": run / "data" / "heldout.jsonl", "features": run / "features_1", "baseline": run / "ckpt_1",
+            "budget": budget, "epochs": settings["epochs"], "batch_size": settings["batch_size"],
+            "overrides": [f"head.draft_vocab_size={settings['draft_vocab']}", f"data.max_length={settings['max_length']}",
+                          *made.get("overrides", [])],  # the run's own recipe overrides, as its training had
+            "max_length": settings["max_length"]}
+
+
+def scored(setup: dict, ckpt_dir: Path) -> list[dict]:
+    """Held-out tau of each epoch's checkpoint in CKPT_DIR (real_model's table rows)."""
+    info = {"steps": setup["budget"]["steps"], "steps_per_epoch": setup["budget"]["steps_per_epoch"],
+            "samples": setup["budget"]["samples"]}
+    rows = real_model.epochs_table(setup["target"], setup["heldout"], {"1": {"dir": str(ckpt_dir), "info": info}},
+                                   setup["max_length"])
+    return [{"epoch": r["epoch"], "step": r["step"], "tau": r["tau"]} for r in rows]
+
+
+def run_config(name: str, overrides: list[str], setup: dict, out: Path) -> dict:
+    """Train one configuration from RUN's cache with RUN's budget (resumable) and score it."""
+    done = out / name / "result.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    t0 = time.time()
+    args = argparse.Namespace(batch_size=setup["batch_size"], epochs=setup["epochs"])
+    real_model.train_run(setup["target"], setup["train"], setup["features"], out / name / "ckpt",
+                         setup["budget"]["samples"], args, [*setup["overrides"], *overrides])
+    train_s = time.time() - t0
+    result = {"config": name, "overrides": overrides, "train_s": round(train_s, 1),
+              "epochs": scored(setup, out / name / "ckpt")}
+    write_json(done, result)
+    return result
+
+
+def markdown(report: dict) -> str:
+    base = report["baseline"]["epochs"]
+    c = report["conditions"]
+    lines = ["# Drafter-quality A/B on SmolLM2-135M-Instruct (the `make real` data)", "",
+             f"`{report['command']}`: {c['samples']} regenerated conversations, {c['steps']} steps "
+             f"({c['epochs']} epochs, batch {c['batch_size']}), seed 0, from the run's int8 feature cache; "
+             f"held-out teacher-forced tau (chain of 3, bonus included) on its {c['heldout']} held-out regenerated "
+             f"conversations after each epoch. torch {c['torch']}, {c['threads']} threads, {c['cpus']} CPUs; "
+             "train seconds count whatever else ran on the machine.", "",
+             "| config | overrides over the SmolLM2 recipe | tau per epoch | final tau | vs baseline | train s |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in [report["baseline"], *report["configs"]]:
+        taus = [e["tau"] for e in r["epochs"]]
+        delta = taus[-1] - base[-1]["tau"]
+        lines.append(f"| {r['config']} | {' '.join(r['overrides']) or '(the run itself)'} | "
+                     f"{' / '.join(f'{t:.3f}' for t in taus)} | {taus[-1]:.3f} | {delta:+.3f} | "
+                     f"{r['train_s'] if r['train_s'] is not None else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    known = configs()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, type=Path, help="a finished bench/real_model.py run folder")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--configs", default="eagle31", help=f"some of {', '.join(known)}")
+    a = p.parse_args(argv)
+    names = a.configs.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        p.error(f"--configs: unknown '{unknown[0]}'; expected some of {', '.join(known)}")
+    try:
+        setup = real_setup(a.run)
+    except NotARealRun as e:
+        print(f"ERROR: {e}", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    baseline = {"config": "baseline", "overrides": [], "train_s": None, "epochs": scored(setup, setup["baseline"])}
+    results = []
+    for name in names:
+        results.append(run_config(name, known[name], setup, a.out))
+        print(f"[quality-ab-real] {name}: final tau {results[-1]['epochs'][-1]['tau']:.3f} "
+              f"(baseline {baseline['epochs'][-1]['tau']:.3f})", flush=True)
+    cond = {"samples": setup["budget"]["samples"], "steps": setup["budget"]["steps"], "epochs": setup["epochs"],
+            "batch_size": setup["batch_size"], "heldout": sum(1 for _ in setup["heldout"].open()),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    report = {"command": " ".join(["python", "bench/quality_ab_real.py", *(argv if argv is not None else sys.argv[1:])]),
+              "conditions": cond, "baseline": baseline, "configs": results}
+    write_json(a.out / "quality_ab_real.json", report)
+    write_text(a.out / "quality_ab_real.md", markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
