@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from specheads.atomic import write_json, write_text
-from specheads.eval.report import FREE_NAMES, MIX_NAMES
+from specheads.demo import table_rows
+from specheads.eval.report import MIX_NAMES
 from specheads.provenance import machine
 
 TOLERANCE = 0.10  # the issue's bar: every row's prediction within 10% of its measurement
@@ -43,15 +44,11 @@ def run_demo(run: Path, log: Path, demo_args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def table_rows(summary: dict) -> dict[str, dict]:
-    """The demo table's rows (key -> label, tau, predicted, measured, error, within, greedy_equal)."""
-    m = summary["metrics"]
-    labels = {"speculative": "EAGLE-3 (from the vLLM export)", **FREE_NAMES}
-    labels.update({key: label.format(free=m[key]["free"]) for key, label in MIX_NAMES.items() if m.get(key)})
+def row_errors(summary: dict) -> dict[str, dict]:
+    """Each row of the demo's table (`demo.table_rows`) with its prediction's error and verdict."""
     rows = {}
-    for key, label in labels.items():
-        r = m.get(key)
-        if not r or r.get("measured_speedup") is None:
+    for key, (label, r) in table_rows(summary["metrics"]).items():
+        if r.get("measured_speedup") is None:
             continue
         pred, meas = r["predicted_speedup"], r["measured_speedup"]
         err = pred / meas - 1
@@ -137,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"run": run.name, "wall_s": wall if wall is not None else summary["timings"]["total_s"],
                      "prompts": m["num_prompts"], "k": m["k"], "max_new_tokens": m["max_new_tokens"],
                      "dtype": m["provenance"]["dtype"], "git_sha": m["provenance"]["git_sha"],
-                     "rows": table_rows(summary)})
+                     "rows": row_errors(summary)})
     report = {"command": " ".join(["python", "bench/demo_runs.py", *argv]), "demo_args": demo_args,
               "tolerance": TOLERANCE, "machine": before, "runs": runs, "compare": compare(runs)}
     write_json(out / "demo_runs.json", report)

@@ -76,10 +76,8 @@ def real_setup(run: Path) -> dict:
 
 def scored(setup: dict, ckpt_dir: Path) -> list[dict]:
     """Held-out tau of each epoch's checkpoint in CKPT_DIR (real_model's table rows)."""
-    info = {"steps": setup["budget"]["steps"], "steps_per_epoch": setup["budget"]["steps_per_epoch"],
-            "samples": setup["budget"]["samples"]}
-    rows = real_model.epochs_table(setup["target"], setup["heldout"], {"1": {"dir": str(ckpt_dir), "info": info}},
-                                   setup["max_length"])
+    rows = real_model.epochs_table(setup["target"], setup["heldout"],
+                                   {"1": {"dir": str(ckpt_dir), "info": setup["budget"]}}, setup["max_length"])
     return [{"epoch": r["epoch"], "step": r["step"], "tau": r["tau"]} for r in rows]
 
 

@@ -171,6 +171,14 @@ def serve_commands(export_dir: Path) -> list[str]:
     return [ln.strip() for ln in lines if ln.strip().startswith(("vllm serve", "python -m sglang"))]
 
 
+def table_rows(m: dict) -> dict[str, tuple[str, dict]]:
+    """The demo table's rows from eval metrics: key -> (label, the row's metrics), in table order."""
+    rows = {"speculative": ("EAGLE-3 (from the vLLM export)", m["speculative"])}
+    rows.update({key: (label, m[key]) for key, label in FREE_NAMES.items() if m.get(key)})
+    rows.update({key: (label.format(free=m[key]["free"]), m[key]) for key, label in MIX_NAMES.items() if m.get(key)})
+    return rows
+
+
 def print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -181,9 +189,7 @@ def print_summary(summary: dict) -> None:
     for col in ("proposer", "tau", "acceptance per position", "predicted speedup", "measured speedup",
                 "greedy equal"):
         table.add_column(col)
-    rows = [("EAGLE-3 (from the vLLM export)", spec)] + [(label, m[key]) for key, label in FREE_NAMES.items() if key in m]
-    rows += [(label.format(free=m[key]["free"]), m[key]) for key, label in MIX_NAMES.items() if m.get(key)]
-    for name, r in rows:
+    for name, r in table_rows(m).values():
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         table.add_row(name, f"{r['tau']:.3f}", acc, f"{r.get('predicted_speedup', float('nan')):.2f}x",
                       f"{r.get('measured_speedup', float('nan')):.2f}x", str(r.get("greedy_equal")))
@@ -237,9 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                        a.preset, a.module_limit, a.regenerate)
     print_summary(summary)
     m = summary["metrics"]
-    rows = [key for key in [*FREE_NAMES, *MIX_NAMES] if m.get(key)]
     conc_equal = all(r["greedy_equal"] == r["prompts"] for r in summary["concurrency"]["rows"])
-    if not (m.get("greedy_equal") and conc_equal and all(m[key].get("greedy_equal") for key in rows)):
+    if not (conc_equal and all(r.get("greedy_equal") for _, r in table_rows(m).values())):
         print("ERROR: speculative output differs from plain greedy decoding (see eval/metrics.json)")
         return 1
     return 0
