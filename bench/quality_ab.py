@@ -40,6 +40,7 @@ CONFIGS = {  # name -> recipe overrides over BASE (each option alone, then combi
     "eagle31": ["head.fc_norm=true", "head.norm_output=true"],
     "norm_before_fc": ["head.norm_before_fc=true"],
     "qk_norm": ["head.qk_norm=true"],
+    "init_lm_head": ["head.init_lm_head=true"],
     "combined": ["train.optimizer=muon", "head.loss=lk", "head.fc_norm=true", "head.norm_output=true",
                  "head.qk_norm=true"],
 }

@@ -124,6 +124,27 @@ def test_offline_training_gives_the_online_losses(setup, captures):
     assert bf16 == pytest.approx(online, rel=2e-2) and bf16 != online  # close, and really read from bf16
 
 
+def test_kinds_with_one_feature_layout_share_a_capture(setup, captures, tiny_target_dir, demo_data_dir):
+    """An EAGLE-3 capture serves a DFlash / DSpark head tapping the same layers (their collect returns the
+    same aux + final); a kind whose features differ (Medusa: the final state only) is refused by name."""
+    recipe, target, samples = setup
+    batch = collate(samples[5:9], target.tokenizer.pad_token_id)
+    for kind in ("dflash", "dspark"):  # 0-based layer outputs [1, 3, 4] = hidden-state taps [2, 4, 5]
+        head = build_head(load_recipe(ROOT / "recipes" / kind / "demo.yaml", [
+            f"target.path={tiny_target_dir}", f"data.train=[{demo_data_dir / 'train.jsonl'}]",
+            "head.target_layer_ids=[1,3,4]", "head.num_layers=3"]), target, samples)
+        offline = OfflineFeatures(captures["float32"], target, head)(batch)
+        online = OnlineFeatures(target, head)(batch)
+        assert offline.keys() == online.keys() == {"aux", "final"}
+        valid = batch["attention_mask"].bool()  # [B, T]: the capture stores zeros at padding
+        for k in online:
+            assert torch.allclose(offline[k][valid], online[k][valid], atol=1e-5), (kind, k)
+    medusa = build_head(load_recipe(ROOT / "recipes" / "medusa" / "demo.yaml", [
+        f"target.path={tiny_target_dir}", f"data.train=[{demo_data_dir / 'train.jsonl'}]"]), target, samples)
+    with pytest.raises(FeatureCacheError, match=r"captured for a eagle3 head .* this head is medusa"):
+        OfflineFeatures(captures["float32"], target, medusa)
+
+
 def test_int8_is_per_row_absmax():
     x = torch.randn(7, 33) * torch.logspace(-3, 3, 7)[:, None]
     stored = encode("aux", x, "int8")

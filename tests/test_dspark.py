@@ -272,6 +272,30 @@ def test_drafting_is_the_training_computation(target, kind):
         torch.testing.assert_close(proposer.confidence(), head.confidence(states, used))
 
 
+def test_a_confidence_warper_records_the_confidence_head(target):
+    """Drafted through a `ConfidenceWarper` (eval's calibration probe, the adaptive length rule), each
+    slot records the confidence head's P(accepted | earlier accepted), not the draft's top probability;
+    a head without one records the top probability; the drafts stay the greedy chain either way."""
+    from specheads.verify.calibration import ConfidenceWarper
+    from specheads.verify.dspark_proposers import DSparkProposer, SampledDSparkProposer
+
+    ids = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(5))
+    for with_head in (True, False):
+        head = make_head(target, seed=2, randomize=True, enable_confidence_head=with_head).eval()
+        out = target.forward(ids, layers=head.required_layers())
+        sampled, greedy_ = SampledDSparkProposer(head, target), DSparkProposer(head, target)
+        for p in (sampled, greedy_):
+            p.start(ids[0, :8], int(ids[0, 8]), out)
+        warper = ConfidenceWarper()
+        drafts, _ = sampled.propose_sampled(3, warper, torch.Generator().manual_seed(0))
+        assert drafts.tolist() == greedy_.propose(3).tolist()
+        states, prev = sampled.last
+        top = torch.softmax(head.block_logits(states[None, None], prev[None, None], target.lm_head.weight)[0, 0], -1)
+        want = head.confidence(states, prev) if with_head else top.amax(-1)  # [3]
+        assert warper.seen == pytest.approx(want.tolist(), abs=1e-12)
+        assert with_head != (warper.seen == pytest.approx(top.amax(-1).tolist(), abs=1e-12))
+
+
 def test_sampled_speculation_keeps_the_target_distribution():
     """The first 3 sampled tokens over many seeds (one block of k = 3, every slot biased by the token
     sampled before it) pass a chi-square test against the target's exact joint distribution."""

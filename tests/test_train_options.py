@@ -210,7 +210,7 @@ def test_dropout_acts_in_training_only():
 @pytest.mark.parametrize("options, optimizer", [
     ({"loss": "tv"}, "adamw"), ({"loss": "nla"}, "adamw"), ({"loss": "lk"}, "adamw"),
     ({"feature_noise": "uniform", "feature_noise_scale": 0.05}, "adamw"), ({"dropout": 0.1}, "adamw"),
-    ({}, "muon"), ({"parallel_drafting": True, "loss": "tv"}, "muon"),
+    ({}, "muon"), ({"parallel_drafting": True, "loss": "tv"}, "muon"), ({"init_lm_head": True}, "adamw"),
 ])
 def test_each_option_overfits_one_batch(options, optimizer):
     head, inputs = batch(**options)
@@ -223,6 +223,33 @@ def test_each_option_overfits_one_batch(options, optimizer):
     assert res.loss.item() < 0.5 * first
     summary = ttt_summary(*[res.counts[k].tolist() for k in ("rows", "reached", "cond_rows")])
     assert summary["acc_uncond"][0] > (0.3 if options.get("parallel_drafting") else 0.5)  # P-EAGLE: 0.4-0.5 measured here
+
+
+def test_init_lm_head_starts_on_the_target_rows_of_the_draft_vocabulary():
+    """build_head's order (init_from_target, then the vocab map) leaves lm_head = the target's rows of
+    the draft vocabulary in draft-id order and norm = the target's final norm; off, neither is copied."""
+    from specheads.train import build_head
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    target = Target(LlamaForCausalLM(cfg), _Tok(), "tiny")
+    with torch.no_grad():
+        target.final_norm.weight.uniform_(0.5, 1.5)
+    samples = [type("S", (), {"input_ids": list(range(0, 97, 2)) * 3 + [5], "loss_mask": [1] * 148})()]
+    heads = {}
+    for on in (True, False):
+        recipe = recipe_from_dict({"head": {"kind": "eagle3", "ttt_steps": 2, "draft_vocab_size": 50,
+                                            "init_lm_head": on}})
+        heads[on] = build_head(recipe, target, samples)
+    d2t, t2d = build_vocab_map(torch.bincount(torch.tensor(samples[0].input_ids), minlength=97), 50)
+    assert torch.equal(heads[True].d2t, d2t)
+    draft_rows = torch.arange(50) + d2t  # [Vd] target ids
+    assert torch.equal(heads[True].lm_head.weight, target.lm_head.weight[draft_rows])
+    assert torch.equal(heads[True].norm.weight, target.final_norm.weight)
+    assert not torch.equal(heads[False].lm_head.weight, target.lm_head.weight[draft_rows])
+    assert torch.equal(heads[False].norm.weight, torch.ones(32))
+    assert heads[True].config.init_lm_head and not heads[False].config.init_lm_head
 
 
 def test_bad_values_name_the_field():

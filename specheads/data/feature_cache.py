@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.heads import head_class
 from specheads.integrity import sha256_file
 from specheads.target import check_fingerprint
 
@@ -89,6 +90,15 @@ def _read_json(path: Path) -> dict:
                                 "into a new folder") from None
 
 
+def feature_layout(kind: str) -> str:
+    """What a kind's `collect` returns, as a name: kinds with one layout (EAGLE-3, DFlash, DSpark read
+    the same tapped states and final state) share a capture taken at the same layers."""
+    try:
+        return getattr(head_class(kind), "feature_layout", kind)
+    except ValueError:
+        return kind
+
+
 class OnlineFeatures:
     """Features computed per batch by the frozen target (the head's own `collect`)."""
 
@@ -106,7 +116,7 @@ class OfflineFeatures:
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
         m = self.manifest
-        if m["head_kind"] != head.kind or m["layers"] != head.required_layers():
+        if feature_layout(m["head_kind"]) != feature_layout(head.kind) or m["layers"] != head.required_layers():
             raise FeatureCacheError(
                 f"data.features {self.folder}: captured for a {m['head_kind']} head with layers {m['layers']}, "
                 f"but this head is {head.kind} with layers {head.required_layers()}: capture again for this head")

@@ -165,6 +165,7 @@ class DFlashHead(nn.Module):
     head are the target's."""
 
     kind = "dflash"
+    feature_layout = "taps+final"  # collect(): aux = states at required_layers, concatenated; final
     Options = DFlashOptions
     Config = DFlashConfig
 

@@ -201,6 +201,7 @@ class DSparkHead(nn.Module):
     (engine names once the `dflash.` prefix is stripped)."""
 
     kind = "dspark"
+    feature_layout = "taps+final"  # collect(): aux = states at required_layers, concatenated; final
     Options = DSparkOptions
     Config = DSparkConfig
 

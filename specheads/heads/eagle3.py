@@ -56,6 +56,7 @@ class Eagle3Options:
     feature_noise: str = "none"  # none | uniform | gaussian, on the target features fed to fc
     feature_noise_scale: float = bounded(0.1, ge=0, hint="uniform half-width or gaussian std")
     dropout: float = bounded(0.0, ge=0, le=0.9, hint="dropout on the draft layer's attention and MLP outputs")
+    init_lm_head: bool = False  # lm_head (the draft vocabulary's rows) and final norm start as the target's
 
     def __post_init__(self):
         for key, table in (("loss", LOSSES), ("feature_noise", NOISES)):
@@ -101,6 +102,7 @@ class Eagle3Config:
     feature_noise: str = "none"
     feature_noise_scale: float = 0.1
     dropout: float = 0.0
+    init_lm_head: bool = False
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
@@ -160,7 +162,8 @@ def build_config(options: Eagle3Options, target_config) -> Eagle3Config:
 def eagle31_fields(options: Eagle3Options) -> dict:
     """The EAGLE 3.1, Qwen3-layer and training options, as the head config carries them."""
     return {name: getattr(options, name) for name in ("norm_before_fc", "fc_norm", "norm_output", "qk_norm",
-                                                       "loss", "feature_noise", "feature_noise_scale", "dropout")}
+                                                       "loss", "feature_noise", "feature_noise_scale", "dropout",
+                                                       "init_lm_head")}
 
 
 def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
@@ -214,6 +217,7 @@ class Eagle3Head(nn.Module):
     counts_ranks = True  # train_forward counts sibling ranks (HeadOutput.counts['rank_hits'])
 
     kind = "eagle3"
+    feature_layout = "taps+final"  # collect(): aux = states at required_layers, concatenated; final
     Options = Eagle3Options
     Config = Eagle3Config
 
@@ -240,6 +244,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
         if config.parallel_drafting:  # P-EAGLE: the fused feature of every masked depth
             self.mask_hidden = nn.Parameter(torch.randn(n_aux * config.target_hidden_size) * 0.02)
+        self._target_head = None  # init_lm_head: the target's head rows, copied once the vocab map is set
 
     @classmethod
     def for_target(cls, options: Eagle3Options, target_config, **kw) -> Eagle3Head:
@@ -248,11 +253,28 @@ class Eagle3Head(nn.Module):
     def required_layers(self) -> list[int]:
         return list(self.config.aux_layers)
 
+    def init_from_target(self, target) -> None:
+        """init_lm_head: the final norm starts as the target's; lm_head takes the target's rows of the
+        draft vocabulary when the vocab map is set (the draft then starts on the target's output space)."""
+        if not self.config.init_lm_head:
+            return
+        weight = target.lm_head.weight.detach()  # [V, Ht]
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ConfigError(f"head.init_lm_head: the target's lm_head is {tuple(weight.shape)}, the draft head "
+                              f"needs {(self.config.vocab_size, self.config.hidden_size)}; set it to false")
+        with torch.no_grad():
+            self.norm.weight.copy_(target.final_norm.weight.detach().to(self.norm.weight.dtype))
+        self._target_head = weight
+
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ValueError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit this head")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+        if self._target_head is not None:
+            with torch.no_grad():  # [Vd, H]: the target's rows in draft-id order (t2d is sorted)
+                self.lm_head.weight.copy_(self._target_head[t2d.to(self._target_head.device)].to(self.lm_head.weight.dtype))
+            self._target_head = None
 
     # --- building blocks used by training and by the verifier -----------------------------
     def fuse(self, aux: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:

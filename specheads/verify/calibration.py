@@ -165,6 +165,12 @@ class ConfidenceWarper:
     def __init__(self, warper=None):
         self.warper = warper
         self.seen: list[float] = []
+        self.reported: float | None = None  # the drafter's own confidence for the next position
+
+    def report(self, confidence: float) -> None:
+        """A drafter with its own acceptance estimate (DSpark's confidence head) hands it in before the
+        position is drawn; that position then records it instead of the top probability."""
+        self.reported = float(confidence)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:  # logits [..., V] -> probs [..., V]
         if self.warper is None:
@@ -173,7 +179,11 @@ class ConfidenceWarper:
         else:
             probs = self.warper(logits)
             top = probs.amax(-1)
-        self.seen.extend(float(t) for t in top.reshape(-1).tolist())
+        if self.reported is not None:
+            self.seen.append(self.reported)
+            self.reported = None
+        else:
+            self.seen.extend(float(t) for t in top.reshape(-1).tolist())
         return probs
 
 

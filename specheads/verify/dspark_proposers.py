@@ -10,7 +10,10 @@ the path) do not describe such a draft and are refused.
 
 The confidence head's per-slot outputs, P(slot i accepted | slots before it accepted), of the last
 block drafted are `confidence()`; the engines multiply them into a survival for adaptive
-verification (docs/dspark_format.md §2). The decode loop does not use them yet.
+verification (docs/dspark_format.md §2). Ours reads them per slot as it is drafted: a `ConfidenceWarper`
+(eval's calibration probe, the adaptive draft length's stopping rule) records the head's estimate in
+place of the draft's top probability, so the adaptive rule cuts a block where the head expects it to
+fail and eval reports the head's calibration.
 """
 
 from __future__ import annotations
@@ -35,18 +38,23 @@ class DSparkProposer(DFlashProposer):
     def max_drafts(self, k: int) -> int:
         return min(k, self.dspark.config.block_size)
 
-    def draft_block(self, k: int, pick: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_block(self, k: int, pick: Callable[[torch.Tensor], torch.Tensor],
+                    confide: Callable[[float], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """k drafts [k] (target ids) and their logits [k, Vd] (base + Markov bias); `pick(logits [Vd])`
-        chooses slot i's target id, which is slot i+1's previous token."""
+        chooses slot i's target id, which is slot i+1's previous token. `confide(p)`, with a confidence
+        head, hears slot i's P(accepted | earlier accepted) before slot i is picked."""
         states = self.block_states(k)  # [k, H]
         base = self.head.logits(states, self.target.lm_head.weight)  # [k, Vd]
         markov = self.dspark.markov_head
         prev = torch.full((k,), self.anchor, dtype=torch.long, device=states.device)
+        confide = confide if self.dspark.confidence_head is not None else None
         rows, tokens = [], []
         for i in range(k):
             # the head's own latent over slots 1..i+1 (the rnn state runs from slot 1), last slot's bias
             latent = markov.latent(states[None, None, : i + 1], prev[None, None, : i + 1])[0, 0, -1]
             rows.append(base[i] + markov.bias(latent).to(base.dtype))
+            if confide is not None:
+                confide(float(self.dspark.confidence(states[i], prev[i])))
             tokens.append(pick(rows[-1]).reshape(()).to(prev.device))
             if i + 1 < k:
                 prev[i + 1] = tokens[-1]
@@ -97,7 +105,7 @@ class SampledDSparkProposer(DSparkProposer):
             qs.append(q[0])
             return token[0]
 
-        tokens = self.draft_block(k, draw)[0]
+        tokens = self.draft_block(k, draw, getattr(warper, "report", None))[0]  # a ConfidenceWarper hears the head
         return tokens.cpu(), torch.stack(qs)
 
 
