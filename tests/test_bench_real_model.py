@@ -98,3 +98,26 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert head_cfg["fc_norm"] is True and head_cfg["norm_before_fc"] is False  # the option reached the head
     assert "| eagle31 |" in (ab / "quality_ab_real.md").read_text()
     assert qab.main(["--run", str(tmp_path / "nothing"), "--out", str(ab)]) == 2  # not a make-real run: refused
+
+    # bench/block_drafters.py on that run: DFlash and DSpark from the same capture (its taps), every export
+    blocks = load_bench("block_drafters.py")
+    bd = tmp_path / "blocks"
+    bd_args = ["--run", str(out), "--out", str(bd), "--steps", "2", "--limit", "2", "--max-new-tokens", "6"]
+    assert blocks.main(bd_args) == 0
+    r = json.loads((bd / "block_drafters.json").read_text())
+    assert [(row["kind"], row["format"]) for row in r["rows"]] == [
+        (k, f) for k in ("dflash", "dspark") for f in ("vllm", "vllm-native", "sglang")]
+    for row in r["rows"]:
+        assert row["greedy_equal"] == row["prompts"] == 2 and row["k"] == 7
+        assert row["full_block_acceptance"] == row["acceptance_per_position"][6] and 1.0 <= row["tau"] <= 8.0
+    for kind in ("dflash", "dspark"):
+        ckpt = bd / kind / "ckpt" / "checkpoint-000002"
+        head_cfg = json.loads((ckpt / "head_config.json").read_text())
+        taps = (head_cfg.get("dflash") or head_cfg)["target_layer_ids"]
+        assert [t + 1 for t in taps] == json.loads((out / "features_1" / "manifest.json").read_text())["layers"]
+    assert r["confidence"]["dspark"]["records"] > 0 and "dflash" not in r["confidence"]
+    assert "| dspark | sglang | 7 |" in (bd / "block_drafters.md").read_text()
+    trained = r["trained"]
+    assert blocks.main(bd_args) == 0  # finished kinds are read again, not trained again
+    assert json.loads((bd / "block_drafters.json").read_text())["trained"] == trained
+    assert blocks.main(["--run", str(tmp_path / "nothing"), "--out", str(bd)]) == 2
