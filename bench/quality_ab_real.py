@@ -1,7 +1,7 @@
 """The drafter-quality A/B on SmolLM2: each option of bench/quality_ab.py trained on a finished `make real`
 run's own data, feature cache and step budget, scored per epoch exactly as that run's table is.
 
-    python bench/quality_ab_real.py --run runs/real900 --out DIR [--configs eagle31,lk,...]
+    python bench/quality_ab_real.py --run runs/real900 --out DIR [--configs eagle31,lk,...] [--seeds 0,1]
 
 RUN is a `bench/real_model.py --out RUN` folder past its `train_1` stage: its target, its regenerated
 train conversations, its int8 feature cache (features_1, so the target does not run again), its
@@ -9,8 +9,10 @@ steps, batch size and seed (the SmolLM2 recipe's). The baseline is RUN's own che
 again). Every configuration is quality_ab.py's overrides over the SmolLM2 recipe (which already sets
 EAGLE 3.1's `norm_before_fc`: a configuration with `fc_norm` turns it off, the two exclude each other;
 `no_norm_before_fc` is the 2025 head). Held-out teacher-forced tau of every epoch's checkpoint on
-RUN's held-out regenerated conversations (real_model.py's `epochs_table`). One seed: a configuration
-costs a training run (~20-30 min on 2 cores for 900 conversations x 4 epochs). A finished configuration
+RUN's held-out regenerated conversations (real_model.py's `epochs_table`). A configuration costs a
+training run (~15-30 min on 2 cores for 900 conversations x 4 epochs) per seed: `--seeds` beyond RUN's
+own seed train the baseline too (DIR/baseline-seedS), and every configuration again (DIR/<name>-seedS),
+and the report adds each configuration's mean and spread of final tau over the seeds. A finished configuration
 (DIR/<name>/result.json) is read again, an unfinished one resumes from its last checkpoint.
 Writes DIR/quality_ab_real.json and DIR/quality_ab_real.md.
 """
@@ -66,12 +68,15 @@ def real_setup(run: Path) -> dict:
     if missing:
         raise NotARealRun(f"--run {run}: {missing[0]} is missing; run bench/real_model.py --out {run} again")
     target = Path(settings["target"]) if settings.get("target") else run / "target"  # --gguf: converted there
+    from specheads.export.checkpoint import Checkpoint
+
+    seed = Checkpoint(run / "ckpt_1").recipe["train"]["seed"]  # the seed RUN's own checkpoints were trained with
     return {"target": target, "train": run / "data" / "train.jsonl",
             "heldout": run / "data" / "heldout.jsonl", "features": run / "features_1", "baseline": run / "ckpt_1",
             "budget": budget, "epochs": settings["epochs"], "batch_size": settings["batch_size"],
             "overrides": [f"head.draft_vocab_size={settings['draft_vocab']}", f"data.max_length={settings['max_length']}",
                           *made.get("overrides", [])],  # the run's own recipe overrides, as its training had
-            "max_length": settings["max_length"]}
+            "max_length": settings["max_length"], "seed": seed}
 
 
 def scored(setup: dict, ckpt_dir: Path) -> list[dict]:
@@ -98,23 +103,42 @@ def run_config(name: str, overrides: list[str], setup: dict, out: Path) -> dict:
 
 
 def markdown(report: dict) -> str:
-    base = report["baseline"]["epochs"]
     c = report["conditions"]
     lines = ["# Drafter-quality A/B on SmolLM2-135M-Instruct (the `make real` data)", "",
              f"`{report['command']}`: {c['samples']} regenerated conversations, {c['steps']} steps "
-             f"({c['epochs']} epochs, batch {c['batch_size']}), seed 0, from the run's int8 feature cache; "
+             f"({c['epochs']} epochs, batch {c['batch_size']}), seeds {', '.join(map(str, c['seeds']))}, from the run's "
+             "int8 feature cache; "
              f"held-out teacher-forced tau (chain of 3, bonus included) on its {c['heldout']} held-out regenerated "
              f"conversations after each epoch. torch {c['torch']}, {c['threads']} threads, {c['cpus']} CPUs; "
-             "train seconds count whatever else ran on the machine.", "",
-             "| config | overrides over the SmolLM2 recipe | tau per epoch | final tau | vs baseline | train s |",
-             "|---|---|---|---:|---:|---:|"]
-    for r in [report["baseline"], *report["configs"]]:
-        taus = [e["tau"] for e in r["epochs"]]
-        delta = taus[-1] - base[-1]["tau"]
-        lines.append(f"| {r['config']} | {' '.join(r['overrides']) or '(the run itself)'} | "
-                     f"{' / '.join(f'{t:.3f}' for t in taus)} | {taus[-1]:.3f} | {delta:+.3f} | "
-                     f"{r['train_s'] if r['train_s'] is not None else '-'} |")
+             "train seconds count whatever else ran on the machine."]
+    for group in [report, *report.get("other_seeds", [])]:
+        base = group["baseline"]["epochs"]
+        lines += ["", f"Seed {group.get('seed', c['seeds'][0])}:", "",
+                  "| config | overrides over the SmolLM2 recipe | tau per epoch | final tau | vs baseline | train s |",
+                  "|---|---|---|---:|---:|---:|"]
+        for r in [group["baseline"], *group["configs"]]:
+            taus = [e["tau"] for e in r["epochs"]]
+            lines.append(f"| {r['config']} | {' '.join(r['overrides']) or '(the run itself)'} | "
+                         f"{' / '.join(f'{t:.3f}' for t in taus)} | {taus[-1]:.3f} | {taus[-1] - base[-1]['tau']:+.3f} | "
+                         f"{r['train_s'] if r['train_s'] is not None else '-'} |")
+    if report.get("other_seeds"):
+        lines += ["", "Over the seeds (final tau; spread = max - min):", "",
+                  "| config | mean | spread | vs baseline mean | per seed |", "|---|---:|---:|---:|---|"]
+        base_mean = report["summary"]["baseline"]["mean"]
+        for name, row in report["summary"].items():
+            lines.append(f"| {name} | {row['mean']:.3f} | {row['spread']:.3f} | {row['mean'] - base_mean:+.3f} | "
+                         f"{' '.join(f'{t:.3f}' for t in row['taus'])} |")
     return "\n".join(lines) + "\n"
+
+
+def summary(groups: list[dict]) -> dict:
+    """config -> final tau per seed, their mean and spread (the baseline first)."""
+    finals: dict[str, list[float]] = {}
+    for g in groups:
+        for r in [g["baseline"], *g["configs"]]:
+            finals.setdefault(r["config"].split("-seed")[0], []).append(r["epochs"][-1]["tau"])
+    return {name: {"taus": taus, "mean": sum(taus) / len(taus), "spread": max(taus) - min(taus)}
+            for name, taus in finals.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True, type=Path, help="a finished bench/real_model.py run folder")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--configs", default="eagle31", help=f"some of {', '.join(known)}")
+    p.add_argument("--seeds", default=None, help="comma-separated training seeds (default: RUN's own)")
     a = p.parse_args(argv)
     names = a.configs.split(",")
     unknown = [n for n in names if n not in known]
@@ -133,18 +158,32 @@ def main(argv: list[str] | None = None) -> int:
     except NotARealRun as e:
         print(f"ERROR: {e}", file=sys.stderr)
         return 2
+    try:
+        seeds = [int(x) for x in (a.seeds or str(setup["seed"])).split(",")]
+    except ValueError:
+        p.error(f"--seeds {a.seeds}: expected comma-separated integers, e.g. 0,1")
+    if seeds[0] != setup["seed"]:
+        p.error(f"--seeds: the first seed must be the run's own ({setup['seed']}), whose checkpoints are the baseline")
     a.out.mkdir(parents=True, exist_ok=True)
-    baseline = {"config": "baseline", "overrides": [], "train_s": None, "epochs": scored(setup, setup["baseline"])}
-    results = []
-    for name in names:
-        results.append(run_config(name, known[name], setup, a.out))
-        print(f"[quality-ab-real] {name}: final tau {results[-1]['epochs'][-1]['tau']:.3f} "
-              f"(baseline {baseline['epochs'][-1]['tau']:.3f})", flush=True)
+    groups = []
+    for seed in seeds:
+        own = seed == setup["seed"]
+        tag, extra = ("", []) if own else (f"-seed{seed}", [f"train.seed={seed}"])
+        baseline = ({"config": "baseline", "overrides": [], "train_s": None, "epochs": scored(setup, setup["baseline"])}
+                    if own else run_config(f"baseline{tag}", extra, setup, a.out))
+        results = []
+        for name in names:
+            results.append(run_config(f"{name}{tag}", [*known[name], *extra], setup, a.out))
+            print(f"[quality-ab-real] {name}{tag}: final tau {results[-1]['epochs'][-1]['tau']:.3f} "
+                  f"(baseline {baseline['epochs'][-1]['tau']:.3f})", flush=True)
+        groups.append({"seed": seed, "baseline": baseline, "configs": results})
     cond = {"samples": setup["budget"]["samples"], "steps": setup["budget"]["steps"], "epochs": setup["epochs"],
             "batch_size": setup["batch_size"], "heldout": sum(1 for _ in setup["heldout"].open()),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "seeds": seeds}
     report = {"command": " ".join(["python", "bench/quality_ab_real.py", *(argv if argv is not None else sys.argv[1:])]),
-              "conditions": cond, "baseline": baseline, "configs": results}
+              "conditions": cond, "baseline": groups[0]["baseline"], "configs": groups[0]["configs"]}
+    if len(groups) > 1:
+        report.update(other_seeds=groups[1:], summary=summary(groups))
     write_json(a.out / "quality_ab_real.json", report)
     write_text(a.out / "quality_ab_real.md", markdown(report))
     print(markdown(report))

@@ -97,6 +97,22 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     head_cfg = json.loads((ab / "eagle31" / "ckpt" / "checkpoint-000006" / "head_config.json").read_text())
     assert head_cfg["fc_norm"] is True and head_cfg["norm_before_fc"] is False  # the option reached the head
     assert "| eagle31 |" in (ab / "quality_ab_real.md").read_text()
+    # a second seed: the baseline trained too, then the option; mean and spread over both seeds
+    assert qab.main(["--run", str(out), "--out", str(ab), "--configs", "eagle31", "--seeds", "0,1"]) == 0
+    r2 = json.loads((ab / "quality_ab_real.json").read_text())
+    assert r2["configs"] == r["configs"]  # seed 0's results read again, not retrained
+    (seed1,) = r2["other_seeds"]
+    assert seed1["seed"] == 1 and seed1["baseline"]["overrides"] == ["train.seed=1"]
+    assert seed1["configs"][0]["overrides"][-1] == "train.seed=1"
+    recipe1 = json.loads((ab / "baseline-seed1" / "ckpt" / "checkpoint-000006" / "recipe.json").read_text())
+    assert recipe1["train"]["seed"] == 1
+    base_taus = [r2["baseline"]["epochs"][-1]["tau"], seed1["baseline"]["epochs"][-1]["tau"]]
+    assert r2["summary"]["baseline"]["taus"] == base_taus
+    assert r2["summary"]["eagle31"]["spread"] == pytest.approx(abs(
+        r2["configs"][0]["epochs"][-1]["tau"] - seed1["configs"][0]["epochs"][-1]["tau"]))
+    assert "Over the seeds" in (ab / "quality_ab_real.md").read_text()
+    with pytest.raises(SystemExit):  # the first seed must be the run's own (its checkpoints are the baseline)
+        qab.main(["--run", str(out), "--out", str(ab), "--seeds", "1"])
     assert qab.main(["--run", str(tmp_path / "nothing"), "--out", str(ab)]) == 2  # not a make-real run: refused
 
     # bench/block_drafters.py on that run: DFlash and DSpark from the same capture (its taps), every export
