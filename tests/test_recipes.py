@@ -13,7 +13,7 @@ from specheads.export import export
 from specheads.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
-REAL = ("eagle3", "medusa", "mtp", "dflash", "peagle")  # recipe folders for real targets (demo.yaml files are the tiny demos)
+REAL = ("eagle3", "medusa", "mtp", "dflash", "dspark", "peagle")  # recipe folders for real targets (demo.yaml files are the tiny demos)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 FAMILIES = {  # recipe -> (transformers config class, extra tiny-size kwargs)
@@ -28,6 +28,8 @@ FAMILIES = {  # recipe -> (transformers config class, extra tiny-size kwargs)
     "medusa/vicuna-7b.yaml": ("LlamaConfig", {}),
     "dflash/qwen3-8b.yaml": ("Qwen3Config", {"head_dim": 16}),
     "dflash/llama3.1-8b-instruct.yaml": ("LlamaConfig", {}),
+    "dflash/smollm2-135m-cpu.yaml": ("LlamaConfig", {}),
+    "dspark/smollm2-135m-cpu.yaml": ("LlamaConfig", {}),
     "peagle/qwen3-8b.yaml": ("Qwen3Config", {"head_dim": 16}),
     "mtp/deepseek-v3.yaml": ("DeepseekV3Config", {"num_key_value_heads": 4,
         "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
