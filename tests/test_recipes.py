@@ -13,7 +13,8 @@ from specheads.export import export
 from specheads.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
-REAL = ("eagle3", "medusa", "mtp", "dflash", "dspark", "peagle")  # recipe folders for real targets (demo.yaml files are the tiny demos)
+# recipe folders for real targets (demo.yaml files are the tiny demos)
+REAL = ("eagle3", "medusa", "mtp", "dflash", "dspark", "peagle")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 FAMILIES = {  # recipe -> (transformers config class, extra tiny-size kwargs)
