@@ -151,12 +151,13 @@ def capture(target: Path, train: Path, folder: Path, overrides: list[str], stora
     return {"tokens": m["num_tokens"], "bytes": m["bytes"], "storage": storage}
 
 
-def train_run(target: Path, train: Path, features: Path, out: Path, samples: int, a,
+def train_run(target: Path, train: Path, features: Path | list[Path], out: Path, samples: int, a,
               overrides: list[str]) -> dict:
-    """E epochs from the feature cache, one checkpoint per epoch (all kept)."""
+    """E epochs from the feature cache (or several, read as one), one checkpoint per epoch (all kept)."""
     per_epoch = max(1, math.ceil(samples / a.batch_size))
     steps = per_epoch * a.epochs
-    _check(cli(["train", RECIPE, f"target.path={target}", f"data.train=[{train}]", f"data.features={features}",
+    feats = f"[{','.join(map(str, features))}]" if isinstance(features, list) else features
+    _check(cli(["train", RECIPE, f"target.path={target}", f"data.train=[{train}]", f"data.features={feats}",
                 f"train.output_dir={out}", f"train.max_steps={steps}", f"train.batch_size={a.batch_size}",
                 f"train.save_every={per_epoch}", f"train.keep_last={a.epochs}", "train.keep_best=false",
                 f"train.warmup_steps={max(1, steps // 20)}", "train.progress=false", *overrides]), "train")

@@ -39,7 +39,9 @@ class DataConfig:
     max_length: int = bounded(512, ge=2, hint="tokens per sample; at most the target's context")
     skip_malformed: bool = False
     end_of_turn: str | list[str] | None = None  # text(s) ending an assistant turn; default: eos_token
-    features: str | None = None  # a `specheads capture` folder: train from it instead of target forwards
+    # `specheads capture` folder(s): train from them instead of target forwards; a list reads several
+    # captures of the same head and target as one (data added later, captured on its own)
+    features: str | list[str] | None = None
     vocab_stats: str | None = None  # a `specheads vocab-stats` file: the draft vocabulary's frequencies
 
 
@@ -259,9 +261,13 @@ def check_recipe_inputs(recipe: Recipe, outputs: tuple[str, ...] = (),
             raise ConfigError(f"data.train[{i}] '{source}' does not exist")
     for key in ("features", "vocab_stats"):
         value = getattr(d, key)
-        if value and key not in outputs and not Path(value).exists():
-            raise ConfigError(f"data.{key} '{value}' does not exist (make it with `specheads "
-                             f"{'capture' if key == 'features' else 'vocab-stats'}`)")
+        if not value or key in outputs:
+            continue
+        for i, one in enumerate([value] if isinstance(value, str) else value):
+            if not Path(one).exists():
+                where = f"data.{key}" if isinstance(value, str) else f"data.{key}[{i}]"
+                raise ConfigError(f"{where} '{one}' does not exist (make it with `specheads "
+                                  f"{'capture' if key == 'features' else 'vocab-stats'}`)")
     if recipe.target.dtype not in DTYPES:
         raise ConfigError(f"target.dtype '{recipe.target.dtype}': expected one of {', '.join(DTYPES)}")
     peeked = peek_config(recipe.target.path)

@@ -76,13 +76,35 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert scaling.main(["--run", str(out), "--target", str(out / "target"), "--prompts", str(prompts),
                          "--out", str(more), "--results", str(results / "scaling.json"), "--train-prompts", "14",
                          "--raw-text", str(raw), "--max-new-tokens", "8", "--regen-batch-size", "4",
-                         "--draft-vocab", "64", "--max-length", "64", "--epochs", "1", "--batch-size", "4"]) == 0
+                         "--epochs", "1", "--batch-size", "4"]) == 0
     grown = json.loads((results / "scaling.json").read_text())
     assert grown["data"]["prompts"] == {"run_had": 12, "new": 2} and grown["conversations"] == 14
     assert grown["data"]["raw_text"]["rows"] >= 5 and grown["samples"] == 14 + grown["data"]["raw_text"]["rows"]
     assert (more / "data" / "vocab_stats.json").is_file()  # the draft vocabulary counted from the answers only
     assert [t["epoch"] for t in grown["table"]] == [1] and 1.0 <= grown["table"][0]["tau"] <= 4.0
     assert all(grown["stages"][s] > 0 for s in ("regenerate_new", "capture", "train", "table"))
+    # only the new data was captured; training read the run's capture and the new one as one
+    new_cap = json.loads((more / "features_new" / "manifest.json").read_text())
+    assert new_cap["num_samples"] == 2 + grown["data"]["raw_text"]["rows"]
+    last = sorted((more / "ckpt").glob("checkpoint-*"))[-1]
+    assert json.loads((last / "recipe.json").read_text())["data"]["features"] == [str(out / "features_1"),
+                                                                                 str(more / "features_new")]
+    assert grown["configs"]["baseline"]["without"]["from"] == "the run's own checkpoints"
+    # Magpie: the target writes prompts, they are answered and trained on beside the run's data, two configs
+    magpie = tmp_path / "magpie"
+    assert scaling.main(["--run", str(out), "--out", str(magpie), "--magpie", "8", "--magpie-batch-size", "4",
+                         "--magpie-arg=--max-new-tokens=6", "--magpie-arg=--min-chars=1",
+                         "--magpie-arg=--keep-truncated", "--max-new-tokens", "8", "--epochs", "1",
+                         "--configs", "baseline,dropout"]) == 0
+    grown = json.loads((magpie / "scaling.json").read_text())
+    m = grown["data"]["magpie"]
+    assert m["generated"] == 8 and 1 <= m["kept"] <= m["cleaned"] <= 8
+    assert grown["samples"] == 12 + m["kept"] and set(grown["configs"]) == {"baseline", "dropout"}
+    drop = grown["configs"]["dropout"]
+    assert drop["overrides"] == ["head.dropout=0.1"] and drop["without"]["from"] == "trained here from the run's capture"
+    assert json.loads((magpie / "without" / "dropout" / "result.json").read_text())["overrides"] == drop["overrides"]
+    md = (magpie / "scaling.md").read_text()
+    assert f"{m['kept']} answered and trained on" in md and "| dropout | the run's + new |" in md
 
     # bench/quality_ab_real.py on that run: EAGLE 3.1's per-feature norms from the same cache and budget
     qab = load_bench("quality_ab_real.py")

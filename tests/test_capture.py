@@ -351,3 +351,60 @@ def test_capture_files_follow_the_umask(setup, tmp_path):
         os.umask(old)
     modes = {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
     assert modes == {0o644}
+
+
+def test_captures_of_parts_of_the_data_read_as_one(setup, captures, tiny_target_dir, tmp_path):
+    """data.features as a list: conversations added later are captured on their own and training reads
+    both captures as one, with the very features of one capture of everything; a sample neither holds,
+    a list given to capture and a missing folder are refused by name."""
+    from specheads.config import ConfigError
+    from specheads.data.features import OfflineFeatureSet, feature_source
+    from specheads.data.features import main as capture_main
+    from specheads.train import train
+
+    recipe, target, samples = setup
+    lines = Path(recipe.data.train[0]).read_text().splitlines()
+    halves = []
+    for i, part in enumerate((lines[:20], lines[20:])):
+        (tmp_path / f"part{i}.jsonl").write_text("\n".join(part) + "\n")
+        halves.append(capture(_recipe(tiny_target_dir, tmp_path, f"data.train=[{tmp_path / f'part{i}.jsonl'}]"),
+                              tmp_path / f"cap{i}", storage="float32", shard_mb=SHARD_MB, batch_size=4,
+                              report=lambda *a, **k: None))
+    head = build_head(recipe, target, samples)
+    batch = collate(samples, target.tokenizer.pad_token_id)  # every sample: some in each part
+    both = feature_source([str(h) for h in halves], target, head)
+    assert isinstance(both, OfflineFeatureSet)
+    whole = OfflineFeatures(captures["float32"], target, head)(batch)
+    read = both(batch)
+    assert read.keys() == whole.keys() and all(torch.equal(read[k], whole[k]) for k in whole)
+    for half in halves:  # each part alone lacks the other's samples
+        with pytest.raises(FeatureCacheError, match="not in the capture"):
+            OfflineFeatures(half, target, head)(batch)
+    with pytest.raises(FeatureCacheError, match=rf"{halves[0]}, {halves[1]}: a batch holds a sample that is in none"):
+        OfflineFeatureSet(halves, target, head)(collate([_reversed(samples[0])], target.tokenizer.pad_token_id))
+    losses = _train_losses(recipe, target, samples, lambda h: feature_source([str(x) for x in halves], target, h))
+    assert losses == pytest.approx(_train_losses(recipe, target, samples, None), rel=1e-5)
+
+    listed = f"data.features=[{halves[0]},{halves[1]}]"
+    ckpt = train(load_recipe(RECIPE, [*_overrides(recipe), listed, f"train.output_dir={tmp_path / 'run'}",
+                                      "train.max_steps=2", "train.batch_size=4", "train.progress=false"]))
+    from specheads.export.checkpoint import Checkpoint
+
+    assert Checkpoint(ckpt).recipe["data"]["features"] == [str(h) for h in halves]
+    with pytest.raises(ConfigError, match=r"data.features\[1\] '.*nowhere' does not exist"):
+        train(load_recipe(RECIPE, [*_overrides(recipe), f"data.features=[{halves[0]},{tmp_path / 'nowhere'}]",
+                                   f"train.output_dir={tmp_path / 'run2'}"]))
+    with pytest.raises(FeatureCacheError, match="a capture writes one folder; pass --out DIR"):
+        capture_main([str(RECIPE), *_overrides(recipe), listed])
+
+
+def _reversed(sample):
+    """The sample with its tokens in the other order: in no capture."""
+    import dataclasses
+
+    return dataclasses.replace(sample, input_ids=sample.input_ids[::-1])
+
+
+def _overrides(recipe) -> list[str]:
+    return [f"target.path={recipe.target.path}", f"data.train=[{recipe.data.train[0]}]", "data.max_length=96",
+            "head.draft_vocab_size=256", "head.ttt_steps=2"]

@@ -171,19 +171,53 @@ class OfflineFeatures:
                                     f"{RECAPTURE}") from None
         return {k: decode(k, stored, self.storage, self.target.dtype).reshape(length, *self.tails[k]) for k in names}
 
+    def __contains__(self, input_ids: torch.Tensor) -> bool:
+        return sample_key(input_ids) in self.index
+
     def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
-        """batch input_ids / attention_mask [B, T] (right-padded) -> features [B, T, ...]; padding is zero."""
-        ids, lengths = batch["input_ids"], batch["attention_mask"].sum(dim=1).tolist()
-        B, T = ids.shape
-        out: dict[str, torch.Tensor] = {}
-        for b, n in enumerate(lengths):
-            for k, v in self.rows(ids[b, :n]).items():
-                if k not in out:
-                    out[k] = torch.zeros(B, T, *v.shape[1:], dtype=v.dtype)
-                out[k][b, :n] = v
-        return {k: v.to(ids.device) for k, v in out.items()}
+        return batched(self.rows, batch)
 
 
-def feature_source(features_dir: str | None, target, head):
-    """What training calls per batch for the head's features: offline when a capture is given."""
-    return OfflineFeatures(features_dir, target, head) if features_dir else OnlineFeatures(target, head)
+class OfflineFeatureSet:
+    """Several captures read as one (data captured at different times for the same head and target):
+    each sample is read from the capture that holds it."""
+
+    def __init__(self, folders: list[str | Path], target, head, verify: bool = True):
+        self.parts = [OfflineFeatures(f, target, head, verify) for f in folders]
+
+    def rows(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        for part in self.parts:
+            if input_ids in part:
+                return part.rows(input_ids)
+        raise FeatureCacheError(
+            f"data.features {', '.join(str(p.folder) for p in self.parts)}: a batch holds a sample that is in none "
+            f"of these captures ({input_ids.numel()} tokens); the data, chat template or max_length changed since "
+            "they were captured, or data.train lists a file no capture covers: capture it")
+
+    def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
+        return batched(self.rows, batch)
+
+
+def batched(rows, batch: dict) -> dict[str, torch.Tensor]:
+    """batch input_ids / attention_mask [B, T] (right-padded) -> features [B, T, ...] from `rows`
+    (one unpadded sample's ids [n] -> each feature [n, ...]); padding is zero."""
+    ids, lengths = batch["input_ids"], batch["attention_mask"].sum(dim=1).tolist()
+    B, T = ids.shape
+    out: dict[str, torch.Tensor] = {}
+    for b, n in enumerate(lengths):
+        for k, v in rows(ids[b, :n]).items():
+            if k not in out:
+                out[k] = torch.zeros(B, T, *v.shape[1:], dtype=v.dtype)
+            out[k][b, :n] = v
+    return {k: v.to(ids.device) for k, v in out.items()}
+
+
+def feature_source(features: str | list[str] | None, target, head):
+    """What training calls per batch for the head's features: offline when one capture or several
+    (`data.features` a list) are given, else the target's forwards."""
+    if not features:
+        return OnlineFeatures(target, head)
+    if isinstance(features, str):
+        return OfflineFeatures(features, target, head)
+    return OfflineFeatures(features[0], target, head) if len(features) == 1 else \
+        OfflineFeatureSet(features, target, head)

@@ -40,6 +40,7 @@ from specheads.data.feature_cache import (
     VERSION,
     FeatureCacheError,
     OfflineFeatures,
+    OfflineFeatureSet,
     OnlineFeatures,
     bytes_per_token,
     decode,
@@ -56,7 +57,8 @@ from specheads.provenance import provenance
 from specheads.target import Target
 
 __all__ = ["capture", "main", "check_disk", "estimate_bytes", "plan_shards", "FeatureCacheError", "MANIFEST",
-           "OfflineFeatures", "OnlineFeatures", "decode", "encode", "feature_source", "read_manifest", "sample_key"]
+           "OfflineFeatures", "OfflineFeatureSet", "OnlineFeatures", "decode", "encode", "feature_source",
+           "read_manifest", "sample_key"]
 _HEADER_BYTES = 160  # safetensors header per tensor, estimated
 _SIDECAR_ENTRY = 40  # json bytes per sample besides its id and key
 
@@ -330,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or recipe.data.features
     if not out:
         raise FeatureCacheError("no output folder: pass --out DIR or set data.features in the recipe")
+    if not isinstance(out, str):
+        raise FeatureCacheError(f"data.features is a list ({len(out)} folders): a capture writes one folder; "
+                                "pass --out DIR")
     check_recipe_inputs(recipe, outputs=("features",), batch=("--batch-size", a.batch_size))
     capture(recipe, out, storage=a.dtype, shard_mb=a.shard_mb, batch_size=a.batch_size, quiet=a.quiet)
     return 0
