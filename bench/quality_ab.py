@@ -41,6 +41,7 @@ CONFIGS = {  # name -> recipe overrides over BASE (each option alone, then combi
     "norm_before_fc": ["head.norm_before_fc=true"],
     "qk_norm": ["head.qk_norm=true"],
     "init_lm_head": ["head.init_lm_head=true"],
+    "nbf_init_lm_head": ["head.norm_before_fc=true", "head.init_lm_head=true"],
     "combined": ["train.optimizer=muon", "head.loss=lk", "head.fc_norm=true", "head.norm_output=true",
                  "head.qk_norm=true"],
 }

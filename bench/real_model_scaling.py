@@ -186,18 +186,27 @@ def run(a) -> dict:
     return {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
                          if k not in ("out", "run", "target", "results")},
             "conversations": sum(1 for f in chat for _ in f.open()), "run_conversations": setup["budget"]["samples"],
+            "run_steps": setup["budget"]["steps"],
             "samples": samples, "data": info, "train": first["train"], "table": first["table"], "configs": configs,
             "stages": {k: v["wall_s"] for k, v in st.done.items()}, "run_stages": setup["run_stages"],
             "cpus": os.cpu_count()}
 
 
-def costs(report: dict, name: str) -> tuple[float, float]:
-    """(CPU-hours without the new data, with it) for one configuration: data, capture and training."""
+NEW_DATA_STAGES = ("regenerate_new", "magpie", "regenerate_magpie", "raw_text", "vocab_stats", "capture")
+
+
+def costs(report: dict, name: str) -> dict:
+    """CPU-hours of one configuration's two rows (data: answering and capture; train: as measured) and
+    the added cost of the new data: making and capturing it, plus the extra steps at the grown run's
+    own seconds per step (so the added cost does not mix two runs' machine load)."""
     run, here, cfg = report["run_stages"], report["stages"], report["configs"][name]
     run_data = sum(run.get(k, 0) for k in ("regenerate_train", "capture_1"))
-    new = sum(v for k, v in here.items() if k in ("regenerate_new", "magpie", "regenerate_magpie", "raw_text",
-                                                  "vocab_stats", "capture"))
-    return cpu_hours(run_data + (cfg["without"]["train_s"] or 0)), cpu_hours(run_data + new + cfg["train_s"])
+    new = sum(v for k, v in here.items() if k in NEW_DATA_STAGES)
+    steps_with, steps_without = cfg["train"]["steps"], report["run_steps"]
+    extra_train = cfg["train_s"] * max(0, steps_with - steps_without) / steps_with
+    return {"data_without": cpu_hours(run_data), "train_without": cpu_hours(cfg["without"]["train_s"] or 0),
+            "data_with": cpu_hours(run_data + new), "train_with": cpu_hours(cfg["train_s"]),
+            "added": cpu_hours(new + extra_train)}
 
 
 def markdown(report: dict, command: str) -> str:
@@ -207,26 +216,29 @@ def markdown(report: dict, command: str) -> str:
              f"{report['run_conversations']} conversations of the run, {report['samples']} training samples with the "
              f"new data; {report['settings']['epochs']} epochs of batch {report['settings']['batch_size']} each, "
              "one checkpoint per epoch, held-out teacher-forced tau (chain of 3, bonus included) on the run's "
-             f"held-out conversations. CPU-hours = wall seconds x {report['cpus']} cores / 3600, of answering the "
-             "prompts (the run's regeneration included), capturing features and training; wall seconds count "
-             "whatever else ran on the machine."]
+             f"held-out conversations. CPU-hours = wall seconds x {report['cpus']} cores / 3600: data = answering "
+             "the prompts (the run's regeneration included) and capturing features, train = the training run as "
+             "measured (wall seconds count whatever else ran on the machine then); added = making and capturing "
+             "the new data plus the extra steps at the grown run's own seconds per step."]
     if "magpie" in d:
         m = d["magpie"]
         use = report["settings"]["magpie_use"]
         lines += ["", f"Magpie: {m['generated']} prompts sampled, {m['cleaned']} after `specheads magpie`'s "
                       f"cleaning and deduplication, {m['equal_to_a_run_prompt']} equal to a prompt of the run, "
                       f"{m['kept']} answered and trained on" + (f" (the first {use}: `--magpie-use`)." if use else ".")]
-    lines += ["", "| config | data | samples | tau per epoch | final tau | CPU-hours | tau gain per added CPU-hour |",
-              "|---|---|---:|---|---:|---:|---:|"]
+    lines += ["", "| config | data | samples | steps | tau per epoch | final tau | data CPU-h | train CPU-h | "
+                  "added CPU-h | tau gain per added CPU-h |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for name, cfg in report["configs"].items():
-        off, on = costs(report, name)
+        c = costs(report, name)
         base = [e["tau"] for e in cfg["without"]["epochs"]]
         grown = [t["tau"] for t in cfg["table"]]
         lines.append(f"| {name} | the run's ({cfg['without']['from']}) | {report['run_conversations']} | "
-                     f"{' / '.join(f'{t:.3f}' for t in base)} | {base[-1]:.3f} | {off:.2f} | |")
-        gain = (grown[-1] - base[-1]) / (on - off) if on > off else float("nan")
-        lines.append(f"| {name} | the run's + new | {report['samples']} | {' / '.join(f'{t:.3f}' for t in grown)} | "
-                     f"{grown[-1]:.3f} | {on:.2f} | {gain:+.3f} |")
+                     f"{report['run_steps']} | {' / '.join(f'{t:.3f}' for t in base)} | {base[-1]:.3f} | "
+                     f"{c['data_without']:.2f} | {c['train_without']:.2f} | | |")
+        gain = (grown[-1] - base[-1]) / c["added"] if c["added"] > 0 else float("nan")
+        lines.append(f"| {name} | the run's + new | {report['samples']} | {cfg['train']['steps']} | "
+                     f"{' / '.join(f'{t:.3f}' for t in grown)} | {grown[-1]:.3f} | {c['data_with']:.2f} | "
+                     f"{c['train_with']:.2f} | {c['added']:.2f} | {gain:+.3f} |")
     return "\n".join(lines) + "\n"
 
 
