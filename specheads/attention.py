@@ -80,6 +80,15 @@ def current_packing() -> Packing | None:
     return _PACKING.get()
 
 
+def aligned(mask: torch.Tensor) -> torch.Tensor:
+    """mask, copied when it is a CUDA view that is not contiguous from a 16-byte aligned pointer:
+    the memory-efficient sdpa kernel reads it with 16-byte loads and does not check the pointer
+    (a cut view then fails with "CUDA error: misaligned address"). CPU tensors pass as they are."""
+    if mask.device.type != "cuda" or (mask.is_contiguous() and mask.data_ptr() % 16 == 0):
+        return mask
+    return mask.clone(memory_format=torch.contiguous_format)
+
+
 def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
                      scaling: float | None = None, is_causal: bool | None = None,
@@ -95,7 +104,7 @@ def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if packing is not None:
         query = packing.unpack_heads(query)  # [B, H, N, D]
     if attention_mask is not None and attention_mask.ndim == 4:
-        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+        attention_mask = aligned(attention_mask[:, :, :, : key.shape[-2]])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
     if causal and key.shape[-2] > query.shape[2]:  # queries after cached keys: bottom-right causal

@@ -104,6 +104,27 @@ def test_a_group_runs_one_drafter_forward_per_draft_position(small):
         count.close()
 
 
+def test_group_step_masks_are_their_own_aligned_tensors(small, monkeypatch):
+    """Each draft position's mask reaches the head as its own contiguous tensor from offset 0, not
+    a view into the group's mask: CUDA's memory-efficient sdpa reads a mask from its data pointer
+    in 16-byte loads, and a view at an odd offset failed there ("misaligned address", batch 8)."""
+    target, head = small
+    masks = []
+    step = type(head).step
+
+    def recording(self, hidden, embeds, position_ids, attention_mask, cache=None):
+        if attention_mask is not None and hidden.shape[0] > 1:
+            masks.append(attention_mask)
+        return step(self, hidden, embeds, position_ids, attention_mask, cache)
+
+    monkeypatch.setattr(type(head), "step", recording)
+    reqs = [request(target, Eagle3Proposer(head, target), p, 20, 4) for p in prompts(4, seed=7)]
+    decode_batch(target, reqs, 4)
+    one_query = [m for m in masks if m.shape[2] == 1]  # a draft position's query, keys L + j
+    assert len(one_query) >= 4
+    assert all(m.is_contiguous() and m.storage_offset() == 0 for m in one_query)
+
+
 def test_rows_join_a_group_mid_flight_and_leave_it(small):
     """A row admitted into a running group (no pending rows of its own), a row dropped from it,
     and rows of another kind beside it: every row still equals plain greedy."""

@@ -269,7 +269,9 @@ def _draft_positions(lead: Eagle3Proposer, cache, rows: list[int], out: torch.Te
         if not any(live):
             break
         if j > 0:
-            step_mask = None if mask is None else mask[:, :, j - 1: j, : L + j]
+            # a copy, not a view: CUDA's memory-efficient sdpa reads the mask from its data pointer
+            # in 16-byte loads, and this view's offset can be misaligned ("misaligned address")
+            step_mask = None if mask is None else mask[:, :, j - 1: j, : L + j].clone()
             out = head.step(out, target.embed(fed.reshape(G, 1)), base + j, step_mask, cache)
         logits = head.logits(out)[:, -1]  # [G, Vd]
         fed = head.to_target_ids(logits.argmax(-1))  # [G]: top-1, replaced where sampled
