@@ -161,6 +161,10 @@ class OfflineFeatures:
             raise FeatureCacheError(
                 f"data.features {self.folder}: a batch holds a sample that is not in the capture ({input_ids.numel()} "
                 "tokens); the data, chat template or max_length changed since the capture: capture again")
+        return self.rows_of(key)
+
+    def rows_of(self, key: str) -> dict[str, torch.Tensor]:
+        """The features of the sample whose `sample_key` is key (it is in `index`)."""
         file, offset, length = self.index[key]
         f = self._handle(file)
         names = [k for k in f.keys() if not k.endswith(".scale")]
@@ -170,9 +174,6 @@ class OfflineFeatures:
             raise FeatureCacheError(f"{self.folder / file}: cannot be read ({err}); the shard is corrupt: "
                                     f"{RECAPTURE}") from None
         return {k: decode(k, stored, self.storage, self.target.dtype).reshape(length, *self.tails[k]) for k in names}
-
-    def __contains__(self, input_ids: torch.Tensor) -> bool:
-        return sample_key(input_ids) in self.index
 
     def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
         return batched(self.rows, batch)
@@ -186,9 +187,10 @@ class OfflineFeatureSet:
         self.parts = [OfflineFeatures(f, target, head, verify) for f in folders]
 
     def rows(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = sample_key(input_ids)  # hashed once, looked up in each capture's index
         for part in self.parts:
-            if input_ids in part:
-                return part.rows(input_ids)
+            if key in part.index:
+                return part.rows_of(key)
         raise FeatureCacheError(
             f"data.features {', '.join(str(p.folder) for p in self.parts)}: a batch holds a sample that is in none "
             f"of these captures ({input_ids.numel()} tokens); the data, chat template or max_length changed since "
