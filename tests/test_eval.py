@@ -197,3 +197,6 @@ def test_eval_loads_the_target_in_the_dtype_asked(target_dir, export_dir, tmp_pa
     m = json.loads((out / "metrics.json").read_text())
     assert m["provenance"]["dtype"] == "bfloat16" and m["provenance"]["device"] == "cpu"
     assert m["provenance"]["fingerprint_checked"] is True and m["greedy_equal"] is True
+    # no step costs were measured: the free rows name no seed-formula speed-up as a prediction
+    lines = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("- n-gram")]
+    assert len(lines) == 1 and "not predicted (no measured step costs" in lines[0] and "predicted 1" not in lines[0]

@@ -213,6 +213,14 @@ def calibration_lines(cal: dict) -> list[str]:
     return lines
 
 
+def predicted_text(row: dict) -> str:
+    """A row's predicted speed-up, only where measured step costs priced it: the seed formula alone
+    takes verifying k + 1 tokens to cost one plain step, which no CPU run bears out."""
+    if not row.get("predicted_speedup_model"):
+        return "not predicted (no measured step costs, e.g. --no-predict)"
+    return f"predicted {row.get('predicted_speedup', float('nan')):.2f}x"
+
+
 def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, float] | None = None) -> str:
     """report.md: the headline numbers, the prediction table, the advice, the plots."""
     spec = metrics.get("speculative") or metrics.get("offline") or {}
@@ -237,8 +245,7 @@ def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, fl
         elif row:
             note = f" ({row['free_note']})" if row.get("free_note") else ""
             lines.append(f"- {label.format(free=row.get('free'))} tau {row['tau']:.3f}, measured speed-up "
-                         f"{row.get('measured_speedup', float('nan')):.2f}x, predicted "
-                         f"{row.get('predicted_speedup', float('nan')):.2f}x{note}")
+                         f"{row.get('measured_speedup', float('nan')):.2f}x, {predicted_text(row)}{note}")
     if metrics.get("simulated_tau"):
         sim = metrics["simulated_tau"]
         lines.append("- simulated tau, chain of k: " + ", ".join(f"k={k}: {t:.2f}" for k, t in sim["chain"].items()))
