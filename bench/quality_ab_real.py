@@ -35,7 +35,11 @@ import real_model  # noqa: E402
 
 from specheads.atomic import write_json, write_text  # noqa: E402
 
-EXTRA = {"no_norm_before_fc": ["head.norm_before_fc=false"]}
+EXTRA = {  # SmolLM2-only rows: the 2025 head, and the recipe's step size (1e-3) against larger ones
+    "no_norm_before_fc": ["head.norm_before_fc=false"],
+    "lr2e3": ["train.lr=2e-3"],
+    "lr3e3": ["train.lr=3e-3"],
+}
 
 
 def configs() -> dict[str, list[str]]:
