@@ -39,6 +39,8 @@ EXTRA = {  # SmolLM2-only rows: the 2025 head, and the recipe's step size (1e-3)
     "no_norm_before_fc": ["head.norm_before_fc=false"],
     "lr2e3": ["train.lr=2e-3"],
     "lr3e3": ["train.lr=3e-3"],
+    "freeze_lm_head": ["head.freeze_lm_head=true"],  # the recipe's init_lm_head rows, kept (EAGLE-1's frozen head)
+    "wd": ["train.weight_decay=0.1"],
 }
 
 

@@ -252,6 +252,34 @@ def test_init_lm_head_starts_on_the_target_rows_of_the_draft_vocabulary():
     assert heads[True].config.init_lm_head and not heads[False].config.init_lm_head
 
 
+def test_freeze_lm_head_keeps_the_target_rows_and_the_rest_learns():
+    """freeze_lm_head: after training steps lm_head and the final norm are still the target's rows
+    (the optimizer never sees them), while fc and the layer move; without init_lm_head it is refused."""
+    from specheads.train import build_head
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    target = Target(LlamaForCausalLM(cfg), _Tok(), "tiny")
+    ids = list(range(0, 97, 2)) * 3 + [5]
+    samples = [type("S", (), {"input_ids": ids, "loss_mask": [1] * len(ids)})()]
+    recipe = recipe_from_dict({"head": {"kind": "eagle3", "ttt_steps": 2, "draft_vocab_size": 50,
+                                        "init_lm_head": True, "freeze_lm_head": True}})
+    head = build_head(recipe, target, samples)
+    lm_head, norm, fc = (head.lm_head.weight.clone(), head.norm.weight.clone(), head.fc.weight.clone())
+    opt = build_optimizer(head, "muon", 3e-3, 0.1)  # weight decay would move a tensor it was given
+    x = torch.tensor([ids[:40]])
+    out = target.forward(x, layers=head.required_layers())
+    inputs = dict(aux=torch.cat([out.hidden[i] for i in head.required_layers()], -1), embeds=target.embed(x),
+                  target_logits=out.logits, loss_mask=torch.ones_like(x), attention_mask=torch.ones_like(x))
+    first, _ = overfit(head, inputs, opt)
+    assert head(**inputs).loss.item() < first  # it still learns
+    assert torch.equal(head.lm_head.weight, lm_head) and torch.equal(head.norm.weight, norm)
+    assert not torch.equal(head.fc.weight, fc)
+    with pytest.raises(ConfigError, match=r"head.freeze_lm_head .* set head.init_lm_head=true"):
+        recipe_from_dict({"head": {"kind": "eagle3", "freeze_lm_head": True}})
+
+
 def test_bad_values_name_the_field():
     with pytest.raises(ConfigError, match=r"head.loss 'jsd': expected one of kl, tv, nla, lk"):
         recipe_from_dict({"head": {"kind": "eagle3", "loss": "jsd"}})

@@ -325,7 +325,7 @@ def validate(folder: str | Path, fmt: str, expected=None) -> None:
 
 # --- load back -----------------------------------------------------------------------------------
 TRAINED = ("ttt_steps", "step_decay", "loss", "feature_noise", "feature_noise_scale", "dropout",
-           "init_lm_head")  # training-only
+           "init_lm_head", "freeze_lm_head")  # training-only
 # fields: from specheads.json, never config.json
 PARALLEL_TRAINED = ("cod_ratio", "cod_min_ratio")
 

@@ -57,11 +57,15 @@ class Eagle3Options:
     feature_noise_scale: float = bounded(0.1, ge=0, hint="uniform half-width or gaussian std")
     dropout: float = bounded(0.0, ge=0, le=0.9, hint="dropout on the draft layer's attention and MLP outputs")
     init_lm_head: bool = False  # lm_head (the draft vocabulary's rows) and final norm start as the target's
+    freeze_lm_head: bool = False  # with init_lm_head: lm_head and final norm stay the target's (EAGLE-1's choice)
 
     def __post_init__(self):
         for key, table in (("loss", LOSSES), ("feature_noise", NOISES)):
             if getattr(self, key) not in table:
                 raise ConfigError(f"head.{key} '{getattr(self, key)}': expected one of {', '.join(table)}")
+        if self.freeze_lm_head and not self.init_lm_head:
+            raise ConfigError("head.freeze_lm_head keeps lm_head and the final norm as they start, which is "
+                              "random unless head.init_lm_head: set head.init_lm_head=true, or freeze_lm_head=false")
         if self.norm_before_fc and self.fc_norm:
             raise ConfigError("head.norm_before_fc and head.fc_norm exclude each other (one norm over the "
                               "concatenated features, or one per feature): set one of them to false")
@@ -103,6 +107,7 @@ class Eagle3Config:
     feature_noise_scale: float = 0.1
     dropout: float = 0.0
     init_lm_head: bool = False
+    freeze_lm_head: bool = False
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig whose building blocks (attention, MLP, RoPE) the draft layer reuses."""
@@ -163,7 +168,7 @@ def eagle31_fields(options: Eagle3Options) -> dict:
     """The EAGLE 3.1, Qwen3-layer and training options, as the head config carries them."""
     return {name: getattr(options, name) for name in ("norm_before_fc", "fc_norm", "norm_output", "qk_norm",
                                                        "loss", "feature_noise", "feature_noise_scale", "dropout",
-                                                       "init_lm_head")}
+                                                       "init_lm_head", "freeze_lm_head")}
 
 
 def parallel_fields(options: Eagle3Options, vocab_size: int) -> dict:
@@ -245,6 +250,9 @@ class Eagle3Head(nn.Module):
         if config.parallel_drafting:  # P-EAGLE: the fused feature of every masked depth
             self.mask_hidden = nn.Parameter(torch.randn(n_aux * config.target_hidden_size) * 0.02)
         self._target_head = None  # init_lm_head: the target's head rows, copied once the vocab map is set
+        if config.freeze_lm_head:  # the target's output space, kept: only the layer, fc (and embeddings' use) learn
+            self.lm_head.weight.requires_grad_(False)
+            self.norm.weight.requires_grad_(False)
 
     @classmethod
     def for_target(cls, options: Eagle3Options, target_config, **kw) -> Eagle3Head:
