@@ -41,6 +41,8 @@ EXTRA = {  # SmolLM2-only rows: the 2025 head, and the recipe's step size (1e-3)
     "lr3e3": ["train.lr=3e-3"],
     "freeze_lm_head": ["head.freeze_lm_head=true"],  # the recipe's init_lm_head rows, kept (EAGLE-1's frozen head)
     "wd": ["train.weight_decay=0.1"],
+    "muon_freeze": ["train.optimizer=muon", "head.freeze_lm_head=true"],
+    "muon_wd": ["train.optimizer=muon", "train.weight_decay=0.1"],
 }
 
 
@@ -90,6 +92,17 @@ def scored(setup: dict, ckpt_dir: Path) -> list[dict]:
     rows = real_model.epochs_table(setup["target"], setup["heldout"],
                                    {"1": {"dir": str(ckpt_dir), "info": setup["budget"]}}, setup["max_length"])
     return [{"epoch": r["epoch"], "step": r["step"], "tau": r["tau"]} for r in rows]
+
+
+def run_baseline(setup: dict, out: Path) -> dict:
+    """RUN's own checkpoints scored once (OUT/baseline/result.json, read again while it names the
+    same checkpoints): a later invocation with other configurations does not score them again."""
+    done, ckpt = out / "baseline" / "result.json", str(setup["baseline"])
+    if done.is_file() and json.loads(done.read_text()).get("ckpt") == ckpt:
+        return {k: v for k, v in json.loads(done.read_text()).items() if k != "ckpt"}
+    result = {"config": "baseline", "overrides": [], "train_s": None, "epochs": scored(setup, setup["baseline"])}
+    write_json(done, {**result, "ckpt": ckpt})
+    return result
 
 
 def run_config(name: str, overrides: list[str], setup: dict, out: Path) -> dict:
@@ -175,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         own = seed == setup["seed"]
         tag, extra = ("", []) if own else (f"-seed{seed}", [f"train.seed={seed}"])
-        baseline = ({"config": "baseline", "overrides": [], "train_s": None, "epochs": scored(setup, setup["baseline"])}
-                    if own else run_config(f"baseline{tag}", extra, setup, a.out))
+        baseline = run_baseline(setup, a.out) if own else run_config(f"baseline{tag}", extra, setup, a.out)
         results = []
         for name in names:
             results.append(run_config(f"{name}{tag}", [*known[name], *extra], setup, a.out))

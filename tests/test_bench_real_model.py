@@ -123,6 +123,8 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert qab.main(["--run", str(out), "--out", str(ab), "--configs", "eagle31", "--seeds", "0,1"]) == 0
     r2 = json.loads((ab / "quality_ab_real.json").read_text())
     assert r2["configs"] == r["configs"]  # seed 0's results read again, not retrained
+    assert r2["baseline"] == r["baseline"] and json.loads((ab / "baseline" / "result.json").read_text())["ckpt"] == \
+        str(out / "ckpt_1")  # the run's checkpoints scored once, kept with the folder they were read from
     (seed1,) = r2["other_seeds"]
     assert seed1["seed"] == 1 and seed1["baseline"]["overrides"] == ["train.seed=1"]
     assert seed1["configs"][0]["overrides"][-1] == "train.seed=1"
