@@ -43,6 +43,7 @@ EXTRA = {  # SmolLM2-only rows: the 2025 head, and the recipe's step size (1e-3)
     "wd": ["train.weight_decay=0.1"],
     "muon_freeze": ["train.optimizer=muon", "head.freeze_lm_head=true"],
     "muon_wd": ["train.optimizer=muon", "train.weight_decay=0.1"],
+    "muon_noise": ["train.optimizer=muon", "head.feature_noise=uniform", "head.feature_noise_scale=0.1"],
 }
 
 
