@@ -37,6 +37,10 @@ from specheads.atomic import write_json, write_text  # noqa: E402
 
 EXTRA = {  # SmolLM2-only rows: the 2025 head, and the recipe's step size (1e-3) against larger ones
     "no_norm_before_fc": ["head.norm_before_fc=false"],
+    "adamw": ["train.optimizer=adamw"],  # the recipe's optimizer before Muon
+    "lr5e4": ["train.lr=5e-4"],
+    "norm_output": ["head.norm_output=true"],  # EAGLE 3.1's fed-back post-norm state, with norm_before_fc
+    "clip1": ["train.max_grad_norm=1.0"],
     "lr2e3": ["train.lr=2e-3"],
     "lr3e3": ["train.lr=3e-3"],
     "freeze_lm_head": ["head.freeze_lm_head=true"],  # the recipe's init_lm_head rows, kept (EAGLE-1's frozen head)
@@ -58,13 +62,20 @@ def configs() -> dict[str, list[str]]:
     return out
 
 
+def overrides_of(name: str, known: dict[str, list[str]]) -> list[str]:
+    """NAME's overrides; A+B: A's then B's (a later key wins), the configurations combined."""
+    return [o for part in name.split("+") for o in known[part]]
+
+
 class NotARealRun(ValueError):
     """--run is not a finished `make real` run (the message names the file and what is missing)."""
 
 
 def real_setup(run: Path) -> dict:
     """What RUN holds: target, data, feature cache, the train stage's budget and the settings."""
-    stages, report = run / "stages.json", run / "real_model.json"
+    stages = run / "stages.json"
+    # real_model.json once the run finished; settings.json (written at its start) for one stopped at --until export
+    report = next((p for p in (run / "real_model.json", run / "settings.json") if p.is_file()), run / "real_model.json")
     try:
         budget = json.loads(stages.read_text())["train_1"]["result"]
         made = json.loads(report.read_text())
@@ -91,7 +102,8 @@ def real_setup(run: Path) -> dict:
 def scored(setup: dict, ckpt_dir: Path) -> list[dict]:
     """Held-out tau of each epoch's checkpoint in CKPT_DIR (real_model's table rows)."""
     rows = real_model.epochs_table(setup["target"], setup["heldout"],
-                                   {"1": {"dir": str(ckpt_dir), "info": setup["budget"]}}, setup["max_length"])
+                                   {"1": {"dir": str(ckpt_dir), "info": setup["budget"]}}, setup["max_length"],
+                                   setup.get("device", "cpu"))
     return [{"epoch": r["epoch"], "step": r["step"], "tau": r["tau"]} for r in rows]
 
 
@@ -129,7 +141,8 @@ def markdown(report: dict) -> str:
              f"({c['epochs']} epochs, batch {c['batch_size']}), seeds {', '.join(map(str, c['seeds']))}, from the run's "
              "int8 feature cache; "
              f"held-out teacher-forced tau (chain of 3, bonus included) on its {c['heldout']} held-out regenerated "
-             f"conversations after each epoch. torch {c['torch']}, {c['threads']} threads, {c['cpus']} CPUs; "
+             f"conversations after each epoch. torch {c['torch']}, {c['threads']} threads, {c['cpus']} CPUs"
+             f"{'' if c.get('device', 'cpu') == 'cpu' else ', target and training on ' + c['device'] + ' (fp32)'}; "
              "train seconds count whatever else ran on the machine."]
     for group in [report, *report.get("other_seeds", [])]:
         base = group["baseline"]["epochs"]
@@ -168,13 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--configs", default="eagle31", help=f"some of {', '.join(known)}")
     p.add_argument("--seeds", default=None, help="comma-separated training seeds (default: RUN's own)")
+    p.add_argument("--device", default="cpu", help="where the target scores the checkpoints (cpu; cuda on a GPU, "
+                                                   "fp32 as on the CPU; training takes the GPU whenever there is one)")
     a = p.parse_args(argv)
     names = a.configs.split(",")
-    unknown = [n for n in names if n not in known]
+    unknown = [part for n in names for part in n.split("+") if part not in known]
     if unknown:
-        p.error(f"--configs: unknown '{unknown[0]}'; expected some of {', '.join(known)}")
+        p.error(f"--configs: unknown '{unknown[0]}'; expected some of {', '.join(known)} (A+B: both together)")
     try:
-        setup = real_setup(a.run)
+        setup = {**real_setup(a.run), "device": a.device}
     except NotARealRun as e:
         print(f"ERROR: {e}", file=sys.stderr)
         return 2
@@ -192,13 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         baseline = run_baseline(setup, a.out) if own else run_config(f"baseline{tag}", extra, setup, a.out)
         results = []
         for name in names:
-            results.append(run_config(f"{name}{tag}", [*known[name], *extra], setup, a.out))
+            results.append(run_config(f"{name}{tag}", [*overrides_of(name, known), *extra], setup, a.out))
             print(f"[quality-ab-real] {name}{tag}: final tau {results[-1]['epochs'][-1]['tau']:.3f} "
                   f"(baseline {baseline['epochs'][-1]['tau']:.3f})", flush=True)
         groups.append({"seed": seed, "baseline": baseline, "configs": results})
     cond = {"samples": setup["budget"]["samples"], "steps": setup["budget"]["steps"], "epochs": setup["epochs"],
             "batch_size": setup["batch_size"], "heldout": sum(1 for _ in setup["heldout"].open()),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "seeds": seeds}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "seeds": seeds,
+            "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(torch.device(a.device))}
     report = {"command": " ".join(["python", "bench/quality_ab_real.py", *(argv if argv is not None else sys.argv[1:])]),
               "conditions": cond, "baseline": groups[0]["baseline"], "configs": groups[0]["configs"]}
     if len(groups) > 1:

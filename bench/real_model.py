@@ -110,7 +110,7 @@ def heldout_eval_prompts(regen: Path, out: Path) -> dict:
 
 
 def regenerate(prompts: Path, out: Path, target: Path, a) -> dict:
-    _check(cli(["regenerate", prompts, "--out", out, "--target", target, "--device", "cpu",
+    _check(cli(["regenerate", prompts, "--out", out, "--target", target, "--device", a.device,
                 "--dtype", "float32", "--batch-size", a.regen_batch_size,
                 "--max-new-tokens", a.max_new_tokens]), f"regenerate {prompts.name}")
     meta = json.loads(Path(str(out) + ".meta.json").read_text())
@@ -174,12 +174,12 @@ def offline_tau(target, ckpt: Path, samples) -> dict:
     return {"tau": acc["tau_est"], "acc_cond": acc["acc_cond"]}
 
 
-def epochs_table(target_dir: Path, heldout: Path, runs: dict, max_length: int) -> list[dict]:
+def epochs_table(target_dir: Path, heldout: Path, runs: dict, max_length: int, device: str = "cpu") -> list[dict]:
     from specheads.data.conversations import read_conversations
     from specheads.data.tokenize import tokenize_all
     from specheads.target import Target
 
-    target = Target.load(str(target_dir), device="cpu")
+    target = Target.load(str(target_dir), device=device)
     convs, _ = read_conversations(heldout)
     samples = tokenize_all(target.tokenizer, convs, max_length)
     rows = []
@@ -212,22 +212,22 @@ def eval_options(a, data: Path) -> tuple:
 
 
 def evaluate(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_tokens: int,
-             extra: tuple = ()) -> dict:
-    """`specheads eval` on CPU fp32; `extra`: its further options (`eval_options`)."""
+             extra: tuple = (), device: str = "cpu") -> dict:
+    """`specheads eval` in fp32 on DEVICE; `extra`: its further options (`eval_options`)."""
     rc = cli(["eval", "--target", target, "--draft", draft, "--prompts", prompts, "--out", out,
-              "--k", k, "--max-new-tokens", new_tokens, "--device", "cpu", "--dtype", "float32", *extra])
+              "--k", k, "--max-new-tokens", new_tokens, "--device", device, "--dtype", "float32", *extra])
     m = json.loads((out / "metrics.json").read_text())
     return summary(m, out / "outputs.jsonl", rc)
 
 
 def evaluate_batched(target: Path, draft: Path, prompts: Path, out: Path, k: int, new_tokens: int,
-                     sizes: list[int]) -> dict:
+                     sizes: list[int], device: str = "cpu") -> dict:
     """The same eval at each batch size in one run (bench/batched_eval.py, into OUT/b<N>/); the first
     size's eval is the one the report's rows come from, the others add their seconds beside it."""
     import batched_eval  # bench/batched_eval.py
 
     args = argparse.Namespace(target=str(target), draft=str(draft), prompts=str(prompts), out=str(out), limit=None,
-                              max_new_tokens=new_tokens, k=k, device="cpu", dtype="float32", no_predict=False,
+                              max_new_tokens=new_tokens, k=k, device=device, dtype="float32", no_predict=False,
                               allow_missing_fingerprint=False, rounds=1)
     report = batched_eval.bench(args, sizes)
     first = out / f"b{sizes[0]}"
@@ -303,12 +303,12 @@ def measured_on(e: dict) -> str:
     return f"Plain decoding ran at {tps:.1f} tok/s{where}." if tps else ""
 
 
-def parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
+def parity(target_dir: Path, ckpt: Path, eval_dir: Path, device: str = "cpu") -> dict:
     from specheads.eval.offline import check_parity
     from specheads.export.checkpoint import Checkpoint
     from specheads.target import Target
 
-    target = Target.load(str(target_dir), device="cpu")
+    target = Target.load(str(target_dir), device=device)
     p = check_parity(target, Checkpoint(ckpt).build_head(), eval_dir)
     return {k: p[k] for k in ("offline_tau", "online_tau", "relative_gap", "ok")}
 
@@ -399,11 +399,20 @@ def markdown(r: dict) -> str:
     return "\n".join(lines + [""])
 
 
+def settings_of(a) -> dict:
+    """The run's settings as its reports record them (every option but the printed command)."""
+    return {k: v for k, v in vars(a).items() if k not in ("command",)}
+
+
 def run(a, overrides: list[str]) -> dict:
     out = Path(a.out).resolve()
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     st = Stages(out)
+    from specheads.atomic import write_json
+
+    # the settings before any stage: bench/quality_ab_real.py trains on a run stopped at --until export
+    write_json(out / "settings.json", {"settings": settings_of(a), "overrides": overrides})
     target = Path(a.target).resolve() if a.target else out / "target"
     if a.gguf:
         st.run("target", lambda: _check(cli(["target", "from-gguf", a.gguf, "--out", target]), "from-gguf"))
@@ -427,7 +436,7 @@ def run(a, overrides: list[str]) -> dict:
         info = st.run(f"train_{tag}", train_run, target, train_file, out / f"features_{tag}", out / f"ckpt_{tag}",
                       n, a, common)
         runs[tag] = {"dir": str(out / f"ckpt_{tag}"), "info": info}
-    table = st.run("table", epochs_table, target, data / "heldout.jsonl", runs, a.max_length)
+    table = st.run("table", epochs_table, target, data / "heldout.jsonl", runs, a.max_length, a.device)
     final = Path(runs["1"]["dir"]) / f"checkpoint-{runs['1']['info']['steps']:06d}"
     st.run("export", export, final, out / "export")
     if a.llamacpp_gguf:
@@ -440,30 +449,30 @@ def run(a, overrides: list[str]) -> dict:
     if a.eval_batch_sizes == [1]:
         evals = {"MT-bench k=3": st.run("eval_mt_bench_k3", evaluate, target, out / "export" / "vllm",
                                         data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_k3", 3,
-                                        a.eval_new_tokens, eval_options(a, data))}
+                                        a.eval_new_tokens, eval_options(a, data), a.device)}
     else:
         evals = {"MT-bench k=3": st.run("eval_mt_bench_k3_batched", evaluate_batched, target, out / "export" / "vllm",
                                         data / "mt_bench_first.jsonl", out / "eval" / "mt_bench_batched", 3,
-                                        a.eval_new_tokens, a.eval_batch_sizes)}
+                                        a.eval_new_tokens, a.eval_batch_sizes, a.device)}
     for n in range(2, a.eval_runs + 1):  # the same eval again, later: are the numbers stable?
         evals[f"MT-bench k=3, run {n}"] = st.run(f"eval_mt_bench_k3_run{n}", evaluate, target, out / "export" / "vllm",
                                                  data / "mt_bench_first.jsonl", out / "eval" / f"mt_bench_k3_run{n}", 3,
-                                                 a.eval_new_tokens, eval_options(a, data))
+                                                 a.eval_new_tokens, eval_options(a, data), a.device)
     mt_dir = Path(evals["MT-bench k=3"].get("eval_dir") or out / "eval" / "mt_bench_k3")
     rec = evals["MT-bench k=3"]["recommended_k"]
     if rec and rec != 3 and not a.skip_recommended:
         evals[f"MT-bench k={rec} (recommended)"] = st.run(
             "eval_mt_bench_recommended", evaluate, target, out / "export" / "vllm", data / "mt_bench_first.jsonl",
-            out / "eval" / "mt_bench_rec", rec, a.eval_new_tokens, eval_options(a, data))
+            out / "eval" / "mt_bench_rec", rec, a.eval_new_tokens, eval_options(a, data), a.device)
     if not a.skip_heldout_eval:
         evals["held-out regenerated k=3"] = st.run(
             "eval_heldout_k3", evaluate, target, out / "export" / "vllm", data / "heldout_prompts.jsonl",
-            out / "eval" / "heldout_k3", 3, a.eval_new_tokens, eval_options(a, data))
-    par = st.run("parity", parity, target, final, mt_dir)
+            out / "eval" / "heldout_k3", 3, a.eval_new_tokens, eval_options(a, data), a.device)
+    par = st.run("parity", parity, target, final, mt_dir, a.device)
     report = {
         "title": a.title, "label": a.label, "target": str(target.name),
         "commands": [shlex.join(["python", "bench/real_model.py", *sys.argv[1:]])] if a.command is None else [a.command],
-        "settings": {k: v for k, v in vars(a).items() if k not in ("command",)}, "overrides": overrides,
+        "settings": settings_of(a), "overrides": overrides,
         "stages": {k: {"wall_s": v["wall_s"]} for k, v in st.done.items()},
         "data": {"prompts": prompts, "mt_bench": mt, "regen_train": regen_train, "regen_heldout": regen_heldout,
                  "vocab": vocab, "capture": cap},
@@ -506,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llamacpp-gguf", default=None,
                    help="the target as a GGUF (make real-target keeps SmolLM2's Q4_1): llama.cpp rows after the export")
     p.add_argument("--llamacpp-per-category", type=int, default=3, help="MT-bench first turns per category for them")
+    p.add_argument("--device", default="cpu",
+                   help="where the target runs for regeneration, the tables and eval (cpu; cuda on a GPU, fp32 "
+                        "as on the CPU; capture and training take the GPU whenever there is one)")
     p.add_argument("--until", choices=["export"], default=None, help="stop after this stage (a later run goes on)")
     p.add_argument("--title", default="EAGLE-3 on a real chat model")
     p.add_argument("--label", default="")

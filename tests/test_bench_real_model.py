@@ -161,3 +161,55 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert blocks.main(bd_args) == 0  # finished kinds are read again, not trained again
     assert json.loads((bd / "block_drafters.json").read_text())["trained"] == trained
     assert blocks.main(["--run", str(tmp_path / "nothing"), "--out", str(bd)]) == 2
+
+
+def test_gpu_quality_runs_the_pipeline_then_the_sweep_and_combines_the_winners(tiny_target_dir, tmp_path):
+    """bench/gpu_quality.py on the CPU with a tiny GGUF: the pipeline up to the export, the MT-bench eval
+    beside the configurations (each its own process), the best two single options combined, one table."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_target_dir, layers=8)
+    prompts = tmp_path / "alpaca.json"
+    prompts.write_text(json.dumps([{"instruction": f"Write a function number {i}", "input": "def f(x):",
+                                    "output": "return x"} for i in range(20)]))
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text("".join(json.dumps({"question_id": 81 + i, "category": c, "turns": [f"import {m}"]}) + "\n"
+                          for i, (c, m) in enumerate([("writing", "os"), ("coding", "sys")])))
+    out, results = tmp_path / "gq", tmp_path / "results"
+    bench = load_bench("gpu_quality.py")
+    # lr: a step size 30x the recipe's, then ten times smaller: on a tiny run one of them beats the baseline
+    args = ["--gguf", str(gguf), "--prompts", str(prompts), "--mt-bench", str(mt), "--out", str(out),
+            "--results", str(results), "--device", "cpu", "--configs", "lr3e3,lr5e4,adamw", "--parallel", "3",
+            "--train-prompts", "8", "--heldout-prompts", "2", "--max-new-tokens", "8", "--regen-batch-size", "4",
+            "--eval-new-tokens", "6", "--eval-batch-size", "2", "--mt-bench-per-category", "1", "--threads", "1",
+            "--real-arg=--draft-vocab=64", "--real-arg=--max-length=64", "--real-arg=--epochs=2",
+            "--real-arg=--batch-size=4", "--deadline", "600"]
+    assert bench.main(args) == 0
+    report = json.loads((results / "gpu_quality.json").read_text())
+    assert {"regenerate_train", "capture_1", "train_1", "table", "export"} <= set(report["real_stages"])
+    singles = {n: report["taus"][n] for n in ("lr3e3", "lr5e4", "adamw")}
+    assert all(1.0 <= t <= 4.0 for t in singles.values())  # each trained and scored in its own process
+    base = json.loads((out / "ab" / "baseline" / "result.json").read_text())["epochs"][-1]["tau"]
+    both = bench.combination(base, singles, 2)
+    assert [n for n in report["taus"] if "+" in n] == ([both] if both else [])  # the two best winners, together
+    assert report["stopped"] == [] and report["mt_bench"]["greedy_equal"] is True
+    ab = json.loads((results / "quality_ab_real.json").read_text())
+    assert [c["config"] for c in ab["configs"]] == list(report["taus"]) and ab["conditions"]["device"] == "cpu"
+    assert (results / "real_model.md").is_file() and (out / "run" / "settings.json").is_file()
+
+
+def test_gpu_quality_combines_the_best_options_that_beat_the_baseline():
+    bench = load_bench("gpu_quality.py")
+    taus = {"a": 1.61, "b": 1.70, "c": 1.58, "d": None, "e": 1.66}
+    assert bench.combination(1.60, taus, 2) == "b+e"
+    assert bench.combination(1.60, taus, 3) == "b+e+a"
+    assert bench.combination(1.65, taus, 3) == "b+e"
+    assert bench.combination(1.68, taus, 2) is None  # one winner: nothing to combine
+    assert bench.combination(None, taus, 2) is None
+
+
+def test_quality_ab_real_reads_a_combination_as_both_option_lists():
+    qab = load_bench("quality_ab_real.py")
+    known = qab.configs()
+    assert qab.overrides_of("lr2e3+dropout", known) == ["train.lr=2e-3", "head.dropout=0.1"]
+    assert qab.overrides_of("eagle31", known)[0] == "head.norm_before_fc=false"
+    with pytest.raises(SystemExit):
+        qab.main(["--run", "nowhere", "--out", "nowhere", "--configs", "lr2e3+nope"])
