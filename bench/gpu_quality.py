@@ -9,9 +9,9 @@ Stages: real_model.py --until export (regenerate 900 + 40 conversations, capture
 drafter for 4 epochs, the held-out table, export); then, at the same time, that run's MT-bench eval
 (real_model.py again, k = 3, batch --eval-batch-size: tau and outputs do not depend on the batch) and
 the configurations, --parallel processes at a time (each `quality_ab_real.py --configs NAME`); then the
-best --combine single options that beat the baseline, together (`A+B`); last, quality_ab_real.py over
-every finished configuration writes the table. Nothing new starts after --deadline seconds; what runs
-then is stopped at --deadline + --grace. Held-out tau is teacher-forced and fp32, as on the CPU; the
+best --combine single options that beat the baseline and set different keys, together (`A+B`);
+last, quality_ab_real.py over every finished configuration writes the table. Nothing new starts after
+--deadline seconds; what runs then is stopped at --deadline + --grace. Held-out tau is teacher-forced and fp32, as on the CPU; the
 regenerated data are the target's own greedy answers, batched on the GPU. Writes DIR/gpu_quality.json
 beside the two scripts' own reports, and copies all of them into --results when given.
 """
@@ -71,13 +71,21 @@ def final_tau(result_file: Path) -> float | None:
     return json.loads(result_file.read_text())["epochs"][-1]["tau"]
 
 
-def combination(base: float | None, taus: dict[str, float | None], count: int) -> str | None:
-    """`A+B`: the `count` best configurations whose final tau beats the baseline's, best first; None
-    when fewer than two beat it (or the baseline was not scored)."""
+def combination(base: float | None, taus: dict[str, float | None], count: int,
+                known: dict[str, list[str]]) -> str | None:
+    """`A+B`: up to `count` configurations whose final tau beats the baseline's, best first, skipping
+    one that sets a key a better one already sets (lr2e3+lr3e3 would be lr3e3 again); None when fewer
+    than two remain (or the baseline was not scored)."""
     if base is None:
         return None
-    wins = sorted((n for n, t in taus.items() if t is not None and t > base), key=lambda n: -taus[n])
-    return "+".join(wins[:count]) if len(wins[:count]) >= 2 else None
+    pick: list[str] = []
+    keys: set[str] = set()
+    for name in sorted((n for n, t in taus.items() if t is not None and t > base), key=lambda n: -taus[n]):
+        own = {o.split("=", 1)[0] for o in known[name]}
+        if len(pick) < count and not own & keys:
+            pick.append(name)
+            keys |= own
+    return "+".join(pick) if len(pick) >= 2 else None
 
 
 def real_args(a) -> list[str]:
@@ -97,7 +105,7 @@ def quality_args(a, configs: str) -> list[str]:
             "--configs", configs, "--device", a.device]
 
 
-def sweep(a, jobs: Jobs, t0: float, names: list[str]) -> dict:
+def sweep(a, jobs: Jobs, t0: float, names: list[str], known: dict[str, list[str]]) -> dict:
     """Each configuration in its own process, --parallel at a time, until --deadline; then the best
     --combine single options together. Returns name -> final tau (None: not finished)."""
     queue, combined = list(names), False
@@ -108,7 +116,7 @@ def sweep(a, jobs: Jobs, t0: float, names: list[str]) -> dict:
         if not queue and not combined and not any(n.startswith("cfg-") for n in jobs.running):
             combined = True
             both = combination(final_tau(a.out / "ab" / "baseline" / "result.json"),
-                               {n: final_tau(a.out / "ab" / n / "result.json") for n in names}, a.combine)
+                               {n: final_tau(a.out / "ab" / n / "result.json") for n in names}, a.combine, known)
             if both and not late:
                 queue.append(both)
                 names = [*names, both]
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu-quality] the pipeline did not reach the export: see {a.out / 'logs' / 'real-until-export.log'}")
         return finish(a, report, 1)
     jobs.start("real-mt-bench", real_args(a))  # the same run again: it goes on with the MT-bench eval
-    report["taus"] = sweep(a, jobs, t0, names)
+    report["taus"] = sweep(a, jobs, t0, names, known)
     report["stopped"] = jobs.stop_all()
     report["stages"]["sweep_s"] = round(time.time() - t0, 1)
     done = [n for n, t in report["taus"].items() if t is not None]

@@ -58,7 +58,9 @@ def configs() -> dict[str, list[str]]:
         if name in ("baseline", "norm_before_fc"):
             continue
         off = ["head.norm_before_fc=false"] if "head.fc_norm=true" in overrides else []
-        out[name] = [*off, *overrides]
+        # SGLang 0.5.23 has no Qwen3-style EAGLE-3 loader: a qk_norm head is exported for vLLM only
+        only_vllm = ["export.formats=[vllm]"] if "head.qk_norm=true" in overrides else []
+        out[name] = [*off, *overrides, *only_vllm]
     return out
 
 

@@ -110,7 +110,8 @@ def heldout_eval_prompts(regen: Path, out: Path) -> dict:
 
 
 def regenerate(prompts: Path, out: Path, target: Path, a) -> dict:
-    _check(cli(["regenerate", prompts, "--out", out, "--target", target, "--device", a.device,
+    """The target's own greedy answers (`a`: real_model's or real_model_scaling's options; cpu unless --device)."""
+    _check(cli(["regenerate", prompts, "--out", out, "--target", target, "--device", getattr(a, "device", "cpu"),
                 "--dtype", "float32", "--batch-size", a.regen_batch_size,
                 "--max-new-tokens", a.max_new_tokens]), f"regenerate {prompts.name}")
     meta = json.loads(Path(str(out) + ".meta.json").read_text())

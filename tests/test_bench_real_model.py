@@ -188,7 +188,7 @@ def test_gpu_quality_runs_the_pipeline_then_the_sweep_and_combines_the_winners(t
     singles = {n: report["taus"][n] for n in ("lr3e3", "lr5e4", "adamw")}
     assert all(1.0 <= t <= 4.0 for t in singles.values())  # each trained and scored in its own process
     base = json.loads((out / "ab" / "baseline" / "result.json").read_text())["epochs"][-1]["tau"]
-    both = bench.combination(base, singles, 2)
+    both = bench.combination(base, singles, 2, load_bench("quality_ab_real.py").configs())
     assert [n for n in report["taus"] if "+" in n] == ([both] if both else [])  # the two best winners, together
     assert report["stopped"] == [] and report["mt_bench"]["greedy_equal"] is True
     ab = json.loads((results / "quality_ab_real.json").read_text())
@@ -198,12 +198,14 @@ def test_gpu_quality_runs_the_pipeline_then_the_sweep_and_combines_the_winners(t
 
 def test_gpu_quality_combines_the_best_options_that_beat_the_baseline():
     bench = load_bench("gpu_quality.py")
-    taus = {"a": 1.61, "b": 1.70, "c": 1.58, "d": None, "e": 1.66}
-    assert bench.combination(1.60, taus, 2) == "b+e"
-    assert bench.combination(1.60, taus, 3) == "b+e+a"
-    assert bench.combination(1.65, taus, 3) == "b+e"
-    assert bench.combination(1.68, taus, 2) is None  # one winner: nothing to combine
-    assert bench.combination(None, taus, 2) is None
+    known = {"a": ["train.lr=2e-3"], "b": ["head.norm_output=true"], "c": ["head.dropout=0.1"], "d": ["x=1"],
+             "e": ["train.lr=3e-3", "head.loss=lk"], "f": ["head.feature_noise=uniform"]}
+    taus = {"a": 1.77, "b": 1.68, "c": 1.58, "d": None, "e": 1.72, "f": 1.67}
+    assert bench.combination(1.60, taus, 2, known) == "a+b"
+    assert bench.combination(1.60, taus, 3, known) == "a+b+f"  # e sets train.lr as a better one does: skipped
+    assert bench.combination(1.675, taus, 3, known) == "a+b"
+    assert bench.combination(1.70, taus, 2, known) is None  # a and e both set train.lr: nothing to combine
+    assert bench.combination(None, taus, 2, known) is None
 
 
 def test_quality_ab_real_reads_a_combination_as_both_option_lists():
