@@ -139,6 +139,21 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
         qab.main(["--run", str(out), "--out", str(ab), "--seeds", "1"])
     assert qab.main(["--run", str(tmp_path / "nothing"), "--out", str(ab)]) == 2  # not a make-real run: refused
 
+    # bench/retrain_real.py: the recipe retrained from that run's data folder, as the run trained it
+    retrain = load_bench("retrain_real.py")
+    again_dir = tmp_path / "retrain"
+    rargs = ["--data", str(out / "data"), "--target", str(out / "target"), "--out", str(again_dir), "--epochs", "2",
+             "--batch-size", "4", "--draft-vocab", "64", "--max-length", "64", "--results", str(results / "re.json")]
+    assert retrain.main(rargs) == 0
+    re = json.loads((results / "re.json").read_text())
+    assert [t["epoch"] for t in re["table"]] == [1, 2] and re["info"]["steps"] == 6 and re["samples"] == 12
+    assert [t["tau"] for t in re["table"]] == pytest.approx(table_final)  # same data, recipe and seed as the run
+    assert (results / "re.md").read_text().startswith("# The SmolLM2 recipe retrained")
+    assert retrain.main(rargs) == 0  # a second call reads the capture and checkpoints again
+    assert json.loads((results / "re.json").read_text())["capture_s"] < re["capture_s"] + 1
+    with pytest.raises(SystemExit):
+        retrain.main(["--data", str(tmp_path), "--target", str(out / "target"), "--out", str(again_dir)])
+
     # bench/block_drafters.py on that run: DFlash and DSpark from the same capture (its taps), every export
     blocks = load_bench("block_drafters.py")
     bd = tmp_path / "blocks"
