@@ -254,7 +254,7 @@ def train_anchor(name: str, out: Path, target_dir: Path, samples_file: Path, bud
     work.mkdir(parents=True)
     job = {"target": str(target_dir.resolve()), "samples": str(samples_file.resolve()), "work": str(work.resolve()),
            "threads": threads, **budget.__dict__}
-    job_file = work / "job.json"
+    job_file = work.resolve() / "job.json"  # the driver runs in `work`: a relative --out must not be joined twice
     write_json(job_file, job)
     progress(f"[anchors] {name}: training in {venv_dir(name)} ({budget.steps} steps)")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",

@@ -35,7 +35,7 @@ import real_model  # noqa: E402
 
 from specheads.atomic import write_json, write_text  # noqa: E402
 
-EXTRA = {  # SmolLM2-only rows: the 2025 head, and the recipe's step size (1e-3) against larger ones
+EXTRA = {  # SmolLM2-only rows: the 2025 head, the optimizer, step sizes (the recipe's was 1e-3 until lr2e3 won)
     "no_norm_before_fc": ["head.norm_before_fc=false"],
     "adamw": ["train.optimizer=adamw"],  # the recipe's optimizer before Muon
     "lr5e4": ["train.lr=5e-4"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,11 +191,13 @@ def _venv_ready(name: str) -> bool:
 
 
 @pytest.mark.parametrize("name", ["speculators", "specforge"])
-def test_anchor_trains_and_our_verifier_measures_it(name, anchors, tiny_target_dir, demo_data_dir, tmp_path, demo_run_dir):
+def test_anchor_trains_and_our_verifier_measures_it(name, anchors, tiny_target_dir, demo_data_dir, tmp_path, demo_run_dir,
+                                                    monkeypatch):
     if not _venv_ready(name):
         pytest.skip(f"no {name} venv under the user cache: python bench/anchors.py creates it")
     run = demo_run_dir
-    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    out = Path("out")  # relative, as a user types it: the driver runs inside OUT/<name> and still finds its job
     rc = anchors.main(["--run", str(run), "--out", str(out), "--anchors", name, "--no-specheads", "--steps", "3",
                        "--conversations", "24", "--limit", "2", "--max-new-tokens", "8", "--threads", "1",
                        "train.batch_size=2", "train.warmup_steps=1", "head.draft_vocab_size=64"])
