@@ -113,8 +113,9 @@ def run_baseline(setup: dict, out: Path) -> dict:
     """RUN's own checkpoints scored once (OUT/baseline/result.json, read again while it names the
     same checkpoints): a later invocation with other configurations does not score them again."""
     done, ckpt = out / "baseline" / "result.json", str(setup["baseline"])
-    if done.is_file() and json.loads(done.read_text()).get("ckpt") == ckpt:
-        return {k: v for k, v in json.loads(done.read_text()).items() if k != "ckpt"}
+    cached = json.loads(done.read_text()) if done.is_file() else {}
+    if cached.get("ckpt") == ckpt:
+        return {k: v for k, v in cached.items() if k != "ckpt"}
     result = {"config": "baseline", "overrides": [], "train_s": None, "epochs": scored(setup, setup["baseline"])}
     write_json(done, {**result, "ckpt": ckpt})
     return result

@@ -109,9 +109,9 @@ def heldout_eval_prompts(regen: Path, out: Path) -> dict:
     return {"prompts": len(prompts)}
 
 
-def regenerate(prompts: Path, out: Path, target: Path, a) -> dict:
-    """The target's own greedy answers (`a`: real_model's or real_model_scaling's options; cpu unless --device)."""
-    _check(cli(["regenerate", prompts, "--out", out, "--target", target, "--device", getattr(a, "device", "cpu"),
+def regenerate(prompts: Path, out: Path, target: Path, a, device: str = "cpu") -> dict:
+    """The target's own greedy answers on DEVICE (`a`: batch size and answer length)."""
+    _check(cli(["regenerate", prompts, "--out", out, "--target", target, "--device", device,
                 "--dtype", "float32", "--batch-size", a.regen_batch_size,
                 "--max-new-tokens", a.max_new_tokens]), f"regenerate {prompts.name}")
     meta = json.loads(Path(str(out) + ".meta.json").read_text())
@@ -420,9 +420,10 @@ def run(a, overrides: list[str]) -> dict:
     prompts = st.run("prompts", split_prompts, Path(a.prompts), data, a.train_prompts, a.heldout_prompts)
     mt = st.run("mt_bench_prompts", mt_bench_first_turns, Path(a.mt_bench), data / "mt_bench_first.jsonl",
                 a.mt_bench_per_category)
-    regen_train = st.run("regenerate_train", regenerate, data / "train_prompts.jsonl", data / "train.jsonl", target, a)
+    regen_train = st.run("regenerate_train", regenerate, data / "train_prompts.jsonl", data / "train.jsonl", target, a,
+                         a.device)
     regen_heldout = st.run("regenerate_heldout", regenerate, data / "heldout_prompts_src.jsonl",
-                           data / "heldout.jsonl", target, a)
+                           data / "heldout.jsonl", target, a, a.device)
     st.run("heldout_prompts", heldout_eval_prompts, data / "heldout.jsonl", data / "heldout_prompts.jsonl")
     vocab = st.run("vocab", vocab_coverage, target, data / "train.jsonl", a.draft_vocab, a.max_length)
     common = [f"head.draft_vocab_size={a.draft_vocab}", f"data.max_length={a.max_length}", *overrides]
