@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+# Every process a test starts (CLI runs, servers, trainers) runs one torch thread: torch with two
+# threads on two shared cores slows down 10-20x as soon as another process competes (the other
+# xdist worker, CI's background engine builds); the demo smoke test took 530 s that way, 21 s on one.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 
 def pytest_collection_modifyitems(config, items):
     """Engine tests need the engines' venvs (~20 GB): only with SPECHEADS_ENGINE_TESTS=1 (make engine-check)."""
