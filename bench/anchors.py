@@ -1,14 +1,20 @@
-"""Side by side with the anchors: EAGLE-3 drafters trained by specheads, speculators and SpecForge on
-the same conversations and budget, all measured by specheads' verifier on the same held-out prompts.
+"""Side by side with the anchors: EAGLE-3 (and DFlash / DSpark) drafters trained by specheads,
+speculators and SpecForge on the same conversations and budget, all measured by specheads' verifier on
+the same held-out prompts.
 
     nice -n 19 python bench/anchors.py --run runs/demo --out runs/anchors \
         [--anchors speculators,specforge] [--steps 300] [--conversations N] [--limit 32] \
-        [--max-new-tokens 96] [--k 3] [--recipe recipes/demo/eagle3.yaml] [--threads 2] [OVERRIDES ...]
+        [--max-new-tokens 96] [--k 3] [--recipe recipes/demo/eagle3.yaml [--recipe recipes/dspark/demo.yaml]] \
+        [--threads 2] [OVERRIDES ...]
 
 `--run` is a folder with `target` (link or HF folder) and `data/train_regen.jsonl` (the target's own
 answers; else `data/train.jsonl`) and `data/heldout_prompts.jsonl` (a `make demo` or `make real` run).
-The recipe (with OVERRIDES) fixes the shared settings: target aux layers, draft vocabulary size, TTT
-steps and decay, learning rate, warm-up, max length, `--steps` x `train.batch_size`. specheads
+Each `--recipe` (with OVERRIDES) is one kind's section, its head.kind naming the kind (eagle3, dflash,
+dspark), and fixes the shared settings: target layers, draft vocabulary size, learning rate, warm-up,
+max length, `--steps` x `train.batch_size`; EAGLE-3's TTT steps and decay; DFlash's and DSpark's
+layer count and block (anchor + G, the fill-in layout), DSpark's Markov and confidence heads. Block
+drafters are measured with a chain of the whole block (k = G): their full-block acceptance is the
+last slot's. specheads
 tokenises the conversations once (assistant-only loss masks) and every toolkit trains on those very
 samples (the training split of the recipe's seeded hold-out).
 
@@ -60,11 +66,13 @@ class Anchor:
     installs: tuple[tuple[str, ...], ...]  # `pip install ARGS` steps, in order
     removes: tuple[str, ...] = ()  # packages uninstalled afterwards
     notes: tuple[str, ...] = ()  # what installing on a CPU needed, for the table
+    kinds: tuple[str, ...] = ("eagle3",)  # the kinds its driver trains
+    not_driven: str = ""  # what the toolkit has that the driver does not run yet, and why
 
 
 ANCHORS = {
     "speculators": Anchor(
-        "speculators", "0.9.0", "speculators_eagle3.py",
+        "speculators", "0.9.0", "speculators_train.py",
         installs=((TORCH_PIN,), ("speculators==0.9.0", TORCH_PIN)),
         removes=("torchvision", "torchaudio"),
         notes=("pip install torch==2.13.0 (CPU) first, then speculators==0.9.0 with its own deps "
@@ -77,7 +85,8 @@ ANCHORS = {
                "natural-language rows need a vLLM /render endpoint",
                "options chosen for a CPU: --loss-implementation eager (fused is the default), --draft-attn-impl "
                "sdpa (simple_flex_attention is), --num-workers 0, --hidden-states-dtype float32; "
-               "--train-data-ratio 0.98 (it requires a validation split)")),
+               "--train-data-ratio 0.98 (it requires a validation split)"),
+        kinds=("eagle3", "dflash", "dspark")),
     "specforge": Anchor(
         "specforge", "0.2.0", "specforge_eagle3.py",
         installs=((TORCH_PIN,), ("--no-deps", "specforge==0.2.0"),
@@ -92,7 +101,9 @@ ANCHORS = {
                "its offline records are bfloat16 and its draft and frozen lm_head run in bfloat16 (its default "
                "torch_dtype; float32 states fail with `RuntimeError: expected m1 and m2 to have the same dtype`)",
                "no SGLang: target hidden states computed with transformers into its offline EAGLE-3 "
-               "records (data.hidden_states_path)")),
+               "records (data.hidden_states_path)"),
+        not_driven="SpecForge 0.2.0 ships DFlash and DSpark trainers (specforge.algorithms.dflash / dspark), "
+                   "but this bench drives only its EAGLE-3 trainer on a CPU so far"),
 }
 
 
@@ -151,9 +162,14 @@ def _pip_run(cmd: list[str], log: Path) -> None:
 
 
 # --- shared data and budget ------------------------------------------------------------------------
+BLOCK_KINDS = ("dflash", "dspark")
+KINDS = ("eagle3", *BLOCK_KINDS)
+
+
 @dataclass(frozen=True)
 class Budget:
-    """What every toolkit shares: steps x batch (packed trainers: tokens a step) and the head's shape."""
+    """What every toolkit shares: steps x batch (packed trainers: tokens a step) and the head's shape.
+    aux_layers are target taps in vLLM's numbering (HF hidden_states index; a DFlash layer output + 1)."""
 
     steps: int
     batch_size: int
@@ -161,11 +177,18 @@ class Budget:
     max_length: int
     aux_layers: list[int]
     draft_vocab_size: int
-    ttt_steps: int
-    step_decay: float
+    ttt_steps: int | None  # EAGLE-3 only
+    step_decay: float | None  # EAGLE-3 only
     lr: float
     warmup_steps: int
     seed: int
+    kind: str = "eagle3"
+    block: dict | None = None  # DFlash / DSpark: num_layers, block_size (anchor + G), causal, DSpark's heads
+
+    @property
+    def k(self) -> int | None:
+        """Drafted tokens a block drafter proposes (G); None for EAGLE-3 (the chain length is asked)."""
+        return None if self.block is None else self.block["block_size"] - 1
 
 
 def train_file(run: Path, out: Path, conversations: int | None) -> Path:
@@ -182,6 +205,19 @@ def train_file(run: Path, out: Path, conversations: int | None) -> Path:
     dest = out / "data" / f"conversations_{conversations}.jsonl"
     write_text(dest, "\n".join(lines) + "\n")
     return dest
+
+
+def work_root(out: Path, kind: str) -> Path:
+    """Where a kind's section writes: OUT itself for EAGLE-3, OUT/<kind> for the others."""
+    return out if kind == "eagle3" else out / kind
+
+
+def recipe_kind(recipe_path: Path) -> str:
+    """The kind a recipe trains (its head.kind), without loading the target."""
+    import yaml
+
+    kind = ((yaml.safe_load(Path(recipe_path).read_text()) or {}).get("head") or {}).get("kind", "eagle3")
+    return kind
 
 
 def load_recipe_for(recipe_path: Path, target: Path, data: Path, out: Path, steps: int, overrides: list[str]):
@@ -209,25 +245,42 @@ def budget_of(recipe, target, samples) -> Budget:
 
     mean_len = statistics.mean(len(s.input_ids) for s in samples)
     h, t = recipe.head, recipe.train
+    common = dict(steps=t.max_steps, batch_size=t.batch_size, tokens_per_step=round(t.batch_size * mean_len),
+                  max_length=recipe.data.max_length, lr=t.lr, warmup_steps=t.warmup_steps, seed=t.seed, kind=h.kind)
+    if h.kind in BLOCK_KINDS:
+        return Budget(**common, **block_budget(h, target), ttt_steps=None, step_decay=None)
     aux = list(getattr(h, "aux_layers", None) or default_aux_layers(target.num_layers))
-    return Budget(steps=t.max_steps, batch_size=t.batch_size, tokens_per_step=round(t.batch_size * mean_len),
-                  max_length=recipe.data.max_length, aux_layers=aux, draft_vocab_size=h.draft_vocab_size,
-                  ttt_steps=h.ttt_steps, step_decay=h.step_decay, lr=t.lr, warmup_steps=t.warmup_steps, seed=t.seed)
+    return Budget(**common, aux_layers=aux, draft_vocab_size=h.draft_vocab_size, ttt_steps=h.ttt_steps,
+                  step_decay=h.step_decay)
+
+
+def block_budget(h, target) -> dict:
+    """A DFlash / DSpark recipe's shared head: taps (layer outputs + 1), vocabulary, layers and block."""
+    from specheads.heads.dflash import default_target_layer_ids
+
+    ids = list(h.target_layer_ids or default_target_layer_ids(target.num_layers, h.num_layers))
+    drafted = h.block_size if h.kind == "dspark" else h.block_size - 1  # DSpark's recipe counts G; DFlash's, anchor + G
+    block = {"num_layers": h.num_layers, "block_size": drafted + 1, "causal": bool(h.causal)}
+    if h.kind == "dspark":
+        block.update({name: getattr(h, name) for name in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                                          "confidence_head_with_markov")})
+    return {"aux_layers": [i + 1 for i in ids], "draft_vocab_size": h.draft_vocab_size or target.vocab_size,
+            "block": block}
 
 
 # --- training: ours and the anchors' ---------------------------------------------------------------
 def train_ours(recipe, out: Path, budget: Budget) -> dict:
-    """specheads' own EAGLE-3 run of the recipe, exported in the vLLM (speculators) format."""
+    """specheads' own run of the recipe, exported in the vLLM (speculators) format."""
     from specheads.export import export
     from specheads.train import train
 
     t0 = time.perf_counter()
     ckpt = train(recipe)
     train_s = time.perf_counter() - t0
-    folder = export(ckpt, "vllm", out / "specheads" / "export", overwrite=True)
+    folder = export(ckpt, "vllm", work_root(out, budget.kind) / "specheads" / "export", overwrite=True)
     folder = Path(os.path.relpath(folder, out))
     tokens = budget.steps * budget.tokens_per_step
-    return {"toolkit": "specheads", "version": _our_version(), "export": f"OUT/{folder}",
+    return {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(), "export": f"OUT/{folder}",
             "export_path": str(out / folder), "train_s": round(train_s, 2),
             "train_tokens_est": tokens, "train_tokens_per_s": round(tokens / train_s, 1),
             "note": "target forward inside each step (online features)"}
@@ -243,12 +296,14 @@ def train_anchor(name: str, out: Path, target_dir: Path, samples_file: Path, bud
                  progress=print) -> dict:
     """Run the anchor's driver in its venv; its result.json (with the error in its own words if any)."""
     a = ANCHORS[name]
-    row = {"toolkit": name, "version": a.version, "install_notes": list(a.notes)}
+    row = {"toolkit": name, "kind": budget.kind, "version": a.version, "install_notes": list(a.notes)}
+    if budget.kind not in a.kinds:
+        return {**row, "stage": "not driven", "error": a.not_driven or f"{name} does not train {budget.kind}"}
     try:
         py = ensure_venv(name, progress)
     except AnchorSetupError as err:
         return {**row, "stage": "install", "error": str(err)}
-    work = out / name
+    work = work_root(out, budget.kind) / name
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -268,7 +323,8 @@ def train_anchor(name: str, out: Path, target_dir: Path, samples_file: Path, bud
         return {**row, "stage": "driver", "error": f"driver exited {done.returncode} without a result; log end:\n{tail}"}
     result = json.loads(_relative(result_file.read_text(), {out.resolve(): "OUT", target_dir.resolve(): "TARGET"}))
     if result.get("export"):
-        result["export_path"] = str(work / Path(result["export"]).relative_to("OUT/" + name))
+        result["export_path"] = str(work / Path(result["export"]).relative_to(
+            "OUT/" + str(work.relative_to(out))))
         tokens = result["train_tokens_est"]
         result["train_tokens_per_s"] = round(tokens / result["train_s"], 1)
         result["train_tokens_per_s_with_capture"] = round(tokens / (result["train_s"] + result["capture_s"]), 1)
@@ -305,6 +361,7 @@ def measure_export(folder: str, target, prompts, plain, k: int, max_new_tokens: 
     return {"fingerprint_checked": draft.fingerprint_checked, "k": k, "tau": s["tau"],
             "acceptance_per_position": s["acceptance_per_position"],
             "acceptance_per_position_conditional": s["acceptance_per_position_conditional"],
+            "full_block_acceptance": s["acceptance_per_position"][k - 1],
             "greedy_equal": not bad, "mismatched_ids": bad, "tokens_per_s": heads.rate(stats),
             "speedup": heads.rate(stats) / plain["tokens_per_s"]}
 
@@ -329,45 +386,75 @@ def _num(x, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
-def markdown(report: dict) -> str:
-    st, b = report["settings"], report["budget"]
-    lines = ["# EAGLE-3 side by side with the anchors", "",
-             f"`{st['command']}`", "",
-             f"target `{st['target']}`; {st['train_samples']} training samples from `{st['data']}` (tokenised once "
-             f"by specheads, the same rows for every toolkit); {b['steps']} steps x batch {b['batch_size']} "
-             f"(packed trainers: {b['tokens_per_step']} tokens a step); aux layers {b['aux_layers']}, draft "
-             f"vocabulary {b['draft_vocab_size']}, TTT {b['ttt_steps']} (decay {b['step_decay']}), lr {b['lr']}, "
-             f"warm-up {b['warmup_steps']}. Measured by specheads' verifier on {st['num_prompts']} held-out prompts, "
-             f"max {st['max_new_tokens']} new tokens, greedy, chain k = {st['k']}, CPU float32, "
-             f"{st['threads']} thread(s), nice {st['niceness']}, load average at the end "
-             f"{', '.join(f'{x:.2f}' for x in st['loadavg_at_end'])}; plain decoding {st['plain_tokens_per_s']:.1f} "
-             "tokens/s. tau counts the bonus token.", "",
-             "| toolkit | tau | acceptance per position | greedy equal | speed-up vs plain | train tokens/s "
-             "| incl. hidden-state capture | train s |",
-             "|---|---:|---|:---:|---:|---:|---:|---:|"]
-    for r in report["rows"]:
+KIND_TITLES = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
+
+
+def budget_line(b: dict) -> str:
+    """One kind's shared settings, in words."""
+    line = (f"{b['steps']} steps x batch {b['batch_size']} (packed trainers: {b['tokens_per_step']} tokens a step); "
+            f"target taps {b['aux_layers']} (vLLM numbering), draft vocabulary {b['draft_vocab_size']}, lr {b['lr']}, "
+            f"warm-up {b['warmup_steps']}")
+    blk = b.get("block")
+    if blk is None:
+        return line + f"; one layer, TTT {b['ttt_steps']} (decay {b['step_decay']})."
+    line += (f"; {blk['num_layers']} layers, blocks of anchor + {blk['block_size'] - 1} (fill-in layout), "
+             f"{'causal' if blk['causal'] else 'bidirectional'} in the block (specheads; the anchors keep their own)")
+    if "markov_rank" in blk:
+        line += (f"; Markov head rank {blk['markov_rank']} ({blk['markov_head_type']}), confidence head "
+                 f"{'on' if blk['enable_confidence_head'] else 'off'}"
+                 f"{' with the Markov embedding' if blk['confidence_head_with_markov'] else ''}")
+    return line + "."
+
+
+def section(kind: str, b: dict, rows: list[dict], chain_k: int) -> list[str]:
+    """One kind's table: every toolkit's tau, acceptance, equality, speed and training rate."""
+    k = chain_k if b.get("block") is None else b["block"]["block_size"] - 1
+    ours = next((r["tau"] for r in rows if r["toolkit"] == "specheads" and "tau" in r), None)
+    lines = [f"## {KIND_TITLES.get(kind, kind)} (chain k = {k})", "", budget_line(b), "",
+             "| toolkit | tau | specheads' tau / this | acceptance per position | greedy equal | speed-up vs plain "
+             "| train tokens/s | incl. hidden-state capture | train s |",
+             "|---|---:|---:|---|:---:|---:|---:|---:|---:|"]
+    for r in rows:
         name = f"{r['toolkit']} {r.get('version', '')}".strip()
         if "tau" not in r:
-            lines.append(f"| {name} | failed at {r.get('stage')} | `{_cell(r.get('error', ''))}` | | | | | |")
+            lines.append(f"| {name} | {r.get('stage')} | | `{_cell(r.get('error', ''))}` | | | | | |")
             continue
         acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        lines.append(f"| {name} | {r['tau']:.2f} | {acc} | {'yes' if r['greedy_equal'] else 'NO'} | "
+        ratio = "" if ours is None or r["toolkit"] == "specheads" else f"{ours / r['tau']:.2f}x"
+        lines.append(f"| {name} | {r['tau']:.2f} | {ratio} | {acc} | {'yes' if r['greedy_equal'] else 'NO'} | "
                      f"{r['speedup']:.2f}x | {_num(r.get('train_tokens_per_s'), '.0f')} | "
                      f"{_num(r.get('train_tokens_per_s_with_capture'), '.0f')} | {_num(r.get('train_s'), '.0f')} |")
-    lines += ["", "What each toolkit needed on a CPU, and what did not work (in its own words):", ""]
+    return lines + [""]
+
+
+def markdown(report: dict) -> str:
+    st = report["settings"]
+    lines = ["# Side by side with the anchors", "",
+             f"`{st['command']}`", "",
+             f"target `{st['target']}`; training samples from `{st['data']}` (tokenised once by specheads, the same "
+             f"rows for every toolkit). Measured by specheads' verifier on {st['num_prompts']} held-out prompts, "
+             f"max {st['max_new_tokens']} new tokens, greedy, CPU float32, {st['threads']} thread(s), nice "
+             f"{st['niceness']}, load average at the end {', '.join(f'{x:.2f}' for x in st['loadavg_at_end'])}; "
+             f"plain decoding {st['plain_tokens_per_s']:.1f} tokens/s. tau counts the bonus token; a block "
+             "drafter's full-block acceptance is its last slot's.", ""]
+    for kind, b in report["budgets"].items():
+        lines += section(kind, b, [r for r in report["rows"] if r.get("kind", "eagle3") == kind], st["k"])
+    lines += ["What each toolkit needed on a CPU, and what did not work (in its own words):", ""]
+    noted = set()
     for r in report["rows"]:
         if r["toolkit"] == "specheads":
             continue
-        lines.append(f"- **{r['toolkit']} {r.get('version', '')}**")
-        for note in r.get("install_notes", []):
-            lines.append(f"  - setup: {note}")
+        lines.append(f"- **{r['toolkit']} {r.get('version', '')}, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**")
+        if r["toolkit"] not in noted:
+            noted.add(r["toolkit"])
+            lines += [f"  - setup: {note}" for note in r.get("install_notes", [])]
         for err, ad in zip(r.get("errors_before_adaptation", []), r.get("cpu_adaptations", [])):
             lines.append(f"  - failed with `{_cell(err)}`; then adapted: {ad}")
         if r.get("toolkit_defaults_kept"):
             kept = ", ".join(f"{k} {v}" for k, v in r["toolkit_defaults_kept"].items())
             lines.append(f"  - its own defaults kept: {kept}")
         if "error" in r:
-            lines.append(f"  - failed at stage `{r.get('stage')}`: `{_cell(r['error'])}`")
+            lines.append(f"  - {r.get('stage')}: `{_cell(r['error'])}`")
         if r.get("export"):
             lines.append(f"  - its checkpoint loaded as is by our verifier from `{r['export']}` "
                          f"(fingerprint checked: {r.get('fingerprint_checked')})")
@@ -379,6 +466,25 @@ def _cell(text: str) -> str:
 
 
 # --- the bench -------------------------------------------------------------------------------------
+def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Path, target) -> tuple[Budget, list]:
+    """One kind: the recipe's samples written once, then every toolkit trained on them."""
+    root = work_root(out, recipe_kind(recipe_path))
+    recipe = load_recipe_for(recipe_path, a.target, data, root, a.steps, a.overrides)
+    samples_file = root / "data" / "samples.jsonl"
+    samples = write_samples(recipe, target, samples_file)
+    budget = budget_of(recipe, target, samples)
+    rows = []
+    if "specheads" in a.toolkits:
+        rows.append(train_ours(recipe, out, budget))
+        print(f"[anchors] {budget.kind}: specheads trained: {rows[-1]['train_s']} s", flush=True)
+    for name in a.toolkits:
+        if name != "specheads":
+            rows.append(train_anchor(name, out, a.target, samples_file, budget, a.threads))
+            print(f"[anchors] {budget.kind}: {name}: "
+                  f"{json.dumps({k: rows[-1].get(k) for k in ('stage', 'error', 'export')})[:600]}", flush=True)
+    return budget, [{**r, "train_samples": len(samples)} for r in rows]
+
+
 def bench(a: argparse.Namespace, command: str) -> dict:
     from specheads.data.prompts import read_prompts
     from specheads.provenance import provenance
@@ -388,37 +494,32 @@ def bench(a: argparse.Namespace, command: str) -> dict:
     out, run = Path(a.out), Path(a.run)
     out.mkdir(parents=True, exist_ok=True)
     data = train_file(run, out, a.conversations)
-    recipe = load_recipe_for(Path(a.recipe), a.target, data, out, a.steps, a.overrides)
     target = Target.load(str(a.target), device="cpu")
-    samples_file = out / "data" / "samples.jsonl"
-    samples = write_samples(recipe, target, samples_file)
-    budget = budget_of(recipe, target, samples)
-    rows = []
-    if "specheads" in a.toolkits:
-        rows.append(train_ours(recipe, out, budget))
-        print(f"[anchors] specheads trained: {rows[-1]['train_s']} s", flush=True)
-    for name in a.toolkits:
-        if name != "specheads":
-            rows.append(train_anchor(name, out, a.target, samples_file, budget, a.threads))
-            print(f"[anchors] {name}: {json.dumps({k: rows[-1].get(k) for k in ('stage', 'error', 'export')})[:600]}",
-                  flush=True)
+    budgets, rows = {}, []
+    for recipe_path in a.recipes:
+        budget, section = train_section(Path(recipe_path), a, out, data, target)
+        budgets[budget.kind] = budget
+        rows += section
     prompts = _bench_module("verifier.py").encode_rows(target, read_prompts(run / "data" / "heldout_prompts.jsonl",
                                                                           a.limit))
     plain = plain_reference(target, prompts, a.max_new_tokens)
     for row in rows:
         if row.get("export"):
+            k = budgets[row["kind"]].k or a.k
             try:
-                row.update(measure_export(row.get("export_path", row["export"]), target, prompts, plain, a.k,
+                row.update(measure_export(row.get("export_path", row["export"]), target, prompts, plain, k,
                                           a.max_new_tokens))
             except (ValueError, FileNotFoundError, KeyError) as err:
                 row.update(stage="load-into-verifier", error=f"{type(err).__name__}: {err}")
         row.pop("export_path", None)  # the report names folders relative to OUT
     report = {"settings": {"command": command, "target": str(a.target), "data": str(data),
-                           "train_samples": len(samples), "num_prompts": len(prompts), "k": a.k,
+                           "train_samples": max((r["train_samples"] for r in rows), default=0),
+                           "num_prompts": len(prompts), "k": a.k,
                            "max_new_tokens": a.max_new_tokens, "threads": torch.get_num_threads(),
                            "niceness": os.nice(0), "cpu_count": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
                            "plain_tokens_per_s": plain["tokens_per_s"]},
-              "budget": budget.__dict__, "rows": rows, "provenance": provenance(target=target.fingerprint())}
+              "budgets": {kind: {**b.__dict__} for kind, b in budgets.items()}, "rows": rows,
+              "provenance": provenance(target=target.fingerprint())}
     write_json(out / "anchors.json", report)
     write_text(out / "anchors.md", markdown(report))
     return report
@@ -432,7 +533,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", type=Path, default=None, help="the target's HF folder (default: RUN/target)")
     p.add_argument("--anchors", default=",".join(ANCHORS), help=f"comma-separated, of {', '.join(ANCHORS)}")
     p.add_argument("--no-specheads", action="store_true", help="leave specheads' own row out")
-    p.add_argument("--recipe", default=str(RECIPE), help="the EAGLE-3 recipe that fixes the shared settings")
+    p.add_argument("--recipe", action="append", default=None,
+                   help=f"a recipe that fixes one kind's shared settings (its head.kind: {', '.join(KINDS)}); "
+                   f"repeat for more kinds (default: {RECIPE.relative_to(ROOT)})")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps for every toolkit")
     p.add_argument("--conversations", type=int, default=None, help="the first N conversations only")
     p.add_argument("--limit", type=int, default=32, help="held-out prompts")
@@ -455,8 +558,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "'target' link)")
     if not (Path(a.run) / "data" / "heldout_prompts.jsonl").is_file():
         p.error(f"--run {a.run}: no data/heldout_prompts.jsonl in it")
-    if not Path(a.recipe).is_file():
-        p.error(f"--recipe {a.recipe}: no such file")
+    a.recipes = a.recipe or [str(RECIPE)]
+    kinds = []
+    for recipe in a.recipes:
+        if not Path(recipe).is_file():
+            p.error(f"--recipe {recipe}: no such file")
+        kinds.append(recipe_kind(Path(recipe)))
+        if kinds[-1] not in KINDS:
+            p.error(f"--recipe {recipe}: head.kind '{kinds[-1]}' has no anchor to compare with; expected one of "
+                    f"{', '.join(KINDS)}")
+    if len(set(kinds)) < len(kinds):
+        p.error(f"--recipe: two recipes of one kind ({', '.join(kinds)}); give one recipe a kind")
     a.toolkits = ([] if a.no_specheads else ["specheads"]) + anchors
     return a
 

@@ -67,7 +67,7 @@ def load_draft(folder: str | Path, target: Target, allow_missing_fingerprint: bo
     if not folder.is_dir():
         raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
                                 "written by `specheads export`")
-    head, meta = load_with_meta(folder)
+    head, meta = load_with_meta(folder, num_target_layers=target.num_layers)
     checked = meta.check_target(target, allow_missing=allow_missing_fingerprint)
     return Draft(head.to(device=target.device, dtype=target.dtype).eval(), meta, checked)
 

@@ -113,8 +113,14 @@ REPORT = {
     "settings": {"command": "python bench/anchors.py --run r --out o", "target": "r/target", "data": "r/data/t.jsonl",
                  "train_samples": 10, "num_prompts": 2, "max_new_tokens": 8, "k": 3, "threads": 2, "niceness": 19,
                  "loadavg_at_end": [1.0, 1.5, 2.0], "plain_tokens_per_s": 50.0},
-    "budget": {"steps": 4, "batch_size": 2, "tokens_per_step": 100, "aux_layers": [2, 4, 5], "draft_vocab_size": 64,
-               "ttt_steps": 3, "step_decay": 0.8, "lr": 0.002, "warmup_steps": 1},
+    "budgets": {
+        "eagle3": {"steps": 4, "batch_size": 2, "tokens_per_step": 100, "aux_layers": [2, 4, 5],
+                   "draft_vocab_size": 64, "ttt_steps": 3, "step_decay": 0.8, "lr": 0.002, "warmup_steps": 1},
+        "dspark": {"steps": 4, "batch_size": 2, "tokens_per_step": 100, "aux_layers": [2, 6], "draft_vocab_size": 512,
+                   "ttt_steps": None, "step_decay": None, "lr": 0.002, "warmup_steps": 1, "kind": "dspark",
+                   "block": {"num_layers": 2, "block_size": 4, "causal": False, "markov_rank": 32,
+                             "markov_head_type": "vanilla", "enable_confidence_head": True,
+                             "confidence_head_with_markov": True}}},
     "rows": [
         {"toolkit": "specheads", "version": "0.1.0", "tau": 2.5, "acceptance_per_position": [0.8, 0.5, 0.2],
          "greedy_equal": True, "speedup": 1.5, "train_tokens_per_s": 1000.0, "train_s": 4.0},
@@ -126,20 +132,32 @@ REPORT = {
          "fingerprint_checked": False},
         {"toolkit": "specforge", "version": "0.2.0", "stage": "train", "error": "RuntimeError: 0 active drivers ([]).",
          "install_notes": ["--no-deps"]},
+        {"toolkit": "specheads", "kind": "dspark", "version": "0.1.0", "tau": 3.0,
+         "acceptance_per_position": [0.9, 0.7, 0.4], "greedy_equal": True, "speedup": 1.2, "train_s": 4.0},
+        {"toolkit": "speculators", "kind": "dspark", "version": "0.9.0", "tau": 2.0,
+         "acceptance_per_position": [0.6, 0.3, 0.1], "greedy_equal": True, "speedup": 1.0, "train_s": 2.0,
+         "install_notes": ["pip install torch==2.13.0 (CPU) first"]},
+        {"toolkit": "specforge", "kind": "dspark", "version": "0.2.0", "stage": "not driven",
+         "error": "SpecForge 0.2.0 ships DFlash and DSpark trainers", "install_notes": ["--no-deps"]},
     ],
 }
 
 
 def test_markdown_rows_and_failures(anchors):
     md = anchors.markdown(REPORT)
-    assert "| specheads 0.1.0 | 2.50 | 0.80 / 0.50 / 0.20 | yes | 1.50x | 1000 |  | 4 |" in md
-    assert "| speculators 0.9.0 | 2.25 | 0.75 / 0.40 / 0.10 | yes | 1.25x | 2000 | 500 | 2 |" in md
-    assert "| specforge 0.2.0 | failed at train | `RuntimeError: 0 active drivers ([]).` |" in md
+    eagle3, dspark = md.split("## EAGLE-3 (chain k = 3)")[1].split("## DSpark (chain k = 3)")
+    assert "| specheads 0.1.0 | 2.50 |  | 0.80 / 0.50 / 0.20 | yes | 1.50x | 1000 |  | 4 |" in eagle3
+    assert "| speculators 0.9.0 | 2.25 | 1.11x | 0.75 / 0.40 / 0.10 | yes | 1.25x | 2000 | 500 | 2 |" in eagle3
+    assert "| specforge 0.2.0 | train | | `RuntimeError: 0 active drivers ([]).` |" in eagle3
+    assert "one layer, TTT 3 (decay 0.8)" in eagle3 and "4 steps x batch 2 (packed trainers: 100 tokens a step)" in eagle3
+    assert "| speculators 0.9.0 | 2.00 | 1.50x | 0.60 / 0.30 / 0.10 |" in dspark  # its own kind's specheads row
+    assert "| specforge 0.2.0 | not driven | | `SpecForge 0.2.0 ships DFlash and DSpark trainers` |" in dspark
+    assert "2 layers, blocks of anchor + 3 (fill-in layout)" in dspark and "Markov head rank 32 (vanilla)" in dspark
     assert ("failed with `RuntimeError: Cannot access accelerator device when none is available.`; then adapted: "
             "get_local_rank -> 'cpu'") in md
     assert "setup: --no-deps" in md and "loaded as is by our verifier from `OUT/speculators/train-1/0`" in md
-    assert "failed at stage `train`: `RuntimeError: 0 active drivers ([]).`" in md
-    assert "4 steps x batch 2 (packed trainers: 100 tokens a step)" in md
+    assert "train: `RuntimeError: 0 active drivers ([]).`" in md
+    assert md.count("setup: --no-deps") == 1  # a toolkit's setup notes once, under its first kind
 
 
 def test_argument_errors(anchors, tmp_path, capsys):
@@ -150,7 +168,10 @@ def test_argument_errors(anchors, tmp_path, capsys):
     for argv, words in [(["--anchors", "medusa"], "--anchors: unknown 'medusa'; expected some of speculators, specforge"),
                         (["--steps", "0"], "--steps must be at least 1 (got 0)"),
                         (["--target", str(tmp_path / "nope")], "no config.json there"),
-                        (["--recipe", str(tmp_path / "r.yaml")], "--recipe"), ]:
+                        (["--recipe", str(tmp_path / "r.yaml")], "--recipe"),
+                        (["--recipe", "recipes/medusa/demo.yaml"], "head.kind 'medusa' has no anchor to compare with"),
+                        (["--recipe", "recipes/dspark/demo.yaml", "--recipe", "recipes/dspark/smollm2-135m-cpu.yaml"],
+                         "two recipes of one kind"), ]:
         args = ["--run", str(tmp_path), "--out", str(tmp_path / "o"), *argv]
         with pytest.raises(SystemExit) as exc:
             anchors.parse_args(args)
@@ -183,11 +204,51 @@ def test_shared_samples_and_budget(anchors, tiny_target_dir, demo_data_dir, tmp_
     mean = sum(len(r["input_ids"]) for r in rows) / len(rows)
     assert (b.steps, b.batch_size, b.tokens_per_step) == (5, 3, round(3 * mean))
     assert b.aux_layers == [2, 4, 5] and b.draft_vocab_size == 64 and b.ttt_steps == 3
+    assert b.kind == "eagle3" and b.block is None and b.k is None
+
+
+@pytest.mark.parametrize("kind, drafted", [("dflash", 7), ("dspark", 7)])
+def test_block_budget(anchors, demo_run_dir, tmp_path, kind, drafted):
+    """A DFlash / DSpark recipe's shared head: its layer outputs as vLLM taps (+1), anchor + G positions
+    (DSpark's recipe counts G, DFlash's anchor + G), the target's vocabulary when the recipe has none."""
+    from specheads.target import Target
+
+    run, out = demo_run_dir, tmp_path / "out"
+    data = anchors.train_file(run, out, 12)
+    recipe = anchors.load_recipe_for(anchors.ROOT / "recipes" / kind / "demo.yaml", run / "target", data,
+                                     anchors.work_root(out, kind), 5, [])
+    target = Target.load(str(run / "target"), device="cpu")
+    samples = anchors.write_samples(recipe, target, anchors.work_root(out, kind) / "samples.jsonl")
+    b = anchors.budget_of(recipe, target, samples)
+    assert b.kind == kind and b.k == drafted and b.block["block_size"] == drafted + 1 and b.ttt_steps is None
+    assert b.aux_layers == [2, 6]  # the recipes' default outputs of layers [1, 5] of 8
+    assert b.draft_vocab_size == target.vocab_size and b.block["num_layers"] == 2 and b.block["causal"] is False
+    assert ("markov_rank" in b.block) == (kind == "dspark")
+    assert anchors.work_root(out, kind) == out / kind and anchors.work_root(out, "eagle3") == out
 
 
 # --- the real anchors, only where their venvs exist ------------------------------------------------
 def _venv_ready(name: str) -> bool:
     return load_bench("anchors.py", "bench_anchors_probe").is_ready(name)
+
+
+def test_driver_flags_of_each_kind():
+    """speculators' flags: EAGLE-3's one layer and TTT; a block kind's layers, block and fill-in layout
+    (no sample-from-anchor); DSpark's heads as shared."""
+    sys.path.insert(0, str(DRIVERS))
+    try:
+        from speculators_train import head_argv
+    finally:
+        sys.path.remove(str(DRIVERS))
+    assert head_argv({"ttt_steps": 3, "step_decay": 0.8}) == ["--num-layers", "1", "--draft-arch", "llama",
+                                                            "--ttt-steps", "3", "--ttt-step-loss-decay", "0.8"]
+    block = {"num_layers": 2, "block_size": 8, "causal": False, "markov_rank": 32, "markov_head_type": "vanilla",
+             "enable_confidence_head": True, "confidence_head_with_markov": False}
+    assert head_argv({"kind": "dflash", "block": block}) == ["--num-layers", "2", "--block-size", "8",
+                                                            "--no-sample-from-anchor"]
+    assert head_argv({"kind": "dspark", "block": block})[3:] == [
+        "8", "--no-sample-from-anchor", "--markov-rank", "32", "--markov-head-type", "vanilla",
+        "--enable-confidence-head", "--no-confidence-head-with-markov"]
 
 
 @pytest.mark.parametrize("name", ["speculators", "specforge"])
@@ -207,3 +268,21 @@ def test_anchor_trains_and_our_verifier_measures_it(name, anchors, tiny_target_d
     assert row["greedy_equal"] and 1.0 <= row["tau"] <= 4.0 and len(row["acceptance_per_position"]) == 3
     assert row["train_tokens_per_s"] > 0 and row["export"].startswith(f"OUT/{name}/")
     assert str(tmp_path) not in json.dumps(report["rows"])  # the rows name OUT and TARGET, no machine path
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_speculators_block_drafter_trains_and_our_verifier_measures_it(kind, anchors, tmp_path, demo_run_dir):
+    if not _venv_ready("speculators"):
+        pytest.skip("no speculators venv under the user cache: python bench/anchors.py creates it")
+    out = tmp_path / "out"
+    rc = anchors.main(["--run", str(demo_run_dir), "--out", str(out), "--anchors", "speculators,specforge",
+                       "--recipe", str(anchors.ROOT / "recipes" / kind / "demo.yaml"), "--steps", "3",
+                       "--conversations", "24", "--limit", "2", "--max-new-tokens", "8", "--threads", "1",
+                       "train.batch_size=2", "train.warmup_steps=1", "data.max_length=128"])
+    report = json.loads((out / "anchors.json").read_text())
+    ours, theirs, specforge = report["rows"]
+    assert rc == 0 and theirs["kind"] == kind and "error" not in theirs, theirs
+    assert theirs["export"].startswith(f"OUT/{kind}/speculators/") and ours["export"].startswith(f"OUT/{kind}/specheads/")
+    assert theirs["greedy_equal"] and ours["greedy_equal"] and len(theirs["acceptance_per_position"]) == 7
+    assert specforge["stage"] == "not driven"  # named, not silently left out
+    assert report["budgets"][kind]["block"]["block_size"] == 8

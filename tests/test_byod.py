@@ -180,7 +180,7 @@ def edited_copy(tmp_path: Path, edit_config=None, edit_tensors=None) -> Path:
     (lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), "num_hidden_layers 2"),
     (lambda c: c.update(target_hidden_size=64), "target_hidden_size 64"),
     (lambda c: c.update(fc_norm=True), "exclude each other"),
-    (lambda c: c.update(speculators_model_type="dflash"), "speculators_model_type 'dflash'"),
+    (lambda c: c.update(speculators_model_type="mtp"), "speculators_model_type 'mtp'"),
 ])
 def test_unsupported_options_are_refused_by_name(tmp_path, edit, message):
     with pytest.raises(ForeignDraftError, match=message):

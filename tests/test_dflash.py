@@ -348,3 +348,30 @@ def test_reduced_vocabulary_rules_break(tmp_path, target):
     _break(out, "d2t_float")
     with pytest.raises(ContractError, match="d2t: expected dtype I64"):
         dflash_export.validate(out, "vllm-native")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_speculators_trainer_checkpoint_loads_as_the_same_head(tmp_path, target, causal):
+    """A DFlash checkpoint as speculators 0.9.0's trainer saves it (no specheads.json; its optimizer
+    state beside; block_size counting the anchor, as ours) is read by the verifier as that head."""
+    import json
+
+    from specheads.export import export, load_with_meta
+    from specheads.export.foreign import ForeignDraftError
+
+    head = random_head(target, target_layer_ids=[1, 3, 5], causal=causal)
+    folder = export(checkpoint(tmp_path, head), "vllm", tmp_path / "theirs")
+    (folder / "specheads.json").unlink()
+    torch.save({}, folder / "optimizer_state_dict.pt")
+    cfg = json.loads((folder / "config.json").read_text())
+    loaded, meta = load_with_meta(folder, num_target_layers=target.num_layers)
+    assert meta.kind == "dflash" and meta.record == {} and meta.num_speculative_tokens == 3
+    assert loaded.config.block_size == 4 and loaded.config.causal is causal and loaded.config.num_target_layers == 8
+    for (n, a), b in zip(loaded.state_dict().items(), head.float().state_dict().values()):
+        assert torch.equal(a, b), n
+    prompt = torch.randint(0, 95, (7,), generator=torch.Generator().manual_seed(5))
+    res = decode(target, DFlashProposer(loaded.to(target.dtype), target), prompt, 20, 3)
+    assert res.tokens == greedy_decode(target, prompt, 20).tokens
+    (folder / "config.json").write_text(json.dumps({**cfg, "sample_from_anchor": True}))
+    with pytest.raises(ForeignDraftError, match="sample_from_anchor: true"):
+        load_with_meta(folder)

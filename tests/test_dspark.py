@@ -478,3 +478,44 @@ def test_trained_export_loads_and_decodes_losslessly(tmp_path, target):
     res = greedy(target, DSparkProposer(loaded.to(target.dtype), target), prompt, 30, 3)
     assert res.tokens == greedy(target, None, prompt, 30, 0).tokens
     assert res.stats.decode_tokens > 1.5 * res.stats.decode_forwards
+
+
+# --- speculators' own checkpoints (export/foreign.py) ----------------------------------------------
+def as_speculators_trainer_writes_it(folder):
+    """Our speculators-format export rewritten the way speculators 0.9.0's trainer saves a DSpark
+    checkpoint (seen on its CPU run in bench/anchors.py): no specheads.json, its architecture name,
+    block_size counting the anchor (speculative_tokens = block_size - 1 without sample_from_anchor),
+    in-block causality as sliding_window_non_causal, and its optimizer and scheduler state beside."""
+    (folder / "specheads.json").unlink()
+    cfg = json.loads((folder / "config.json").read_text())
+    layer = dict(cfg["transformer_layer_config"])
+    cfg.update(architectures=["DSparkDraftModel"], block_size=cfg["block_size"] + 1,
+               sliding_window_non_causal=not layer.pop("is_causal"), transformer_layer_config=layer)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.save({}, folder / "optimizer_state_dict.pt")
+    return cfg
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_speculators_trainer_checkpoint_loads_as_the_same_head(tmp_path, target, causal):
+    from specheads.export import export, load_with_meta
+    from specheads.export.foreign import ForeignDraftError
+    from specheads.verify.dspark_proposers import DSparkProposer
+
+    head = make_head(target, randomize=True, target_layer_ids=[1, 3, 5], causal=causal)
+    folder = export(checkpoint(tmp_path, head), "vllm", tmp_path / "theirs")
+    cfg = as_speculators_trainer_writes_it(folder)
+    assert cfg["block_size"] == 4 and cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    loaded, meta = load_with_meta(folder, num_target_layers=target.num_layers)
+    assert meta.kind == "dspark" and meta.record == {} and meta.num_speculative_tokens == 3
+    assert loaded.config.block_size == 3 and loaded.config.dflash.causal is causal
+    assert loaded.config.dflash.target_layer_ids == [1, 3, 5] and loaded.config.dflash.num_target_layers == 8
+    for (n, a), b in zip(loaded.state_dict().items(), head.float().state_dict().values()):
+        assert torch.equal(a, b), n
+    prompt = torch.randint(0, 95, (7,), generator=torch.Generator().manual_seed(5))
+    res = greedy(target, DSparkProposer(loaded.to(target.dtype), target), prompt, 20, 3)
+    assert res.tokens == greedy(target, None, prompt, 20, 0).tokens
+    cfg["sample_from_anchor"] = True  # the anchor's own slot drafting: a layout the head does not run
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ForeignDraftError, match="sample_from_anchor: true .* --no-sample-from-anchor"):
+        load_with_meta(folder)

@@ -370,7 +370,13 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     """A DFlash export folder -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format)
-    config = config_from_export(read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
+    return load_config(meta, read_json(meta.folder / CONFIG_FILE, meta.format), attn_implementation)
+
+
+def load_config(meta, cfg: dict, attn_implementation: str = "sdpa") -> tuple[DFlashHead, object]:
+    """The head that config.json's dict `cfg` describes, with the folder's weights (export/foreign.py
+    passes another trainer's config.json as specheads reads it)."""
+    config = config_from_export(cfg, meta.format, meta.head_config)
     tensors = with_t2d(config, read_weights(meta.folder / WEIGHTS_FILE))
     head = DFlashHead(config, attn_implementation=attn_implementation)
     load_strict(head, tensors, str(meta.folder / WEIGHTS_FILE))

@@ -244,7 +244,12 @@ def load_export(meta, attn_implementation: str = "sdpa", check: bool = True) -> 
     """A DSpark export folder -> (head in eval mode, meta)."""
     if check:
         validate(meta.folder, meta.format)
-    config = config_from_export(read_json(meta.folder / CONFIG_FILE, meta.format), meta.format, meta.head_config)
+    return load_config(meta, read_json(meta.folder / CONFIG_FILE, meta.format), attn_implementation)
+
+
+def load_config(meta, cfg: dict, attn_implementation: str = "sdpa") -> tuple[DSparkHead, object]:
+    """The head that config.json's dict `cfg` describes, with the folder's weights (see dflash.load_config)."""
+    config = config_from_export(cfg, meta.format, meta.head_config)
     tensors = read_weights(meta.folder / WEIGHTS_FILE)
     backbone = dflash.with_t2d(config.dflash, {n: t for n, t in tensors.items() if not n.startswith((MARKOV, CONFIDENCE))})
     head = DSparkHead(config, attn_implementation=attn_implementation)

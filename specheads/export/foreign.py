@@ -1,6 +1,7 @@
 """Folders other trainers wrote (speculators, SpecForge / SGLang, plain vLLM): third-party EAGLE-3
 drafts with no specheads.json, read the way their engine reads them (docs/engines.md §2.2, §2.3,
-§3.1); every option the head cannot run is refused by name.
+§3.1), and speculators' own DFlash / DSpark checkpoints; every option the head cannot run is refused
+by name.
 """
 
 from __future__ import annotations
@@ -162,7 +163,10 @@ def foreign_weights(weights: dict[str, torch.Tensor], config: Eagle3Config,
 
 def load_foreign(meta: ExportMeta, attn_implementation: str = "sdpa",
                  num_target_layers: int | None = None) -> tuple[Eagle3Head, ExportMeta]:
-    """A speculators / SpecForge / plain-vLLM EAGLE-3 folder -> (head in eval mode, meta)."""
+    """A speculators / SpecForge / plain-vLLM EAGLE-3 folder (or speculators' DFlash / DSpark) ->
+    (head in eval mode, meta)."""
+    if meta.kind in BLOCK_KINDS:
+        return load_foreign_block(meta, attn_implementation, num_target_layers)
     config = foreign_config(read_json(meta.folder / CONFIG_FILE), meta.format, meta.folder, num_target_layers)
     head = Eagle3Head(config, attn_implementation=attn_implementation)
     tensors = foreign_weights(read_foreign_weights(meta.folder), config, meta.folder)
@@ -170,6 +174,44 @@ def load_foreign(meta: ExportMeta, attn_implementation: str = "sdpa",
     meta.head_config = asdict(config)
     meta.num_speculative_tokens = meta.num_speculative_tokens or config.ttt_steps
     return head.eval(), meta
+
+
+# --- speculators' DFlash / DSpark checkpoints ------------------------------------------------------
+BLOCK_KINDS = ("dflash", "dspark")
+
+
+def block_view(cfg: dict, kind: str, folder: Path) -> dict:
+    """speculators' own dflash / dspark config.json as specheads' reader of that format takes it.
+    Its trainer counts the anchor in a DSpark block_size (block_size - 1 drafted tokens without
+    sample_from_anchor, as its proposal's speculative_tokens says); specheads' reader takes G."""
+    if cfg.get("sample_from_anchor"):
+        raise ForeignDraftError(folder, "sample_from_anchor: true (the anchor's own slot drafts the first token): "
+                                "this verifier runs the fill-in layout [anchor, mask x G]; train it with "
+                                "sample_from_anchor false (speculators: --no-sample-from-anchor)")
+    view = dict(cfg)
+    if kind == "dspark":
+        block = cfg.get("block_size")
+        drafted = speculative_tokens(cfg) or (block - 1 if isinstance(block, int) else None)
+        if not isinstance(drafted, int) or drafted < 1:
+            raise ForeignDraftError(folder, f"{CONFIG_FILE}: block_size {block!r} and no speculative_tokens: "
+                                    "the number of drafted tokens is unknown")
+        view["block_size"] = drafted
+    return view
+
+
+def load_foreign_block(meta: ExportMeta, attn_implementation: str = "sdpa",
+                       num_target_layers: int | None = None):
+    """A speculators dflash / dspark checkpoint folder -> (head in eval mode, meta)."""
+    from specheads.export import dflash, dspark
+
+    cfg = read_json(meta.folder / CONFIG_FILE)
+    target = {"num_target_layers": num_target_layers} if num_target_layers else {}
+    meta.head_config = {"dflash": target} if meta.kind == "dspark" else target
+    loader = dspark if meta.kind == "dspark" else dflash
+    head, meta = loader.load_config(meta, block_view(cfg, meta.kind, meta.folder), attn_implementation)
+    meta.head_config = asdict(head.config)
+    meta.num_speculative_tokens = speculative_tokens(cfg)
+    return head, meta
 
 
 def detect_eagle3_format(cfg: dict) -> str:
@@ -186,9 +228,13 @@ def detect_eagle3_format(cfg: dict) -> str:
 
 def read_foreign_meta(folder: Path) -> ExportMeta:
     """The ExportMeta of a folder without specheads.json: an EAGLE-3 draft in the format its
-    config.json is written in."""
+    config.json is written in, or speculators' DFlash / DSpark checkpoint."""
+    cfg = read_json(folder / CONFIG_FILE)
+    if cfg.get("speculators_model_type") in BLOCK_KINDS:
+        return ExportMeta(folder=folder, format="vllm", kind=cfg["speculators_model_type"], target=None,
+                          head_config=None, num_speculative_tokens=None)
     try:
-        fmt = detect_eagle3_format(read_json(folder / CONFIG_FILE))
+        fmt = detect_eagle3_format(cfg)
     except ValueError as err:
         if isinstance(err, ContractError):
             raise

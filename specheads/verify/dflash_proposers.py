@@ -77,7 +77,7 @@ class DFlashProposer:
         embeds = self.target.embed(ids)  # [1, k+1, H]
         mask = torch.zeros(k + 1, self.rows + k + 1, dtype=self.dtype, device=device)
         if cfg.causal:
-            mask[:, self.rows:] = torch.full((k + 1, k + 1), torch.finfo(self.dtype).min, device=device).triu(1)
+            mask[:, self.rows:] = torch.full((k + 1, k + 1), torch.finfo(self.dtype).min, dtype=self.dtype, device=device).triu(1)
         out = self.head.block_forward(embeds, positions(self.rows, k + 1, device), mask[None, None], self.cache)
         trim_cache(self.cache, self.rows)
         return out[0, 1:]

@@ -1,6 +1,7 @@
-"""speculators (vllm-project) as a library on a CPU: train an EAGLE-3 drafter on the bench's samples.
+"""speculators (vllm-project) as a library on a CPU: train an EAGLE-3, DFlash or DSpark drafter (the
+job's `kind`) on the bench's samples.
 
-    <speculators venv>/bin/python speculators_eagle3.py JOB.json      (bench/anchors.py writes JOB)
+    <speculators venv>/bin/python speculators_train.py JOB.json      (bench/anchors.py writes JOB)
 
 Runs in the speculators venv only (no specheads import). Steps, each through speculators' own API:
 `load_and_preprocess_dataset` (pre-tokenized rows pass through; token_freq.pt for the draft
@@ -63,18 +64,36 @@ def epochs_for(job: dict, data: Path, total_seq_len: int, train_ratio: float) ->
 
 
 def train_argv(job: dict, data: Path, save: Path, total_seq_len: int, epochs: int, train_ratio: float) -> list[str]:
-    """The `speculators train` flags of the shared budget (EAGLE-3, one layer, sdpa, eager loss)."""
-    return ["--speculator-type", "eagle3", "--verifier-name-or-path", job["target"],
+    """The `speculators train` flags of the shared budget (sdpa, eager loss): the kind's own head flags,
+    then the optimizer, schedule and step budget every kind shares."""
+    return ["--speculator-type", job.get("kind", "eagle3"), "--verifier-name-or-path", job["target"],
             "--data-path", str(data), "--save-path", str(save), "--log-dir", str(save / "logs"),
-            "--num-layers", "1", "--draft-arch", "llama", "--draft-attn-impl", "sdpa",
+            *head_argv(job), "--draft-attn-impl", "sdpa",
             "--target-layer-ids", *map(str, job["aux_layers"]), "--draft-vocab-size", str(job["draft_vocab_size"]),
             "--total-seq-len", str(total_seq_len), "--train-data-ratio", str(train_ratio),
             "--hidden-states-dtype", "float32", "--num-workers", "0", "--on-missing", "raise",
-            "--loss-implementation", "eager", "--ttt-steps", str(job["ttt_steps"]),
-            "--ttt-step-loss-decay", str(job["step_decay"]), "--lr", str(job["lr"]),
+            "--loss-implementation", "eager", "--lr", str(job["lr"]),
             "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(job["warmup_steps"]),
             "--scheduler-total-steps", str(job["steps"]), "--epochs", str(epochs), "--max-steps", str(job["steps"]),
             "--log-freq", "10", "--seed", str(job["seed"]), "--no-resume-from-checkpoint"]
+
+
+def head_argv(job: dict) -> list[str]:
+    """EAGLE-3: one Llama layer, TTT steps and decay. DFlash / DSpark: the shared block (anchor + G
+    positions, the fill-in layout specheads trains: no sample-from-anchor) and layer count; DSpark's
+    Markov and confidence heads as shared. Everything else stays speculators' default."""
+    if job.get("kind", "eagle3") == "eagle3":
+        return ["--num-layers", "1", "--draft-arch", "llama", "--ttt-steps", str(job["ttt_steps"]),
+                "--ttt-step-loss-decay", str(job["step_decay"])]
+    block = job["block"]
+    argv = ["--num-layers", str(block["num_layers"]), "--block-size", str(block["block_size"]),
+            "--no-sample-from-anchor"]
+    if job["kind"] == "dspark":
+        argv += ["--markov-rank", str(block["markov_rank"]), "--markov-head-type", block["markov_head_type"],
+                 "--enable-confidence-head" if block["enable_confidence_head"] else "--no-enable-confidence-head",
+                 "--confidence-head-with-markov" if block["confidence_head_with_markov"]
+                 else "--no-confidence-head-with-markov"]
+    return argv
 
 
 def run_training(argv: list[str]) -> None:
@@ -111,6 +130,22 @@ def final_checkpoint(save: Path) -> Path:
     return epochs[-1]
 
 
+def kept_defaults(kind: str, saved: dict) -> dict:
+    """The settings the budget does not share, as speculators saved them (its own defaults)."""
+    layer = saved.get("transformer_layer_config", {})
+    common = {"sliding_window": layer.get("sliding_window"), "layer_types": layer.get("layer_types"),
+              "saved_dtype": saved.get("dtype")}
+    if kind == "eagle3":
+        return {**{k: saved.get(k) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")},
+                **common, "loss": "kl_div (its default for eagle3)",
+                "optimizer": "muon on 2D weights, adamw on the rest (its default)"}
+    return {"draft layer": layer.get("model_type"), "mask_token_id": saved.get("mask_token_id"),
+            "sliding_window_non_causal": saved.get("sliding_window_non_causal"), **common,
+            "loss": "ce with D-PACE position weights (its default for dflash)" if kind == "dflash"
+            else "kl_div with fixed exponential position weights (its default for dspark)",
+            "optimizer": "muon on 2D weights, adamw on the rest (its default)"}
+
+
 def main(job: dict, state: dict) -> dict:
     from importlib.metadata import version
 
@@ -135,12 +170,7 @@ def main(job: dict, state: dict) -> dict:
         return save
 
     ckpt = final_checkpoint(with_adaptations(attempt, CPU_ADAPTATIONS, state))
-    saved = json.loads((ckpt / "config.json").read_text())
-    layer = saved.get("transformer_layer_config", {})
-    defaults = {k: saved.get(k) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
-    defaults.update(sliding_window=layer.get("sliding_window"), layer_types=layer.get("layer_types"),
-                    saved_dtype=saved.get("dtype"), loss="kl_div (its default for eagle3)",
-                    optimizer="muon on 2D weights, adamw on the rest (its default)")
+    defaults = kept_defaults(job.get("kind", "eagle3"), json.loads((ckpt / "config.json").read_text()))
     trained_tokens = sum(len(i) for i in ids[: int(len(ids) * train_ratio)])  # one epoch's worth
     return {**state, "stage": "done", "export": str(ckpt), "train_s": round(timing["train_s"], 2), **captured,
             "steps": job["steps"], "train_tokens_per_epoch": trained_tokens,
