@@ -198,3 +198,46 @@ def test_nested_lm_head_is_refused(tmp_path):
 
     with pytest.raises(ForeignDraftError, match="model.lm_head.weight"):
         load(edited_copy(tmp_path, edit_tensors=nest))
+
+
+# --- speculators' DFlash checkpoints (tests/fixtures/make_speculators_dflash_fixture.py) ---------
+DFLASH_VARIANTS = ["speculators_dflash", "speculators_dflash_full"]
+
+
+def dflash_block_logits(head, gold: dict) -> torch.Tensor:
+    """Our head's block at the golden anchor over the context before it, as the verifier drafts:
+    [anchor, mask x (B-1)] -> logits [B, Vd] (speculators' training forward scores every slot)."""
+    from specheads.verify.dflash_proposers import DFlashProposer  # noqa: F401 - the path this mirrors
+
+    a, B = int(gold["anchor"]), head.config.block_size
+    cache = DynamicCache()
+    head.add_context(cache, head.context(gold["aux"][:, :a]), torch.arange(a)[None])
+    ids = torch.tensor([int(gold["input_ids"][0, a])] + [head.config.mask_token_id] * (B - 1))
+    mask = torch.zeros(B, a + B)
+    if head.config.causal:
+        mask[:, a:] = torch.full((B, B), torch.finfo(mask.dtype).min).triu(1)
+    out = head.block_forward(gold["embed"][ids][None], torch.arange(a, a + B)[None], mask[None, None], cache)
+    return head.logits(out[0], gold["lm_head"])
+
+
+@pytest.mark.parametrize("name, causal", [("speculators_dflash", True), ("speculators_dflash_full", False)])
+def test_dflash_block_logits_equal_speculators_forward(name, causal):
+    """Its trainer's default (sliding-window layers: causal in the block) and full-attention layers
+    (bidirectional whatever sliding_window_non_causal says) read as the head speculators ran."""
+    head, meta = load_with_meta(FIXTURES / name, num_target_layers=8)
+    gold = golden(name)
+    assert meta.kind == "dflash" and head.config.causal is causal and head.config.block_size == 4
+    assert head.config.target_layer_ids == [1, 3, 5] and meta.num_speculative_tokens == 3
+    with torch.no_grad():
+        ours = dflash_block_logits(head, gold)
+    torch.testing.assert_close(ours, gold["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_block_masking_is_refused(tmp_path):
+    folder = tmp_path / "mixed"
+    shutil.copytree(FIXTURES / "speculators_dflash", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["transformer_layer_config"]["layer_types"] = ["sliding_attention", "full_attention"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ForeignDraftError, match="causal sliding-window layers beside bidirectional"):
+        load(folder)

@@ -353,7 +353,8 @@ def test_reduced_vocabulary_rules_break(tmp_path, target):
 @pytest.mark.parametrize("causal", [False, True])
 def test_speculators_trainer_checkpoint_loads_as_the_same_head(tmp_path, target, causal):
     """A DFlash checkpoint as speculators 0.9.0's trainer saves it (no specheads.json; its optimizer
-    state beside; block_size counting the anchor, as ours) is read by the verifier as that head."""
+    state beside; sliding-window layers; block_size counting the anchor, as ours) is read by the
+    verifier as that head."""
     import json
 
     from specheads.export import export, load_with_meta
@@ -364,6 +365,10 @@ def test_speculators_trainer_checkpoint_loads_as_the_same_head(tmp_path, target,
     (folder / "specheads.json").unlink()
     torch.save({}, folder / "optimizer_state_dict.pt")
     cfg = json.loads((folder / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]  # its trainer's layers: sliding-window, causal unless non-causal is set
+    layer.update(layer_types=["sliding_attention"] * layer["num_hidden_layers"], sliding_window=2048,
+                 use_sliding_window=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
     loaded, meta = load_with_meta(folder, num_target_layers=target.num_layers)
     assert meta.kind == "dflash" and meta.record == {} and meta.num_speculative_tokens == 3
     assert loaded.config.block_size == 4 and loaded.config.causal is causal and loaded.config.num_target_layers == 8

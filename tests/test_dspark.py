@@ -485,12 +485,16 @@ def as_speculators_trainer_writes_it(folder):
     """Our speculators-format export rewritten the way speculators 0.9.0's trainer saves a DSpark
     checkpoint (seen on its CPU run in bench/anchors.py): no specheads.json, its architecture name,
     block_size counting the anchor (speculative_tokens = block_size - 1 without sample_from_anchor),
-    in-block causality as sliding_window_non_causal, and its optimizer and scheduler state beside."""
+    sliding-window layers with in-block causality as sliding_window_non_causal, and its optimizer
+    state beside."""
     (folder / "specheads.json").unlink()
     cfg = json.loads((folder / "config.json").read_text())
     layer = dict(cfg["transformer_layer_config"])
+    causal = layer.pop("is_causal")
+    layer.update(layer_types=["sliding_attention"] * layer["num_hidden_layers"], sliding_window=2048,
+                 use_sliding_window=True)  # its trainer's layers: causal in the block unless non-causal is set
     cfg.update(architectures=["DSparkDraftModel"], block_size=cfg["block_size"] + 1,
-               sliding_window_non_causal=not layer.pop("is_causal"), transformer_layer_config=layer)
+               sliding_window_non_causal=not causal, transformer_layer_config=layer)
     (folder / "config.json").write_text(json.dumps(cfg))
     torch.save({}, folder / "optimizer_state_dict.pt")
     return cfg

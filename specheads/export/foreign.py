@@ -188,7 +188,7 @@ def block_view(cfg: dict, kind: str, folder: Path) -> dict:
         raise ForeignDraftError(folder, "sample_from_anchor: true (the anchor's own slot drafts the first token): "
                                 "this verifier runs the fill-in layout [anchor, mask x G]; train it with "
                                 "sample_from_anchor false (speculators: --no-sample-from-anchor)")
-    view = dict(cfg)
+    view = {**cfg, "sliding_window_non_causal": not block_is_causal(cfg, folder)}
     if kind == "dspark":
         block = cfg.get("block_size")
         drafted = speculative_tokens(cfg) or (block - 1 if isinstance(block, int) else None)
@@ -197,6 +197,20 @@ def block_view(cfg: dict, kind: str, folder: Path) -> dict:
                                     "the number of drafted tokens is unknown")
         view["block_size"] = drafted
     return view
+
+
+def block_is_causal(cfg: dict, folder: Path) -> bool:
+    """In-block masking as speculators' trainer applies it: its full-attention layers are always
+    bidirectional in the block, its sliding-window layers causal unless sliding_window_non_causal.
+    (The window itself only matters past its length of context; the head attends to all of it.)"""
+    types = (cfg.get("transformer_layer_config") or {}).get("layer_types") or []
+    if not types:  # not the trainer's layout: vLLM's reading (causal = not sliding_window_non_causal)
+        return not cfg.get("sliding_window_non_causal", True)
+    sliding = {t == "sliding_attention" for t in types}
+    if sliding == {True, False} and not cfg.get("sliding_window_non_causal"):
+        raise ForeignDraftError(folder, f"layer_types {types}: causal sliding-window layers beside bidirectional "
+                                "full-attention ones; the head masks every layer alike")
+    return sliding == {True} and not cfg.get("sliding_window_non_causal", False)
 
 
 def load_foreign_block(meta: ExportMeta, attn_implementation: str = "sdpa",
