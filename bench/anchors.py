@@ -88,7 +88,7 @@ ANCHORS = {
                "--train-data-ratio 0.98 (it requires a validation split)"),
         kinds=("eagle3", "dflash", "dspark")),
     "specforge": Anchor(
-        "specforge", "0.2.0", "specforge_eagle3.py",
+        "specforge", "0.2.0", "specforge_train.py",
         installs=((TORCH_PIN,), ("--no-deps", "specforge==0.2.0"),
                   (TORCH_PIN, "transformers==5.8.1", "datasets", "tqdm", "accelerate", "huggingface-hub",
                    "numpy", "openai-harmony", "pydantic", "psutil", "pyyaml", "safetensors", "requests",
@@ -100,10 +100,18 @@ ANCHORS = {
                "triton` (`ModuleNotFoundError: No module named 'triton'` without it)",
                "its offline records are bfloat16 and its draft and frozen lm_head run in bfloat16 (its default "
                "torch_dtype; float32 states fail with `RuntimeError: expected m1 and m2 to have the same dtype`)",
-               "no SGLang: target hidden states computed with transformers into its offline EAGLE-3 "
-               "records (data.hidden_states_path)"),
-        not_driven="SpecForge 0.2.0 ships DFlash and DSpark trainers (specforge.algorithms.dflash / dspark), "
-                   "but this bench drives only its EAGLE-3 trainer on a CPU so far"),
+               "no SGLang: target hidden states computed with transformers into its offline records "
+               "(data.hidden_states_path) of each kind: EAGLE-3's, its DFlash family's (taps concatenated; "
+               "DSpark also the final-norm states)",
+               "options chosen for a CPU: training.attention_backend sdpa (flex_attention is its default), "
+               "dataloader_num_workers 0",
+               "DFlash / DSpark: a Qwen3 draft config of the target's shape with the shared layers, taps and "
+               "block; exported with its HF exporter (`specforge export --to hf`; its SGLang exporter takes "
+               "EAGLE-3 only), the mask token id its trainer resolved written into the config it exports with",
+               "DSpark: SpecForge 0.2.0 trains only the anchor-as-first layout (its slot 0 drafts anchor + 1), "
+               "given block_size G for the same G drafted tokens; our verifier runs the fill-in layout and "
+               "refuses that checkpoint by name"),
+        kinds=("eagle3", "dflash", "dspark")),
 }
 
 
@@ -455,7 +463,7 @@ def markdown(report: dict) -> str:
             lines.append(f"  - its own defaults kept: {kept}")
         if "error" in r:
             lines.append(f"  - {r.get('stage')}: `{_cell(r['error'])}`")
-        if r.get("export"):
+        if r.get("export") and "tau" in r:
             lines.append(f"  - its checkpoint loaded as is by our verifier from `{r['export']}` "
                          f"(fingerprint checked: {r.get('fingerprint_checked')})")
     return "\n".join(lines) + "\n"

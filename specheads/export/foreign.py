@@ -1,7 +1,7 @@
 """Folders other trainers wrote (speculators, SpecForge / SGLang, plain vLLM): third-party EAGLE-3
 drafts with no specheads.json, read the way their engine reads them (docs/engines.md §2.2, §2.3,
-§3.1), and speculators' own DFlash / DSpark checkpoints; every option the head cannot run is refused
-by name.
+§3.1), speculators' own DFlash / DSpark checkpoints and SpecForge's DFlash folders (SGLang's
+DFlashDraftModel layout); every option the head cannot run is refused by name.
 """
 
 from __future__ import annotations
@@ -215,17 +215,75 @@ def block_is_causal(cfg: dict, folder: Path) -> bool:
 
 def load_foreign_block(meta: ExportMeta, attn_implementation: str = "sdpa",
                        num_target_layers: int | None = None):
-    """A speculators dflash / dspark checkpoint folder -> (head in eval mode, meta)."""
+    """A speculators dflash / dspark checkpoint folder, or SpecForge's DFlash folder -> (head in eval
+    mode, meta)."""
     from specheads.export import dflash, dspark
 
     cfg = read_json(meta.folder / CONFIG_FILE)
     target = {"num_target_layers": num_target_layers} if num_target_layers else {}
     meta.head_config = {"dflash": target} if meta.kind == "dspark" else target
     loader = dspark if meta.kind == "dspark" else dflash
-    head, meta = loader.load_config(meta, block_view(cfg, meta.kind, meta.folder), attn_implementation)
+    view = block_view if meta.format == "vllm" else sglang_block_view
+    head, meta = loader.load_config(meta, view(cfg, meta.kind, meta.folder), attn_implementation)
     meta.head_config = asdict(head.config)
     meta.num_speculative_tokens = speculative_tokens(cfg)
     return head, meta
+
+
+# --- SpecForge's DFlash / DSpark folders (SGLang's DFlashDraftModel layout) -------------------------
+SGLANG_BLOCK_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DSparkDraftModel": "dspark"}
+# dflash_config keys of SpecForge's other DFlash-family heads (a logits head after the backbone,
+# shifted labels): a DFlashDraftModel folder naming one is not a DFlash head
+OTHER_FAMILY_KEYS = ("projector_type", "shift_label")
+
+
+def sglang_block_kind(cfg: dict) -> str | None:
+    """"dflash" / "dspark" for a Qwen3 DFlashDraftModel / DSparkDraftModel folder with a dflash_config
+    (what SpecForge's HF exporter writes for its DFlash family), else None."""
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1 or not isinstance(cfg.get("dflash_config"), dict):
+        return None
+    return SGLANG_BLOCK_ARCHITECTURES.get(archs[0])
+
+
+def sglang_block_view(cfg: dict, kind: str, folder: Path) -> dict:
+    """SpecForge's DFlash folder as specheads' "sglang" reader takes it. Its conventions: block_size =
+    anchor + G (slot j of [anchor, mask x G] is supervised with the token at anchor + j), target_layer_ids
+    in DFlash numbering (output of layer t), the mask token id in dflash_config, and full-attention
+    layers bidirectional in the block (its training mask), which it does not write: causal false unless
+    the folder says otherwise. Its DSpark is refused: SpecForge 0.2.0 trains it anchor-as-first only."""
+    if kind == "dspark":
+        raise ForeignDraftError(folder, "DSparkDraftModel (SpecForge's DSpark): its trainer supervises block slot "
+                                "j with the token at anchor + 1 + j (the anchor's own slot drafts the first token, "
+                                "SGLang's sample_from_anchor layout; SpecForge 0.2.0 has no other), while this "
+                                "verifier runs the fill-in layout [anchor, mask x G] where slot j drafts anchor + j")
+    method = cfg["dflash_config"]
+    refuse_sglang_dflash(cfg, method, folder)
+    causal = method.get("causal", cfg.get("is_causal", False))
+    return {**cfg, "dflash_config": {**method, "causal": bool(causal)}}
+
+
+def refuse_sglang_dflash(cfg: dict, method: dict, folder: Path) -> None:
+    """Name what a DFlashDraftModel folder asks for that the head cannot run."""
+    if method.get("sample_from_anchor"):
+        raise ForeignDraftError(folder, "dflash_config.sample_from_anchor: true (the anchor's own slot drafts the "
+                                "first token): this verifier runs the fill-in layout [anchor, mask x G]")
+    other = [k for k in OTHER_FAMILY_KEYS if method.get(k)]
+    if other:
+        raise ForeignDraftError(folder, f"dflash_config.{other[0]}: {method[other[0]]!r}: another DFlash-family "
+                                "head (a logits head or shifted labels after the backbone), not DFlash")
+    types = cfg.get("layer_types") or []
+    if cfg.get("use_sliding_window") or method.get("use_swa") or "sliding_attention" in types:
+        raise ForeignDraftError(folder, f"sliding-window layers (layer_types {types}): SpecForge masks them causally "
+                                "in the block and windows the context; the head attends bidirectionally to all of it")
+    if cfg.get("attention_bias"):
+        raise ForeignDraftError(folder, "attention_bias: true: the head's attention has no biases")
+    if not isinstance(method.get("mask_token_id"), int):
+        raise ForeignDraftError(folder, "dflash_config.mask_token_id is missing: SpecForge resolves it from the "
+                                "tokenizer while training; write the id it trained with into dflash_config")
+    if not method.get("target_layer_ids"):
+        raise ForeignDraftError(folder, "dflash_config.target_layer_ids is missing: the target layers the draft "
+                                "reads are unknown")
 
 
 def detect_eagle3_format(cfg: dict) -> str:
@@ -242,10 +300,14 @@ def detect_eagle3_format(cfg: dict) -> str:
 
 def read_foreign_meta(folder: Path) -> ExportMeta:
     """The ExportMeta of a folder without specheads.json: an EAGLE-3 draft in the format its
-    config.json is written in, or speculators' DFlash / DSpark checkpoint."""
+    config.json is written in, speculators' DFlash / DSpark checkpoint, or SpecForge's DFlash / DSpark
+    folder (SGLang's DFlashDraftModel layout, read as the "sglang" format)."""
     cfg = read_json(folder / CONFIG_FILE)
     if cfg.get("speculators_model_type") in BLOCK_KINDS:
         return ExportMeta(folder=folder, format="vllm", kind=cfg["speculators_model_type"], target=None,
+                          head_config=None, num_speculative_tokens=None)
+    if sglang_block_kind(cfg):
+        return ExportMeta(folder=folder, format="sglang", kind=sglang_block_kind(cfg), target=None,
                           head_config=None, num_speculative_tokens=None)
     try:
         fmt = detect_eagle3_format(cfg)
