@@ -24,9 +24,12 @@ bench/anchor_drivers/ run as a subprocess. Their capture engines (vLLM, SGLang) 
 drivers compute the target's hidden states with transformers into each toolkit's offline format,
 then call the toolkit's own trainer. Packed trainers get `batch_size x mean sample length` tokens a
 step. The checkpoint each toolkit saves is loaded as is by specheads' verifier (export/foreign.py
-reads speculators' and SGLang's EAGLE-3 folders); every drafter decodes the same prompts greedily:
+reads speculators' and SGLang's EAGLE-3 folders, speculators' DFlash / DSpark and SpecForge's DFlash
+checkpoints, and names what it refuses); every drafter decodes the same prompts greedily:
 tau, acceptance per position, greedy equality with plain decoding and wall-clock speed-up over plain
-decoding (drafting included). A toolkit that fails keeps its row with the stage and its own error.
+decoding (drafting included). A toolkit that fails keeps its row with the stage and its own error. A toolkit
+that finished in OUT with the same budget and samples is not trained again (its row.json), so a
+second call can add a toolkit or re-measure all of them in one process.
 Writes OUT/anchors.json and OUT/anchors.md.
 """
 
@@ -277,21 +280,45 @@ def block_budget(h, target) -> dict:
 
 
 # --- training: ours and the anchors' ---------------------------------------------------------------
-def train_ours(recipe, out: Path, budget: Budget) -> dict:
-    """specheads' own run of the recipe, exported in the vLLM (speculators) format."""
+def sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def reused(record: Path, key: dict) -> dict | None:
+    """The row a finished run recorded at `record` for the same `key` (budget and samples), whose
+    export is still there; None otherwise (train again)."""
+    if not record.is_file():
+        return None
+    saved = json.loads(record.read_text())
+    row = saved.get("row") or {}
+    if saved.get("key") != key or not row.get("export_path") or not Path(row["export_path"]).is_dir():
+        return None
+    return {**row, "reused": True}
+
+
+def train_ours(recipe, out: Path, budget: Budget, samples_sha256: str = "") -> dict:
+    """specheads' own run of the recipe, exported in the vLLM (speculators) format; a finished run
+    with the same budget and samples is reused (OUT/.../specheads/row.json)."""
     from specheads.export import export
     from specheads.train import train
 
+    record, key = work_root(out, budget.kind) / "specheads" / "row.json", {**budget.__dict__, "samples": samples_sha256}
+    if (row := reused(record, key)) is not None:
+        return row
     t0 = time.perf_counter()
     ckpt = train(recipe)
     train_s = time.perf_counter() - t0
     folder = export(ckpt, "vllm", work_root(out, budget.kind) / "specheads" / "export", overwrite=True)
     folder = Path(os.path.relpath(folder, out))
     tokens = budget.steps * budget.tokens_per_step
-    return {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(), "export": f"OUT/{folder}",
-            "export_path": str(out / folder), "train_s": round(train_s, 2),
-            "train_tokens_est": tokens, "train_tokens_per_s": round(tokens / train_s, 1),
-            "note": "target forward inside each step (online features)"}
+    row = {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(), "export": f"OUT/{folder}",
+           "export_path": str(out / folder), "train_s": round(train_s, 2),
+           "train_tokens_est": tokens, "train_tokens_per_s": round(tokens / train_s, 1),
+           "note": "target forward inside each step (online features)"}
+    write_json(record, {"key": key, "row": row})
+    return row
 
 
 def _our_version() -> str:
@@ -307,16 +334,19 @@ def train_anchor(name: str, out: Path, target_dir: Path, samples_file: Path, bud
     row = {"toolkit": name, "kind": budget.kind, "version": a.version, "install_notes": list(a.notes)}
     if budget.kind not in a.kinds:
         return {**row, "stage": "not driven", "error": a.not_driven or f"{name} does not train {budget.kind}"}
+    work = work_root(out, budget.kind) / name
+    job = {"target": str(target_dir.resolve()), "samples": str(samples_file.resolve()), "work": str(work.resolve()),
+           "threads": threads, **budget.__dict__, "samples_sha256": sha256_of(samples_file)}
+    key = {k: v for k, v in job.items() if k != "threads"}
+    if (row_done := reused(work / "row.json", key)) is not None:
+        return row_done
     try:
         py = ensure_venv(name, progress)
     except AnchorSetupError as err:
         return {**row, "stage": "install", "error": str(err)}
-    work = work_root(out, budget.kind) / name
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    job = {"target": str(target_dir.resolve()), "samples": str(samples_file.resolve()), "work": str(work.resolve()),
-           "threads": threads, **budget.__dict__}
     job_file = work.resolve() / "job.json"  # the driver runs in `work`: a relative --out must not be joined twice
     write_json(job_file, job)
     progress(f"[anchors] {name}: training in {venv_dir(name)} ({budget.steps} steps)")
@@ -336,6 +366,7 @@ def train_anchor(name: str, out: Path, target_dir: Path, samples_file: Path, bud
         tokens = result["train_tokens_est"]
         result["train_tokens_per_s"] = round(tokens / result["train_s"], 1)
         result["train_tokens_per_s_with_capture"] = round(tokens / (result["train_s"] + result["capture_s"]), 1)
+        write_json(work / "row.json", {"key": key, "row": {**row, **result}})
     return {**row, **result}
 
 
@@ -483,7 +514,7 @@ def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Pat
     budget = budget_of(recipe, target, samples)
     rows = []
     if "specheads" in a.toolkits:
-        rows.append(train_ours(recipe, out, budget))
+        rows.append(train_ours(recipe, out, budget, sha256_of(samples_file)))
         print(f"[anchors] {budget.kind}: specheads trained: {rows[-1]['train_s']} s", flush=True)
     for name in a.toolkits:
         if name != "specheads":

@@ -322,3 +322,29 @@ def test_block_drafters_train_and_our_verifier_measures_them(kind, anchors, tmp_
             continue
         assert "error" not in row, row
         assert row["greedy_equal"] and len(row["acceptance_per_position"]) == 7
+
+
+
+def test_a_finished_toolkit_is_reused_only_for_the_same_budget_and_samples(anchors, tmp_path):
+    """row.json keys a finished row by budget and samples (not threads): the same key returns it
+    before any venv is looked at; another budget, other samples or a vanished export train again."""
+    out = tmp_path / "out"
+    samples = out / "data" / "samples.jsonl"
+    samples.parent.mkdir(parents=True)
+    samples.write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
+    budget = anchors.Budget(steps=4, batch_size=2, tokens_per_step=10, max_length=64, aux_layers=[2, 4, 5],
+                            draft_vocab_size=64, ttt_steps=3, step_decay=0.8, lr=2e-3, warmup_steps=1, seed=0)
+    work = out / "speculators"
+    export_dir = work / "train-1" / "3"
+    export_dir.mkdir(parents=True)
+    key = {"target": str(tmp_path.resolve()), "samples": str(samples.resolve()), "work": str(work.resolve()),
+           **budget.__dict__, "samples_sha256": anchors.sha256_of(samples)}
+    row = {"toolkit": "speculators", "kind": "eagle3", "export": "OUT/speculators/train-1/3",
+           "export_path": str(export_dir), "train_s": 1.0}
+    (work / "row.json").write_text(json.dumps({"key": key, "row": row}))
+    assert anchors.train_anchor("speculators", out, tmp_path, samples, budget, threads=3) == {**row, "reused": True}
+    assert anchors.reused(work / "row.json", {**key, "steps": 5}) is None
+    samples.write_text('{"input_ids": [1, 3], "loss_mask": [0, 1]}\n')
+    assert anchors.reused(work / "row.json", {**key, "samples_sha256": anchors.sha256_of(samples)}) is None
+    export_dir.rmdir()
+    assert anchors.reused(work / "row.json", key) is None
