@@ -321,6 +321,37 @@ def train_ours(recipe, out: Path, budget: Budget, samples_sha256: str = "") -> d
     return row
 
 
+def bring_ours(ckpt: Path, out: Path, budget: Budget, data: Path) -> dict:
+    """specheads' row from a checkpoint trained elsewhere (`--specheads-checkpoint`): exported here and
+    measured like the others, with every shared setting its recipe.json differs in named in the row."""
+    from specheads.export import export
+    from specheads.export.checkpoint import Checkpoint
+
+    c = Checkpoint(ckpt)
+    folder = export(ckpt, "vllm", work_root(out, budget.kind) / "specheads" / "export", overwrite=True)
+    return {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(),
+            "export": "OUT/" + os.path.relpath(folder, out), "export_path": str(folder),
+            "brought": str(ckpt), "differs_from_budget": checkpoint_differences(c, budget, data),
+            "note": f"trained before this call (its own run of the same recipe): {ckpt}"}
+
+
+def checkpoint_differences(c, budget: Budget, data: Path) -> list[str]:
+    """The shared settings a checkpoint was trained with that the budget does not have (data by content)."""
+    r, head = c.recipe, c.head_config
+    have = {"kind": head.get("kind"), "steps": c.trainer_state["step"], "batch_size": r["train"]["batch_size"],
+            "lr": r["train"]["lr"], "warmup_steps": r["train"]["warmup_steps"], "seed": r["train"]["seed"],
+            "max_length": r["data"]["max_length"], "aux_layers": head.get("aux_layers"),
+            "draft_vocab_size": head.get("draft_vocab_size"), "ttt_steps": head.get("ttt_steps"),
+            "step_decay": head.get("step_decay")}
+    diffs = [f"{k} {v} (budget {getattr(budget, k)})" for k, v in have.items() if v != getattr(budget, k)]
+    trained_on = [Path(p) for p in r["data"]["train"]]
+    if [sha256_of(p) if p.is_file() else str(p) for p in trained_on] != [sha256_of(data)]:
+        diffs.append(f"data {[str(p) for p in trained_on]} (budget {data})")
+    if r["data"].get("features"):
+        diffs.append(f"trained from a stored feature capture ({r['data']['features']}), not online")
+    return diffs
+
+
 def _our_version() -> str:
     from importlib.metadata import version
 
@@ -482,6 +513,11 @@ def markdown(report: dict) -> str:
     noted = set()
     for r in report["rows"]:
         if r["toolkit"] == "specheads":
+            if r.get("brought"):
+                differs = "; ".join(r.get("differs_from_budget") or []) or "nothing"
+                lines.append(f"- **specheads, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**: not trained by this call: "
+                             f"the checkpoint `{r['brought']}` exported and measured; it differs from the budget in: "
+                             f"{differs}")
             continue
         lines.append(f"- **{r['toolkit']} {r.get('version', '')}, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**")
         if r["toolkit"] not in noted:
@@ -513,7 +549,10 @@ def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Pat
     samples = write_samples(recipe, target, samples_file)
     budget = budget_of(recipe, target, samples)
     rows = []
-    if "specheads" in a.toolkits:
+    brought = a.specheads_checkpoint and checkpoint_kind(a.specheads_checkpoint) == budget.kind
+    if brought:
+        rows.append(bring_ours(a.specheads_checkpoint, out, budget, data))
+    elif "specheads" in a.toolkits:
         rows.append(train_ours(recipe, out, budget, sha256_of(samples_file)))
         print(f"[anchors] {budget.kind}: specheads trained: {rows[-1]['train_s']} s", flush=True)
     for name in a.toolkits:
@@ -522,6 +561,12 @@ def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Pat
             print(f"[anchors] {budget.kind}: {name}: "
                   f"{json.dumps({k: rows[-1].get(k) for k in ('stage', 'error', 'export')})[:600]}", flush=True)
     return budget, [{**r, "train_samples": len(samples)} for r in rows]
+
+
+def checkpoint_kind(ckpt: Path) -> str | None:
+    from specheads.export.checkpoint import Checkpoint
+
+    return Checkpoint(ckpt).head_config.get("kind")
 
 
 def bench(a: argparse.Namespace, command: str) -> dict:
@@ -576,6 +621,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"a recipe that fixes one kind's shared settings (its head.kind: {', '.join(KINDS)}); "
                    f"repeat for more kinds (default: {RECIPE.relative_to(ROOT)})")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps for every toolkit")
+    p.add_argument("--specheads-checkpoint", type=Path, default=None,
+                   help="measure this specheads checkpoint (its kind's section) instead of training one; every "
+                   "shared setting its recipe differs in is named in the row")
     p.add_argument("--conversations", type=int, default=None, help="the first N conversations only")
     p.add_argument("--limit", type=int, default=32, help="held-out prompts")
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -348,3 +348,32 @@ def test_a_finished_toolkit_is_reused_only_for_the_same_budget_and_samples(ancho
     assert anchors.reused(work / "row.json", {**key, "samples_sha256": anchors.sha256_of(samples)}) is None
     export_dir.rmdir()
     assert anchors.reused(work / "row.json", key) is None
+
+
+
+def test_a_brought_checkpoint_names_what_differs_from_the_budget(anchors, tmp_path, tiny_target_dir):
+    """--specheads-checkpoint: the row says it was not trained by this call and lists every shared
+    setting its recipe.json differs in (data compared by content, a stored feature capture named)."""
+    from specheads.export.checkpoint import Checkpoint, save_checkpoint
+    from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
+    from specheads.target import Target
+
+    data, other = tmp_path / "train.jsonl", tmp_path / "copy.jsonl"
+    data.write_text('{"a": 1}\n')
+    other.write_text('{"a": 1}\n')  # the same content under another name: the same data
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    head = Eagle3Head.for_target(Eagle3Options(ttt_steps=3, draft_vocab_size=64), target.config)
+    recipe = {"train": {"batch_size": 2, "lr": 2e-3, "warmup_steps": 22, "seed": 0},
+              "data": {"max_length": 128, "train": [str(other)], "features": "runs/x/features"}}
+    c = Checkpoint(save_checkpoint(tmp_path / "run", 7, head, recipe, {}, {"step": 7}))
+    budget = anchors.Budget(steps=7, batch_size=2, tokens_per_step=1, max_length=128, aux_layers=head.config.aux_layers,
+                            draft_vocab_size=64, ttt_steps=3, step_decay=head.config.step_decay, lr=2e-3,
+                            warmup_steps=15, seed=0)
+    diffs = anchors.checkpoint_differences(c, budget, data)
+    assert diffs == ["warmup_steps 22 (budget 15)", "trained from a stored feature capture (runs/x/features), not online"]
+    (tmp_path / "other.jsonl").write_text('{"a": 2}\n')
+    assert anchors.checkpoint_differences(c, budget, tmp_path / "other.jsonl")[1].startswith("data [")
+    row = {**REPORT["rows"][0], "brought": str(c.path), "differs_from_budget": diffs}
+    md = anchors.markdown({**REPORT, "rows": [row]})
+    assert f"not trained by this call: the checkpoint `{c.path}` exported and measured" in md
+    assert "differs from the budget in: warmup_steps 22 (budget 15); trained from a stored feature capture" in md
