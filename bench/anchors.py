@@ -12,7 +12,8 @@ answers; else `data/train.jsonl`) and `data/heldout_prompts.jsonl` (a `make demo
 Each `--recipe` (with OVERRIDES) is one kind's section, its head.kind naming the kind (eagle3, dflash,
 dspark), and fixes the shared settings: target layers, draft vocabulary size, learning rate, warm-up,
 max length, `--steps` x `train.batch_size`; EAGLE-3's TTT steps and decay; DFlash's and DSpark's
-layer count and block (anchor + G, the fill-in layout), DSpark's Markov and confidence heads. Block
+layer count, anchor blocks per sample and block (anchor + G, the fill-in layout), DSpark's Markov and
+confidence heads. Block
 drafters are measured with a chain of the whole block (k = G): their full-block acceptance is the
 last slot's. specheads
 tokenises the conversations once (assistant-only loss masks) and every toolkit trains on those very
@@ -194,7 +195,7 @@ class Budget:
     warmup_steps: int
     seed: int
     kind: str = "eagle3"
-    block: dict | None = None  # DFlash / DSpark: num_layers, block_size (anchor + G), causal, DSpark's heads
+    block: dict | None = None  # DFlash / DSpark: num_layers, block_size (anchor + G), causal, num_anchors, DSpark's heads
 
     @property
     def k(self) -> int | None:
@@ -271,7 +272,8 @@ def block_budget(h, target) -> dict:
 
     ids = list(h.target_layer_ids or default_target_layer_ids(target.num_layers, h.num_layers))
     drafted = h.block_size if h.kind == "dspark" else h.block_size - 1  # DSpark's recipe counts G; DFlash's, anchor + G
-    block = {"num_layers": h.num_layers, "block_size": drafted + 1, "causal": bool(h.causal)}
+    block = {"num_layers": h.num_layers, "block_size": drafted + 1, "causal": bool(h.causal),
+             "num_anchors": h.num_anchors}  # blocks supervised per sample and step: the work of a step
     if h.kind == "dspark":
         block.update({name: getattr(h, name) for name in ("markov_rank", "markov_head_type", "enable_confidence_head",
                                                           "confidence_head_with_markov")})
@@ -467,7 +469,8 @@ def budget_line(b: dict) -> str:
     blk = b.get("block")
     if blk is None:
         return line + f"; one layer, TTT {b['ttt_steps']} (decay {b['step_decay']})."
-    line += (f"; {blk['num_layers']} layers, blocks of anchor + {blk['block_size'] - 1} (fill-in layout), "
+    line += (f"; {blk['num_layers']} layers, up to {blk.get('num_anchors')} anchor blocks a sample, blocks of anchor + "
+             f"{blk['block_size'] - 1} (fill-in layout), "
              f"{'causal' if blk['causal'] else 'bidirectional'} in the block (specheads; the anchors keep their own)")
     if "markov_rank" in blk:
         line += (f"; Markov head rank {blk['markov_rank']} ({blk['markov_head_type']}), confidence head "

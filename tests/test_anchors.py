@@ -118,7 +118,7 @@ REPORT = {
                    "draft_vocab_size": 64, "ttt_steps": 3, "step_decay": 0.8, "lr": 0.002, "warmup_steps": 1},
         "dspark": {"steps": 4, "batch_size": 2, "tokens_per_step": 100, "aux_layers": [2, 6], "draft_vocab_size": 512,
                    "ttt_steps": None, "step_decay": None, "lr": 0.002, "warmup_steps": 1, "kind": "dspark",
-                   "block": {"num_layers": 2, "block_size": 4, "causal": False, "markov_rank": 32,
+                   "block": {"num_layers": 2, "block_size": 4, "causal": False, "num_anchors": 16, "markov_rank": 32,
                              "markov_head_type": "vanilla", "enable_confidence_head": True,
                              "confidence_head_with_markov": True}}},
     "rows": [
@@ -152,7 +152,8 @@ def test_markdown_rows_and_failures(anchors):
     assert "one layer, TTT 3 (decay 0.8)" in eagle3 and "4 steps x batch 2 (packed trainers: 100 tokens a step)" in eagle3
     assert "| speculators 0.9.0 | 2.00 | 1.50x | 0.60 / 0.30 / 0.10 |" in dspark  # its own kind's specheads row
     assert "| specforge 0.2.0 | not driven | | `SpecForge 0.2.0 ships DFlash and DSpark trainers` |" in dspark
-    assert "2 layers, blocks of anchor + 3 (fill-in layout)" in dspark and "Markov head rank 32 (vanilla)" in dspark
+    assert "2 layers, up to 16 anchor blocks a sample, blocks of anchor + 3 (fill-in layout)" in dspark
+    assert "Markov head rank 32 (vanilla)" in dspark
     assert ("failed with `RuntimeError: Cannot access accelerator device when none is available.`; then adapted: "
             "get_local_rank -> 'cpu'") in md
     assert "setup: --no-deps" in md and "loaded as is by our verifier from `OUT/speculators/train-1/0`" in md
@@ -223,6 +224,7 @@ def test_block_budget(anchors, demo_run_dir, tmp_path, kind, drafted):
     assert b.kind == kind and b.k == drafted and b.block["block_size"] == drafted + 1 and b.ttt_steps is None
     assert b.aux_layers == [2, 6]  # the recipes' default outputs of layers [1, 5] of 8
     assert b.draft_vocab_size == target.vocab_size and b.block["num_layers"] == 2 and b.block["causal"] is False
+    assert b.block["num_anchors"] == 32  # the recipes' blocks a sample: the anchors train as many
     assert ("markov_rank" in b.block) == (kind == "dspark")
     assert anchors.work_root(out, kind) == out / kind and anchors.work_root(out, "eagle3") == out
 
@@ -242,12 +244,12 @@ def test_driver_flags_of_each_kind():
         sys.path.remove(str(DRIVERS))
     assert head_argv({"ttt_steps": 3, "step_decay": 0.8}) == ["--num-layers", "1", "--draft-arch", "llama",
                                                             "--ttt-steps", "3", "--ttt-step-loss-decay", "0.8"]
-    block = {"num_layers": 2, "block_size": 8, "causal": False, "markov_rank": 32, "markov_head_type": "vanilla",
-             "enable_confidence_head": True, "confidence_head_with_markov": False}
+    block = {"num_layers": 2, "block_size": 8, "causal": False, "num_anchors": 32, "markov_rank": 32,
+             "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": False}
     assert head_argv({"kind": "dflash", "block": block}) == ["--num-layers", "2", "--block-size", "8",
-                                                            "--no-sample-from-anchor"]
-    assert head_argv({"kind": "dspark", "block": block})[3:] == [
-        "8", "--no-sample-from-anchor", "--markov-rank", "32", "--markov-head-type", "vanilla",
+                                                            "--max-anchors", "32", "--no-sample-from-anchor"]
+    assert head_argv({"kind": "dspark", "block": block})[5:] == [
+        "32", "--no-sample-from-anchor", "--markov-rank", "32", "--markov-head-type", "vanilla",
         "--enable-confidence-head", "--no-confidence-head-with-markov"]
 
 
@@ -294,6 +296,10 @@ def test_specforge_block_draft_config(drivers, tiny_target_dir):
     assert sorted(sf.record("dspark", [1] * 5, [1] * 5, aux, final)) == [
         "hidden_states", "input_ids", "loss_mask", "target_last_hidden_states"]
     assert sf.record("dflash", [1] * 5, [1] * 5, aux, final)["hidden_states"].shape == (1, 5, 8)
+    budget = {"steps": 4, "batch_size": 2, "lr": 2e-3, "warmup_steps": 1, "seed": 0, "max_length": 64}
+    cfg = sf.run_config({**job, **budget, "kind": "dflash", "block": {**block, "num_anchors": 32}}, Path("w"),
+                        Path("f"), Path("d"), Path("o"))
+    assert cfg["training"]["num_anchors"] == 32 and cfg["training"]["strategy"] == "dflash"  # the shared anchors
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])

@@ -154,7 +154,7 @@ def run_config(job: dict, work: Path, features: Path, draft: Path, output: Path)
     training = {"strategy": kind_of(job), "max_steps": job["steps"], "total_steps": job["steps"],
                 "num_epochs": 1000, "batch_size": job["batch_size"], "learning_rate": job["lr"],
                 "warmup_ratio": min(1.0, job["warmup_steps"] / job["steps"]),
-                **({"ttt_length": job["ttt_steps"]} if eagle3 else {}),
+                **({"ttt_length": job["ttt_steps"]} if eagle3 else {"num_anchors": job["block"]["num_anchors"]}),
                 "attention_backend": "sdpa", "seed": job["seed"], "log_interval": 10,
                 "fsdp_sharding": "NO_SHARD", "save_interval": job["steps"]}
     return {
@@ -284,7 +284,7 @@ def kept_defaults(job: dict, exported: dict) -> dict:
     mask = {} if job["block"].get("mask_token_id") is not None else {
         "mask_token_id": f"{method.get('mask_token_id')} (its resolution: tokenizer mask, an unused embedding "
                          "row, else the pad token)"}
-    kept = {**common, **mask, "num_anchors": 512, "loss_decay_gamma": None,
+    kept = {**common, **mask, "loss_decay_gamma": None,
             "block attention": "bidirectional (its full-attention mask)", "draft layer": exported.get("model_type")}
     if job["draft_vocab_size"] != exported.get("vocab_size"):
         kept["draft vocabulary"] = f"the target's {exported.get('vocab_size')} (it drafts with the target's lm_head)"
