@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from specheads.engine_facts import RESIDUAL_DEFAULT
+from specheads.export import dflash, dspark
 from specheads.export.checkpoint import load_strict
 from specheads.export.contract_rules import CONFIG_FILE, WEIGHTS_FILE, ContractError, contract_for
 from specheads.export.eagle3 import KIND, head_weights
@@ -217,8 +218,6 @@ def load_foreign_block(meta: ExportMeta, attn_implementation: str = "sdpa",
                        num_target_layers: int | None = None):
     """A speculators dflash / dspark checkpoint folder, or SpecForge's DFlash folder -> (head in eval
     mode, meta)."""
-    from specheads.export import dflash, dspark
-
     cfg = read_json(meta.folder / CONFIG_FILE)
     target = {"num_target_layers": num_target_layers} if num_target_layers else {}
     meta.head_config = {"dflash": target} if meta.kind == "dspark" else target
