@@ -512,6 +512,10 @@ def markdown(report: dict) -> str:
              "drafter's full-block acceptance is its last slot's.", ""]
     for kind, b in report["budgets"].items():
         lines += section(kind, b, [r for r in report["rows"] if r.get("kind", "eagle3") == kind], st["k"])
+    again = [f"{r['toolkit']} {KIND_TITLES.get(r.get('kind', 'eagle3'))}" for r in report["rows"] if r.get("reused")]
+    if again:
+        lines += [f"Trained by an earlier call into the same OUT (same budget and samples) and measured again here: "
+                  f"{', '.join(again)}; their training seconds and tokens/s are that call's.", ""]
     lines += ["What each toolkit needed on a CPU, and what did not work (in its own words):", ""]
     noted = set()
     for r in report["rows"]:

@@ -159,6 +159,9 @@ def test_markdown_rows_and_failures(anchors):
     assert "setup: --no-deps" in md and "loaded as is by our verifier from `OUT/speculators/train-1/0`" in md
     assert "train: `RuntimeError: 0 active drivers ([]).`" in md
     assert md.count("setup: --no-deps") == 1  # a toolkit's setup notes once, under its first kind
+    assert "earlier call" not in md
+    again = anchors.markdown({**REPORT, "rows": [{**r, "reused": True} if i == 1 else r for i, r in enumerate(REPORT["rows"])]})
+    assert "measured again here: speculators EAGLE-3; their training seconds and tokens/s are that call's" in again
 
 
 def test_argument_errors(anchors, tmp_path, capsys):
