@@ -300,13 +300,21 @@ def reused(record: Path, key: dict) -> dict | None:
     return {**row, "reused": True}
 
 
+def ours_key(recipe, budget: Budget, samples_sha256: str) -> dict:
+    """What specheads' row depends on: the budget, the samples and its whole recipe (optimizer, loss
+    and every option the anchors do not share)."""
+    from specheads.config import to_dict
+
+    return {**budget.__dict__, "samples": samples_sha256, "recipe": json.loads(json.dumps(to_dict(recipe), default=str))}
+
+
 def train_ours(recipe, out: Path, budget: Budget, samples_sha256: str = "") -> dict:
     """specheads' own run of the recipe, exported in the vLLM (speculators) format; a finished run
-    with the same budget and samples is reused (OUT/.../specheads/row.json)."""
+    with the same recipe, budget and samples is reused (OUT/.../specheads/row.json)."""
     from specheads.export import export
     from specheads.train import train
 
-    record, key = work_root(out, budget.kind) / "specheads" / "row.json", {**budget.__dict__, "samples": samples_sha256}
+    record, key = work_root(out, budget.kind) / "specheads" / "row.json", ours_key(recipe, budget, samples_sha256)
     if (row := reused(record, key)) is not None:
         return row
     t0 = time.perf_counter()

@@ -386,3 +386,14 @@ def test_a_brought_checkpoint_names_what_differs_from_the_budget(anchors, tmp_pa
     md = anchors.markdown({**REPORT, "rows": [row]})
     assert f"not trained by this call: the checkpoint `{c.path}` exported and measured" in md
     assert "differs from the budget in: warmup_steps 22 (budget 15); trained from a stored feature capture" in md
+
+
+def test_our_row_is_keyed_by_the_whole_recipe(anchors, demo_run_dir, tmp_path):
+    """An option the anchors do not share (the optimizer) still retrains specheads' row."""
+    out = tmp_path / "out"
+    data = anchors.train_file(demo_run_dir, out, 4)
+    budget = anchors.Budget(steps=4, batch_size=2, tokens_per_step=10, max_length=64, aux_layers=[2, 4, 5],
+                            draft_vocab_size=64, ttt_steps=3, step_decay=0.8, lr=2e-3, warmup_steps=1, seed=0)
+    keys = [anchors.ours_key(anchors.load_recipe_for(anchors.RECIPE, demo_run_dir / "target", data, out, 4, extra),
+                             budget, "sha") for extra in ([], [], ["train.optimizer=muon"])]
+    assert keys[0] == keys[1] != keys[2] and json.dumps(keys[0])  # stable, JSON-clean, and the optimizer counts
