@@ -228,8 +228,7 @@ def recipe_kind(recipe_path: Path) -> str:
     """The kind a recipe trains (its head.kind), without loading the target."""
     import yaml
 
-    kind = ((yaml.safe_load(Path(recipe_path).read_text()) or {}).get("head") or {}).get("kind", "eagle3")
-    return kind
+    return ((yaml.safe_load(Path(recipe_path).read_text()) or {}).get("head") or {}).get("kind", "eagle3")
 
 
 def load_recipe_for(recipe_path: Path, target: Path, data: Path, out: Path, steps: int, overrides: list[str]):
@@ -331,13 +330,12 @@ def train_ours(recipe, out: Path, budget: Budget, samples_sha256: str = "") -> d
     return row
 
 
-def bring_ours(ckpt: Path, out: Path, budget: Budget, data: Path) -> dict:
-    """specheads' row from a checkpoint trained elsewhere (`--specheads-checkpoint`): exported here and
-    measured like the others, with every shared setting its recipe.json differs in named in the row."""
+def bring_ours(c, out: Path, budget: Budget, data: Path) -> dict:
+    """specheads' row from a checkpoint `c` trained elsewhere (`--specheads-checkpoint`): exported here
+    and measured like the others, with every shared setting its recipe.json differs in named in the row."""
     from specheads.export import export
-    from specheads.export.checkpoint import Checkpoint
 
-    c = Checkpoint(ckpt)
+    ckpt = c.path
     folder = export(ckpt, "vllm", work_root(out, budget.kind) / "specheads" / "export", overwrite=True)
     return {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(),
             "export": "OUT/" + os.path.relpath(folder, out), "export_path": str(folder),
@@ -556,17 +554,18 @@ def _cell(text: str) -> str:
 
 
 # --- the bench -------------------------------------------------------------------------------------
-def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Path, target) -> tuple[Budget, list]:
-    """One kind: the recipe's samples written once, then every toolkit trained on them."""
+def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Path, target,
+                  brought=None) -> tuple[Budget, list]:
+    """One kind: the recipe's samples written once, then every toolkit trained on them (specheads'
+    row from the checkpoint `brought` when it is of this kind)."""
     root = work_root(out, recipe_kind(recipe_path))
     recipe = load_recipe_for(recipe_path, a.target, data, root, a.steps, a.overrides)
     samples_file = root / "data" / "samples.jsonl"
     samples = write_samples(recipe, target, samples_file)
     budget = budget_of(recipe, target, samples)
     rows = []
-    brought = a.specheads_checkpoint and checkpoint_kind(a.specheads_checkpoint) == budget.kind
-    if brought:
-        rows.append(bring_ours(a.specheads_checkpoint, out, budget, data))
+    if brought is not None and brought.kind == budget.kind:
+        rows.append(bring_ours(brought, out, budget, data))
     elif "specheads" in a.toolkits:
         rows.append(train_ours(recipe, out, budget, sha256_of(samples_file)))
         print(f"[anchors] {budget.kind}: specheads trained: {rows[-1]['train_s']} s", flush=True)
@@ -576,12 +575,6 @@ def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Pat
             print(f"[anchors] {budget.kind}: {name}: "
                   f"{json.dumps({k: rows[-1].get(k) for k in ('stage', 'error', 'export')})[:600]}", flush=True)
     return budget, [{**r, "train_samples": len(samples)} for r in rows]
-
-
-def checkpoint_kind(ckpt: Path) -> str | None:
-    from specheads.export.checkpoint import Checkpoint
-
-    return Checkpoint(ckpt).head_config.get("kind")
 
 
 def bench(a: argparse.Namespace, command: str) -> dict:
@@ -595,8 +588,13 @@ def bench(a: argparse.Namespace, command: str) -> dict:
     data = train_file(run, out, a.conversations)
     target = Target.load(str(a.target), device="cpu")
     budgets, rows = {}, []
+    brought = None
+    if a.specheads_checkpoint:
+        from specheads.export.checkpoint import Checkpoint
+
+        brought = Checkpoint(a.specheads_checkpoint)  # read (and checksum-verified) once
     for recipe_path in a.recipes:
-        budget, section = train_section(Path(recipe_path), a, out, data, target)
+        budget, section = train_section(Path(recipe_path), a, out, data, target, brought)
         budgets[budget.kind] = budget
         rows += section
     prompts = _bench_module("verifier.py").encode_rows(target, read_prompts(run / "data" / "heldout_prompts.jsonl",

@@ -205,10 +205,9 @@ DFLASH_VARIANTS = ["speculators_dflash", "speculators_dflash_full"]
 
 
 def dflash_block_logits(head, gold: dict) -> torch.Tensor:
-    """Our head's block at the golden anchor over the context before it, as the verifier drafts:
-    [anchor, mask x (B-1)] -> logits [B, Vd] (speculators' training forward scores every slot)."""
-    from specheads.verify.dflash_proposers import DFlashProposer  # noqa: F401 - the path this mirrors
-
+    """Our head's block at the golden anchor over the context before it, as DFlashProposer drafts it
+    (with the golden's embedding and lm_head in place of a target's): [anchor, mask x (B-1)] -> logits
+    [B, Vd] (speculators' training forward scores every slot)."""
     a, B = int(gold["anchor"]), head.config.block_size
     cache = DynamicCache()
     head.add_context(cache, head.context(gold["aux"][:, :a]), torch.arange(a)[None])

@@ -163,9 +163,9 @@ def foreign_weights(weights: dict[str, torch.Tensor], config: Eagle3Config,
 
 
 def load_foreign(meta: ExportMeta, attn_implementation: str = "sdpa",
-                 num_target_layers: int | None = None) -> tuple[Eagle3Head, ExportMeta]:
-    """A speculators / SpecForge / plain-vLLM EAGLE-3 folder (or speculators' DFlash / DSpark) ->
-    (head in eval mode, meta)."""
+                 num_target_layers: int | None = None) -> tuple[torch.nn.Module, ExportMeta]:
+    """A speculators / SpecForge / plain-vLLM EAGLE-3 folder (or speculators' DFlash / DSpark,
+    SpecForge's DFlash) -> (head in eval mode, meta)."""
     if meta.kind in BLOCK_KINDS:
         return load_foreign_block(meta, attn_implementation, num_target_layers)
     config = foreign_config(read_json(meta.folder / CONFIG_FILE), meta.format, meta.folder, num_target_layers)
@@ -305,9 +305,9 @@ def read_foreign_meta(folder: Path) -> ExportMeta:
     if cfg.get("speculators_model_type") in BLOCK_KINDS:
         return ExportMeta(folder=folder, format="vllm", kind=cfg["speculators_model_type"], target=None,
                           head_config=None, num_speculative_tokens=None)
-    if sglang_block_kind(cfg):
-        return ExportMeta(folder=folder, format="sglang", kind=sglang_block_kind(cfg), target=None,
-                          head_config=None, num_speculative_tokens=None)
+    if kind := sglang_block_kind(cfg):
+        return ExportMeta(folder=folder, format="sglang", kind=kind, target=None, head_config=None,
+                          num_speculative_tokens=None)
     try:
         fmt = detect_eagle3_format(cfg)
     except ValueError as err:
