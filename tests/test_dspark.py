@@ -195,10 +195,11 @@ def test_train_forward_loss_decreases(target, kind):
     assert head.confidence_head.proj.weight.grad is not None
 
 
-def test_training_logits_are_the_block_logits(target):
-    """The loss scores exactly lm_head(out) + bias(prev = the token before each slot): the Markov
-    input of slot 1 is the anchor, of slot s the token at a+s-1."""
-    head = make_head(target, randomize=True, markov_head_type="rnn").eval()
+@pytest.mark.parametrize("from_anchor", [False, True])
+def test_training_logits_are_the_block_logits(target, from_anchor):
+    """The loss scores exactly lm_head(out) + bias(prev = the token before each drafted token): the
+    Markov input of the first draft is the anchor, of draft s the token at a+s-1 (either layout)."""
+    head = make_head(target, randomize=True, markov_head_type="rnn", sample_from_anchor=from_anchor).eval()
     torch.manual_seed(0)
     ids = torch.randint(0, 95, (1, 12))
     batch = batch_of(ids)
@@ -209,6 +210,7 @@ def test_training_logits_are_the_block_logits(target):
     res = head.train_forward(**inputs)
     del head._loss
     out, pos = captured["out"], captured["pos"]
+    assert out.shape[2] == 3 and (pos[..., 0] - 1 >= 0).all()  # G drafted slots; a+1.. predicted
     prev = ids[0][(pos - 1).clamp(max=11)]  # [1, N, G]; slots past the end are not scored
     logits = head.block_logits(out, prev, target.lm_head.weight)
     labels = inputs["labels"][0][pos.clamp(max=11)]
@@ -226,11 +228,12 @@ def greedy(target, proposer, prompt: torch.Tensor, n: int, k: int):
     return decode(target, proposer, prompt, n, k) if proposer else greedy_decode(target, prompt, n)
 
 
-@pytest.mark.parametrize("kind", TYPES)
-def test_greedy_speculation_equals_plain_greedy(target, kind):
+@pytest.mark.parametrize("kind,from_anchor", [(kind, False) for kind in TYPES] + [("vanilla", True)])
+def test_greedy_speculation_equals_plain_greedy(target, kind, from_anchor):
     from specheads.verify.dspark_proposers import DSparkProposer
 
-    head = make_head(target, seed=1, randomize=True, markov_head_type=kind).to(target.dtype).eval()
+    head = make_head(target, seed=1, randomize=True, markov_head_type=kind,
+                     sample_from_anchor=from_anchor).to(target.dtype).eval()
     for seed in range(2):
         prompt = torch.randint(0, 95, (6,), generator=torch.Generator().manual_seed(seed))
         plain = greedy(target, None, prompt, 24, 0).tokens
@@ -238,14 +241,14 @@ def test_greedy_speculation_equals_plain_greedy(target, kind):
             assert greedy(target, DSparkProposer(head, target), prompt, 24, k).tokens == plain
 
 
-@pytest.mark.parametrize("kind", TYPES)
-def test_drafting_is_the_training_computation(target, kind):
+@pytest.mark.parametrize("kind,from_anchor", [(kind, False) for kind in TYPES] + [("gated", True)])
+def test_drafting_is_the_training_computation(target, kind, from_anchor):
     """Fed the data tokens as its previous tokens, the proposer's block at anchor a gives exactly the
     training logits of that block; the drafted tokens are each slot's argmax given the one before;
-    confidence() is the head's on the slots drafted."""
+    confidence() is the head's on the slots drafted. In both layouts."""
     from specheads.verify.dspark_proposers import DSparkProposer
 
-    head = make_head(target, seed=2, randomize=True, markov_head_type=kind).eval()
+    head = make_head(target, seed=2, randomize=True, markov_head_type=kind, sample_from_anchor=from_anchor).eval()
     ids = torch.randint(0, 95, (1, 13), generator=torch.Generator().manual_seed(4))
     batch = batch_of(ids)
     inputs = head.expand(target, head.collect(target, batch), batch)
@@ -341,19 +344,21 @@ def checkpoint(tmp_path, head, step: int = 3):
                            {"target": FINGERPRINT}, {"num_samples": 1})
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "vllm-native", "sglang"])
-def test_export_writes_what_the_engines_read_and_loads_back_exactly(tmp_path, target, fmt):
+@pytest.mark.parametrize("fmt,from_anchor", [(f, False) for f in ("vllm", "vllm-native", "sglang")]
+                         + [(f, True) for f in ("vllm", "sglang")])
+def test_export_writes_what_the_engines_read_and_loads_back_exactly(tmp_path, target, fmt, from_anchor):
     from safetensors import safe_open
 
     from specheads.export import export, load_with_meta
     from specheads.verify.dspark_proposers import DSparkProposer
 
-    head = make_head(target, randomize=True, target_layer_ids=[1, 3, 5])
+    head = make_head(target, randomize=True, target_layer_ids=[1, 3, 5], sample_from_anchor=from_anchor)
+    assert head.config.dflash.block_size == (3 if from_anchor else 4)  # query slots
     out = export(checkpoint(tmp_path, head), fmt, tmp_path / fmt)
     cfg = json.loads((out / "config.json").read_text())
     for key, value in {"architectures": ["Qwen3DSparkModel"], "block_size": 3, "mask_token_id": 95,
                        "markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
-                       "confidence_head_with_markov": True, "sample_from_anchor": False}.items():
+                       "confidence_head_with_markov": True, "sample_from_anchor": from_anchor}.items():
         assert cfg[key] == value, key
     if fmt == "vllm":
         assert "model_type" not in cfg and cfg["speculators_model_type"] == "dspark"
@@ -363,7 +368,7 @@ def test_export_writes_what_the_engines_read_and_loads_back_exactly(tmp_path, ta
     else:
         assert cfg["model_type"] == "qwen3" and cfg["target_layer_ids"] == [1, 3, 5]
         assert cfg["dflash_config"]["target_layer_ids"] == [1, 3, 5] and cfg["dflash_config"]["block_size"] == 3
-        assert cfg["dflash_config"]["sample_from_anchor"] is False and cfg["logit_scale"] == 1.0
+        assert cfg["dflash_config"]["sample_from_anchor"] is from_anchor and cfg["logit_scale"] == 1.0
     with safe_open(str(out / "model.safetensors"), "pt") as fh:
         dtypes = {n: fh.get_slice(n).get_dtype() for n in fh.keys()}  # noqa: SIM118 - a safe_open handle, not a dict
     assert dtypes["confidence_head.proj.weight"] == dtypes["confidence_head.proj.bias"] == "F32"
@@ -464,13 +469,14 @@ def fit(head, target, ids: torch.Tensor, steps: int, lr: float = 1e-2) -> None:
     head.eval()
 
 
-def test_trained_export_loads_and_decodes_losslessly(tmp_path, target):
+@pytest.mark.parametrize("from_anchor", [False, True])
+def test_trained_export_loads_and_decodes_losslessly(tmp_path, target, from_anchor):
     """Train on the target's own greedy continuation, export, load back: greedy speculation from the
-    folder equals plain greedy decoding and accepts more than one token per forward."""
+    folder equals plain greedy decoding and accepts more than one token per forward (either layout)."""
     from specheads.export import export, load_with_meta
     from specheads.verify.dspark_proposers import DSparkProposer
 
-    head = make_head(target, seed=6, num_anchors=64)
+    head = make_head(target, seed=6, num_anchors=64, sample_from_anchor=from_anchor)
     prompt = torch.randint(0, 95, (5,), generator=torch.Generator().manual_seed(0))
     ids = torch.cat([prompt, torch.tensor(greedy(target, None, prompt, 40, 0).tokens)])[None]
     fit(head, target, ids, steps=150)
@@ -484,7 +490,8 @@ def test_trained_export_loads_and_decodes_losslessly(tmp_path, target):
 def as_speculators_trainer_writes_it(folder):
     """Our speculators-format export rewritten the way speculators 0.9.0's trainer saves a DSpark
     checkpoint (seen on its CPU run in bench/anchors.py): no specheads.json, its architecture name,
-    block_size counting the anchor (speculative_tokens = block_size - 1 without sample_from_anchor),
+    block_size counting the query slots (speculative_tokens = block_size - 1 without sample_from_anchor,
+    block_size with it),
     sliding-window layers with in-block causality as sliding_window_non_causal, and its optimizer
     state beside."""
     (folder / "specheads.json").unlink()
@@ -493,33 +500,35 @@ def as_speculators_trainer_writes_it(folder):
     causal = layer.pop("is_causal")
     layer.update(layer_types=["sliding_attention"] * layer["num_hidden_layers"], sliding_window=2048,
                  use_sliding_window=True)  # its trainer's layers: causal in the block unless non-causal is set
-    cfg.update(architectures=["DSparkDraftModel"], block_size=cfg["block_size"] + 1,
+    cfg.update(architectures=["DSparkDraftModel"], block_size=cfg["block_size"] + (not cfg["sample_from_anchor"]),
                sliding_window_non_causal=not causal, transformer_layer_config=layer)
     (folder / "config.json").write_text(json.dumps(cfg))
     torch.save({}, folder / "optimizer_state_dict.pt")
     return cfg
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_speculators_trainer_checkpoint_loads_as_the_same_head(tmp_path, target, causal):
+@pytest.mark.parametrize("causal,from_anchor", [(False, False), (True, False), (False, True)])
+def test_speculators_trainer_checkpoint_loads_as_the_same_head(tmp_path, target, causal, from_anchor):
     from specheads.export import export, load_with_meta
     from specheads.export.foreign import ForeignDraftError
     from specheads.verify.dspark_proposers import DSparkProposer
 
-    head = make_head(target, randomize=True, target_layer_ids=[1, 3, 5], causal=causal)
+    head = make_head(target, randomize=True, target_layer_ids=[1, 3, 5], causal=causal, sample_from_anchor=from_anchor)
     folder = export(checkpoint(tmp_path, head), "vllm", tmp_path / "theirs")
     cfg = as_speculators_trainer_writes_it(folder)
-    assert cfg["block_size"] == 4 and cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert cfg["block_size"] == (3 if from_anchor else 4)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     loaded, meta = load_with_meta(folder, num_target_layers=target.num_layers)
     assert meta.kind == "dspark" and meta.record == {} and meta.num_speculative_tokens == 3
     assert loaded.config.block_size == 3 and loaded.config.dflash.causal is causal
+    assert loaded.config.sample_from_anchor is from_anchor
     assert loaded.config.dflash.target_layer_ids == [1, 3, 5] and loaded.config.dflash.num_target_layers == 8
     for (n, a), b in zip(loaded.state_dict().items(), head.float().state_dict().values()):
         assert torch.equal(a, b), n
     prompt = torch.randint(0, 95, (7,), generator=torch.Generator().manual_seed(5))
     res = greedy(target, DSparkProposer(loaded.to(target.dtype), target), prompt, 20, 3)
     assert res.tokens == greedy(target, None, prompt, 20, 0).tokens
-    cfg["sample_from_anchor"] = True  # the anchor's own slot drafting: a layout the head does not run
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 4  # more than the block drafts
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ForeignDraftError, match="sample_from_anchor: true .* --no-sample-from-anchor"):
+    with pytest.raises(ForeignDraftError, match="speculative_tokens 4 but block_size .* drafts 3"):
         load_with_meta(folder)

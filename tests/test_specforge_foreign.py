@@ -1,8 +1,8 @@
 """SpecForge 0.2.0's DFlash / DSpark folders (what its `export --to hf` writes for its DFlash family,
 as bench/anchor_drivers/specforge_train.py drives it) read by the verifier without SpecForge: specheads'
 own SGLang export rewritten the way SpecForge writes the folder. DFlash loads as the same head and
-decodes losslessly; what the head cannot run (DSpark's anchor-as-first layout, sliding-window layers,
-an unknown mask token) is refused by name."""
+decodes losslessly, and DSpark (anchor-as-first, its only layout) loads as the same anchor-first head;
+what the head cannot run (sliding-window layers, an unknown mask token) is refused by name."""
 
 from __future__ import annotations
 
@@ -97,19 +97,39 @@ def test_specforge_dflash_folder_loads_as_the_same_head(tmp_path, target):
             load_with_meta(folder)
 
 
-def test_specforge_dspark_folder_is_refused_by_its_layout(tmp_path, target):
-    """SpecForge 0.2.0 trains DSpark anchor-as-first only (slot j learns the token at anchor + 1 + j):
-    the verifier, which runs the fill-in layout, names that instead of drafting from shifted slots."""
+def test_specforge_dspark_folder_loads_as_the_same_anchor_first_head(tmp_path, target):
+    """SpecForge 0.2.0 trains DSpark anchor-as-first only (block slot j learns the token at anchor + 1 + j)
+    and writes no sample_from_anchor: read as SGLang's worker reads it (sample_from_anchor defaults to
+    true, gamma = block_size), with the Markov / confidence fields from dflash_config, the folder is the
+    same head and decodes losslessly; a missing Markov rank or another projector is refused by name."""
+    from specheads.verify.dspark_proposers import DSparkProposer
+
     torch.manual_seed(0)
     options = DSparkOptions(num_layers=1, block_size=3, num_anchors=8, markov_rank=8, enable_confidence_head=True,
-                            confidence_head_with_markov=True)
+                            confidence_head_with_markov=True, sample_from_anchor=True)
     head = randomized(DSparkHead.for_target(options, target.config).double())
     folder = sglang_export(tmp_path, head)
-    as_specforge_writes_it(folder, "DSparkDraftModel", {
-        "mask_token_id": 95, "target_layer_ids": head.config.dflash.target_layer_ids, "markov_rank": 8,
-        "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
-        "projector_type": "dspark", "attention_mode": "mha"})
+    method = {"mask_token_id": 95, "target_layer_ids": head.config.dflash.target_layer_ids, "markov_rank": 8,
+              "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
+              "projector_type": "dspark", "attention_mode": "mha"}
+    cfg = as_specforge_writes_it(folder, "DSparkDraftModel", method)
+    for key in ("markov_rank", "sample_from_anchor", "enable_confidence_head"):
+        cfg.pop(key, None)  # SpecForge keeps them in dflash_config (or, the layout, nowhere)
+    (folder / "config.json").write_text(json.dumps(cfg))
     meta = read_foreign_meta(folder)
     assert (meta.kind, meta.format) == ("dspark", "sglang")
-    with pytest.raises(ForeignDraftError, match=r"DSparkDraftModel .* anchor \+ 1 \+ j .* fill-in layout"):
-        load_with_meta(folder)
+    loaded, meta = load_with_meta(folder)
+    c = loaded.config
+    assert (c.block_size, c.sample_from_anchor, c.dflash.block_size, c.markov_rank, c.enable_confidence_head,
+            c.confidence_head_with_markov) == (3, True, 3, 8, True, True)
+    for (n, a), b in zip(loaded.state_dict().items(), head.float().state_dict().values()):
+        assert torch.equal(a, b.to(torch.bfloat16).float()), n  # its bfloat16 weights, exactly
+    prompt = torch.randint(0, 95, (7,), generator=torch.Generator().manual_seed(5))
+    res = decode(target, DSparkProposer(loaded.to(target.dtype), target), prompt, 20, 3)
+    assert res.tokens == greedy_decode(target, prompt, 20).tokens
+    refused = [({"dflash_config": {k: v for k, v in method.items() if k != "markov_rank"}}, "markov_rank None"),
+               ({"dflash_config": {**method, "projector_type": "domino"}}, "projector is 'dspark'")]
+    for change, words in refused:
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ForeignDraftError, match=words):
+            load_with_meta(folder)

@@ -419,7 +419,8 @@ def stage_forward_dspark(args, result, tensors, target_model, draft_model, hidde
         REPLACED.extend((KV_NOTE, dspark.STEP_NOTE))
         cfg = result["config"]
         logits, chain, confidence = dspark.run_blocks(draft_model, target_model, hidden, ids, next_token, anchors,
-                                                      args.k, cfg["mask_token_id"], cfg["block_size"])
+                                                      args.k, cfg["mask_token_id"], cfg["block_size"],
+                                                      cfg["sample_from_anchor"])
     except Exception as exc:
         raise StageError("forward", exc) from exc
     tensors["draft_logits"], tensors["chain"] = logits.float().contiguous(), chain.to("cpu").long()

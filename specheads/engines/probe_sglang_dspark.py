@@ -78,10 +78,13 @@ def runtime(draft_cfg, target_cfg, num_draft_tokens: int) -> dict:
             "markov_head_type": parsed.markov_head_type, "sample_from_anchor": get_dspark_sample_from_anchor(hf)}
 
 
-def run_blocks(draft_model, target_model, hidden, ids, next_token: int, anchors, k: int, mask_id: int, gamma: int):
-    """Logits of slots 1..k of each anchor's block [len(anchors) * k, V], the last block's greedy tokens [k]
-    and each block's confidence [len(anchors) * k] (None without a confidence head). The block is the
-    worker's fill-in layout: [anchor, mask x gamma] at positions a..a+gamma."""
+def run_blocks(draft_model, target_model, hidden, ids, next_token: int, anchors, k: int, mask_id: int, gamma: int,
+               from_anchor: bool = False):
+    """Logits of the k drafted slots of each anchor's block [len(anchors) * k, V], the last block's greedy
+    tokens [k] and each block's confidence [len(anchors) * k] (None without a confidence head). The block
+    is the worker's query layout: [anchor, mask x gamma] at positions a..a+gamma, drafts from slot 1
+    (fill-in); with `from_anchor` (the worker's sample_from_anchor), [anchor, mask x (gamma-1)], drafts
+    from slot 0."""
     import torch
     from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
 
@@ -94,11 +97,13 @@ def run_blocks(draft_model, target_model, hidden, ids, next_token: int, anchors,
     for a in anchors:
         store_context(draft_model, hidden[:a], torch.arange(a))
         anchor = next_token if a == T else int(ids[a])
-        block = torch.tensor([anchor] + [mask_id] * gamma)
-        positions = torch.arange(a, a + gamma + 1)
+        first = 0 if from_anchor else 1
+        queries = gamma + first  # the worker's query_token_num
+        block = torch.tensor([anchor] + [mask_id] * (queries - 1))
+        positions = torch.arange(a, a + queries)
         fb = forward_batch(block, positions, "TARGET_VERIFY", "NULL")
         out = draft_model(block, positions, fb, input_embeds=draft_model.forward_embed(block))
-        drafts = out.hidden_states[1:k + 1]  # [k, H]
+        drafts = out.hidden_states[first:first + k]  # [k, H]
         base, features = draft_model.compute_base_logits(drafts)  # [k, V]
         state, prev, step_rows, picked = markov.init_state(drafts[None]), torch.tensor([anchor]), [], []
         for i in range(k):

@@ -93,13 +93,14 @@ def block_attention() -> str:
     return ATTN_NOTE
 
 
-def run_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int, score=None):
+def run_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int, score=None, first: int = 1):
     """Block logits [len(anchors) * k, V] and the last block's greedy tokens [k]; `score(states [k, H],
     anchor)` -> (logits, tokens) replaces DFlash's compute_logits + argmax (DSpark's Markov steps).
 
     aux [T, n*H]: the target states the engine taps. Anchor a: context rows 0..a-1 stored by the
-    engine's precompute at positions 0..a-1, then [x_a (next_token when a = T), mask x k] at
-    positions a..a+k; slots 1..k are the drafts (the engine samples them at their own positions)."""
+    engine's precompute at positions 0..a-1, then the query block at positions from a. first = 1
+    (fill-in): [x_a (next_token when a = T), mask x k], slots 1..k are the drafts; first = 0 (DSpark's
+    sample_from_anchor): [x_a, mask x (k-1)], every slot drafts the token after it."""
     import torch
     from vllm.forward_context import set_forward_context
     from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
@@ -112,13 +113,13 @@ def run_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int, score=None
         positions = torch.arange(a)
         draft.precompute_and_store_context_kv(context[:a], positions, positions.clone())
         anchor = next_token if a == T else int(ids[a])
-        block = torch.tensor([anchor] + [mask_id] * k)
+        block = torch.tensor([anchor] + [mask_id] * (k + first - 1))
         with set_forward_context(None, vc):
-            out = draft(input_ids=block, positions=torch.arange(a, a + k + 1))
+            out = draft(input_ids=block, positions=torch.arange(a, a + k + first))
         if score is None:
-            logits = draft.compute_logits(out[1:])  # [k, V]: -inf off a reduced draft vocabulary
+            logits = draft.compute_logits(out[first:])  # [k, V]: -inf off a reduced draft vocabulary
             tokens = logits.argmax(-1)
         else:
-            logits, tokens = score(out[1:], anchor)
+            logits, tokens = score(out[first:], anchor)
         rows.append(logits)
     return torch.cat(rows), tokens, mask_id

@@ -91,5 +91,7 @@ def run_dspark_blocks(vc, draft, aux, ids, next_token: int, anchors, k: int):
     import torch
 
     scorer = markov_steps(draft, k)
-    logits, tokens, _ = run_blocks(vc, draft, aux, ids, next_token, anchors, k, score=scorer)
+    hf = vc.speculative_config.draft_model_config.hf_config
+    first = 0 if config_fields(hf)["sample_from_anchor"] else 1  # DSparkSpeculator's query layout
+    logits, tokens, _ = run_blocks(vc, draft, aux, ids, next_token, anchors, k, score=scorer, first=first)
     return logits, tokens, torch.cat(scorer.confidence) if scorer.confidence else None

@@ -3,10 +3,10 @@ native `Qwen3DSparkModel` (`method: dspark`) and SGLang 0.5.23 (`DSPARK`). docs/
 
 The folder is a DFlash folder (export/dflash.py writes its backbone: Qwen3 stack keys, `fc`,
 `hidden_norm`, `layers.*`, `norm`, no embedding) with `architectures: ["Qwen3DSparkModel"]`, the
-engines' block size G (DFlash's block less the anchor) and the Markov / confidence heads under the
-engines' bare names (`markov_head.*`, `confidence_head.*`, the latter float32). The readers'
-defaults disagree (sample_from_anchor: true for vLLM native and SGLang, false for speculators;
-confidence_head_with_markov), so every field is written.
+engines' block size G (the drafted tokens) and the Markov / confidence heads under the engines' bare
+names (`markov_head.*`, `confidence_head.*`, the latter float32). The readers' defaults disagree
+(sample_from_anchor: true for vLLM native and SGLang, false for speculators; confidence_head_with_markov),
+so every field is written; `sample_from_anchor` says the head's layout (heads/dspark.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def dspark_keys(config: DSparkConfig) -> dict:
         "markov_head_type": config.markov_head_type,
         "enable_confidence_head": bool(config.enable_confidence_head),
         "confidence_head_with_markov": bool(config.confidence_head_with_markov),
-        "sample_from_anchor": False,  # the fill-in layout [anchor, mask x G] specheads trains
+        "sample_from_anchor": bool(config.sample_from_anchor),  # the head's block layout
     }
 
 
@@ -71,7 +71,8 @@ def native_config(config: DSparkConfig, dtype: str) -> dict:
     base = dflash.native_config(config.dflash, dtype)
     return {**base, "architectures": [ARCHITECTURE], **dspark_keys(config),
             "target_layer_ids": list(config.dflash.target_layer_ids), "logit_scale": 1.0,
-            "dflash_config": {**base["dflash_config"], "block_size": config.block_size}}
+            "dflash_config": {**base["dflash_config"], "block_size": config.block_size,
+                              "sample_from_anchor": bool(config.sample_from_anchor)}}
 
 
 def speculators_config(config: DSparkConfig, k: int, verifier: str, verifier_archs: list[str], dtype: str) -> dict:
@@ -107,9 +108,9 @@ def _markov_rules(fmt: str) -> tuple[KeyRule, ...]:
         KeyRule("architectures", "equals", [ARCHITECTURE], fix="both engines register Qwen3DSparkModel"),
         KeyRule("block_size", "positive_int", fix="G, the drafted tokens per block (SGLang's gamma)"),
         KeyRule("mask_token_id", "nonneg_int", fix="the engines fill masked slots with this id"),
-        KeyRule("sample_from_anchor", "equals", False,
-                fix="write false: vLLM native and SGLang default to true (anchor-as-first), specheads trains "
-                    "the fill-in layout [anchor, mask x G]"),
+        KeyRule("sample_from_anchor", "bool",
+                fix="write the head's layout: vLLM native and SGLang default to true (anchor-as-first), "
+                    "speculators to false (the fill-in layout [anchor, mask x G])"),
         KeyRule("markov_rank", "positive_int", fix="both engines refuse markov_rank <= 0"),
         KeyRule("markov_head_type", "one_of", ("vanilla",) if vanilla else MARKOV_TYPES,
                 fix=f"{VLLM} runs the vanilla Markov head only" if vanilla else
@@ -124,7 +125,8 @@ def _without(rules, keys) -> tuple[KeyRule, ...]:
     return tuple(r for r in rules if r.key not in keys)
 
 
-NATIVE_KEYS = {fmt: _without(dflash.NATIVE_KEYS, ("architectures", "block_size")) + _markov_rules(fmt) + (
+NATIVE_KEYS = {fmt: _without(dflash.NATIVE_KEYS, ("architectures", "block_size", "dflash_config.sample_from_anchor"))
+    + _markov_rules(fmt) + (
     KeyRule("target_layer_ids", "id_list", 0, "DFlash numbering, the same list as dflash_config.target_layer_ids"),
     KeyRule("dflash_config.block_size", "positive_int", fix="SGLang takes gamma from it: write G"),
     KeyRule("logit_scale", "equals", 1.0, fix="vLLM scales the base logits and the Markov bias by it"),
@@ -138,11 +140,11 @@ SPECULATORS_KEYS = _without(dflash.SPECULATORS_KEYS, (
 
 
 def dflash_view(cfg: dict, fmt: str) -> dict:
-    """config.json as DFlash's reader takes the same backbone: a block of anchor + G, and (speculators)
-    causality as `sliding_window_non_causal`."""
+    """config.json as DFlash's reader takes the same backbone: a block of the query slots (anchor + G
+    fill-in, G anchor-as-first), and (speculators) causality as `sliding_window_non_causal`."""
     view = dict(cfg)
     if is_int(cfg.get("block_size")):
-        view["block_size"] = cfg["block_size"] + 1
+        view["block_size"] = cfg["block_size"] + (0 if cfg.get("sample_from_anchor") is True else 1)
     causal = get_key(cfg, "transformer_layer_config.is_causal")
     if fmt == "vllm" and isinstance(causal, bool):
         view["sliding_window_non_causal"] = not causal
@@ -153,7 +155,7 @@ def check_keys(cfg: dict, fmt: str) -> list[Violation]:
     rules = SPECULATORS_KEYS if fmt == "vllm" else NATIVE_KEYS[fmt]
     out = check_key_rules(cfg, rules, checks=dflash.CHECKS) + dflash._check_consistency(dflash_view(cfg, fmt), fmt)
     if fmt != "vllm":
-        for key in ("target_layer_ids", "mask_token_id", "block_size"):
+        for key in ("target_layer_ids", "mask_token_id", "block_size", "sample_from_anchor"):
             inner = get_key(cfg, f"dflash_config.{key}")
             if cfg.get(key, MISSING) is not MISSING and inner is not MISSING and cfg.get(key) != inner:
                 out.append(Violation(f"{CONFIG_FILE}: {key}", f"the same value as dflash_config.{key} ({found_text(inner)})",
@@ -164,10 +166,12 @@ def check_keys(cfg: dict, fmt: str) -> list[Violation]:
 def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
     """The backbone as DFlash checks it, then the Markov and confidence fields against the trained head."""
     out = dflash.check_against_head(dflash_view(cfg, fmt), fmt, head["dflash"])
-    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
-        value = cfg.get(key, MISSING)
-        if value is not MISSING and value != head[key]:
-            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{json.dumps(head[key])} (the trained head's)",
+    trained = {**head, "sample_from_anchor": bool(head.get("sample_from_anchor", False))}
+    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "sample_from_anchor"):
+        value, want = cfg.get(key, MISSING), trained[key]
+        if value is not MISSING and value != want:
+            out.append(Violation(f"{CONFIG_FILE}: {key}", f"{json.dumps(want)} (the trained head's)",
                                  found_text(value), "export again from the checkpoint this head came from"))
     return out
 
@@ -237,6 +241,7 @@ def config_from_export(cfg: dict, fmt: str, trained: dict | None = None) -> DSpa
         enable_confidence_head=bool(cfg["enable_confidence_head"]),
         confidence_head_with_markov=bool(cfg["confidence_head_with_markov"]),
         confidence_loss_weight=trained.get("confidence_loss_weight", 1.0),
+        sample_from_anchor=cfg.get("sample_from_anchor") is True,
     )
 
 
@@ -264,7 +269,10 @@ def readme_lines(fmt: str, head: dict) -> list[str]:
     confidence = ("a confidence head (float32" + (", reading the Markov embedding too" if
                   head["confidence_head_with_markov"] else "") + ")") if head["enable_confidence_head"] else \
         "no confidence head"
-    line = (f"- DSpark: blocks of {head['dflash']['block_size'] - 1} drafted tokens (sample_from_anchor: false), "
+    from_anchor = bool(head.get("sample_from_anchor", False))
+    layout = "anchor-as-first, sample_from_anchor: true" if from_anchor else "fill-in, sample_from_anchor: false"
+    drafted = head["dflash"]["block_size"] - (0 if from_anchor else 1)
+    line = (f"- DSpark: blocks of {drafted} drafted tokens ({layout}), "
             f"a {head['markov_head_type']} Markov head of rank {head['markov_rank']} and {confidence}")
     return [*dflash.readme_lines(fmt, head["dflash"]), line]
 

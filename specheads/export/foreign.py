@@ -183,19 +183,26 @@ BLOCK_KINDS = ("dflash", "dspark")
 
 def block_view(cfg: dict, kind: str, folder: Path) -> dict:
     """speculators' own dflash / dspark config.json as specheads' reader of that format takes it.
-    Its trainer counts the anchor in a DSpark block_size (block_size - 1 drafted tokens without
-    sample_from_anchor, as its proposal's speculative_tokens says); specheads' reader takes G."""
-    if cfg.get("sample_from_anchor"):
-        raise ForeignDraftError(folder, "sample_from_anchor: true (the anchor's own slot drafts the first token): "
-                                "this verifier runs the fill-in layout [anchor, mask x G]; train it with "
-                                "sample_from_anchor false (speculators: --no-sample-from-anchor)")
+    Its trainer's block_size counts the query slots: G + 1 in the fill-in layout, G with
+    sample_from_anchor (its DSpark default); its proposal's speculative_tokens (the default chain)
+    is at most G. specheads' reader takes G."""
+    if cfg.get("sample_from_anchor") and kind == "dflash":
+        raise ForeignDraftError(folder, "sample_from_anchor: true on a DFlash head (the anchor's own slot drafts the "
+                                "first token): vLLM refuses it for DFlash and this verifier runs DFlash's fill-in "
+                                "layout [anchor, mask x G]; train it with sample_from_anchor false")
     view = {**cfg, "sliding_window_non_causal": not block_is_causal(cfg, folder)}
     if kind == "dspark":
         block = cfg.get("block_size")
-        drafted = speculative_tokens(cfg) or (block - 1 if isinstance(block, int) else None)
+        from_anchor = cfg.get("sample_from_anchor") is True
+        tokens = speculative_tokens(cfg)
+        drafted = block - (0 if from_anchor else 1) if isinstance(block, int) else tokens
         if not isinstance(drafted, int) or drafted < 1:
             raise ForeignDraftError(folder, f"{CONFIG_FILE}: block_size {block!r} and no speculative_tokens: "
                                     "the number of drafted tokens is unknown")
+        if tokens and tokens > drafted:
+            layout = "anchor-as-first: G = block_size" if from_anchor else "fill-in: G = block_size - 1"
+            raise ForeignDraftError(folder, f"{CONFIG_FILE}: speculative_tokens {tokens} but block_size {block} "
+                                    f"drafts {drafted} ({layout}); the proposal and the block disagree")
         view["block_size"] = drafted
     return view
 
@@ -246,27 +253,55 @@ def sglang_block_kind(cfg: dict) -> str | None:
 
 
 def sglang_block_view(cfg: dict, kind: str, folder: Path) -> dict:
-    """SpecForge's DFlash folder as specheads' "sglang" reader takes it. Its conventions: block_size =
-    anchor + G (slot j of [anchor, mask x G] is supervised with the token at anchor + j), target_layer_ids
-    in DFlash numbering (output of layer t), the mask token id in dflash_config, and full-attention
-    layers bidirectional in the block (its training mask), which it does not write: causal false unless
-    the folder says otherwise. Its DSpark is refused: SpecForge 0.2.0 trains it anchor-as-first only."""
-    if kind == "dspark":
-        raise ForeignDraftError(folder, "DSparkDraftModel (SpecForge's DSpark): its trainer supervises block slot "
-                                "j with the token at anchor + 1 + j (the anchor's own slot drafts the first token, "
-                                "SGLang's sample_from_anchor layout; SpecForge 0.2.0 has no other), while this "
-                                "verifier runs the fill-in layout [anchor, mask x G] where slot j drafts anchor + j")
+    """SpecForge's DFlash / DSpark folder as specheads' "sglang" reader takes it. Its conventions:
+    target_layer_ids in DFlash numbering (output of layer t), the mask token id in dflash_config, and
+    full-attention layers bidirectional in the block (its training mask), which it does not write:
+    causal false unless the folder says otherwise. DFlash: block_size = anchor + G (slot j of
+    [anchor, mask x G] is supervised with the token at anchor + j). DSpark (`sglang_dspark_view`)."""
     method = cfg["dflash_config"]
+    if kind == "dspark":
+        cfg, method = sglang_dspark_view(cfg, method, folder)
     refuse_sglang_dflash(cfg, method, folder)
     causal = method.get("causal", cfg.get("is_causal", False))
     return {**cfg, "dflash_config": {**method, "causal": bool(causal)}}
 
 
+DSPARK_HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+
+def sglang_dspark_view(cfg: dict, method: dict, folder: Path) -> tuple[dict, dict]:
+    """SpecForge's DSparkDraftModel folder as SGLang's DSPARK worker reads it: the layout is
+    sample_from_anchor (SGLang's default when unwritten; SpecForge 0.2.0 trains no other: block slot j
+    is supervised with the token at anchor + 1 + j), gamma G = block_size, and the Markov / confidence
+    fields at the top level (SpecForge keeps them in dflash_config; SGLang's loader reads the top)."""
+    method = dict(method)
+    if method.get("projector_type") not in (None, "dspark"):
+        raise ForeignDraftError(folder, f"dflash_config.projector_type {method['projector_type']!r}: a DSpark "
+                                "folder's projector is 'dspark'")
+    method.pop("projector_type", None)
+    heads = {key: cfg.get(key, method.get(key)) for key in DSPARK_HEAD_KEYS}
+    if not isinstance(heads["markov_rank"], int) or heads["markov_rank"] < 1:
+        raise ForeignDraftError(folder, f"markov_rank {heads['markov_rank']!r} (top level or dflash_config): "
+                                "SGLang requires a Markov head of rank > 0")
+    heads["markov_head_type"] = heads["markov_head_type"] or "vanilla"
+    heads["enable_confidence_head"] = bool(heads["enable_confidence_head"])
+    heads["confidence_head_with_markov"] = bool(heads["confidence_head_with_markov"])
+    from_anchor = cfg.get("sample_from_anchor", True) is True
+    drafted = cfg.get("dspark_block_size", cfg.get("block_size"))
+    if not isinstance(drafted, int) or drafted < 1:
+        raise ForeignDraftError(folder, f"{CONFIG_FILE}: block_size {drafted!r}: the number of drafted tokens "
+                                "(SGLang's gamma) is unknown")
+    method.pop("sample_from_anchor", None)
+    view = {**cfg, **heads, "sample_from_anchor": from_anchor, "block_size": drafted}
+    return view, {**method, "block_size": drafted}
+
+
 def refuse_sglang_dflash(cfg: dict, method: dict, folder: Path) -> None:
     """Name what a DFlashDraftModel folder asks for that the head cannot run."""
     if method.get("sample_from_anchor"):
-        raise ForeignDraftError(folder, "dflash_config.sample_from_anchor: true (the anchor's own slot drafts the "
-                                "first token): this verifier runs the fill-in layout [anchor, mask x G]")
+        raise ForeignDraftError(folder, "dflash_config.sample_from_anchor: true on a DFlash head (the anchor's own "
+                                "slot drafts the first token): vLLM refuses it for DFlash and this verifier runs "
+                                "DFlash's fill-in layout [anchor, mask x G]")
     other = [k for k in OTHER_FAMILY_KEYS if method.get(k)]
     if other:
         raise ForeignDraftError(folder, f"dflash_config.{other[0]}: {method[other[0]]!r}: another DFlash-family "

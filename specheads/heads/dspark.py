@@ -1,18 +1,21 @@
 """DSpark drafter (arXiv 2607.05147): a DFlash block drafter plus a low-rank Markov head and a
 confidence head.
 
-The DFlash backbone is held by composition (`self.dflash`, a `DFlashHead`) and trained on the
-fill-in layout (`sample_from_anchor: false`): queries [anchor, mask x G] at positions a..a+G,
-drafted slot s = 1..G predicts the token at a+s. The Markov head adds a bias from the previous
-token (vanilla / gated / rnn, exactly as SGLang 0.5.23 `models/dspark.py` and, for vanilla,
-vLLM 0.33 `qwen3_dspark.py` compute it); the confidence head gives each drafted slot a
-conditional acceptance probability whose running product the engines use as survival.
+The DFlash backbone is held by composition (`self.dflash`, a `DFlashHead`) and trained on one of
+the engines' two block layouts: fill-in (`sample_from_anchor: false`, speculators' reading): queries
+[anchor, mask x G] at positions a..a+G, slot s = 1..G predicts the token at a+s; or anchor-as-first
+(`sample_from_anchor: true`, vLLM native's and SGLang's default, SpecForge's only one): queries
+[anchor, mask x (G-1)] at a..a+G-1, slot s = 0..G-1 predicts the token at a+1+s, one query fewer.
+The Markov head adds a bias from the previous token (vanilla / gated / rnn, exactly as SGLang
+0.5.23 `models/dspark.py` and, for vanilla, vLLM 0.33 `qwen3_dspark.py` compute it); the
+confidence head gives each drafted slot a conditional acceptance probability whose running product
+the engines use as survival.
 docs/dspark_format.md is the spec.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +57,7 @@ class DSparkOptions:
     enable_confidence_head: bool = False  # vLLM's default
     confidence_head_with_markov: bool = False  # vLLM's default (SGLang's: markov_rank > 0)
     confidence_loss_weight: float = bounded(1.0, ge=0)
+    sample_from_anchor: bool = False  # anchor-as-first layout (G queries) instead of fill-in (G + 1)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class DSparkConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     confidence_loss_weight: float = 1.0
+    sample_from_anchor: bool = False  # the DFlash block holds G queries (anchor-as-first), else G + 1
     kind: str = "dspark"
 
     def __post_init__(self):
@@ -75,8 +80,14 @@ class DSparkConfig:
 
     @property
     def block_size(self) -> int:
-        """G: drafted tokens per block (the engines' block_size); DFlash's block is G + 1."""
-        return self.dflash.block_size - 1
+        """G: drafted tokens per block (the engines' block_size / gamma); DFlash's block (the query
+        slots) is G + 1 in the fill-in layout, G when the anchor's own slot drafts."""
+        return self.dflash.block_size - self.first_slot
+
+    @property
+    def first_slot(self) -> int:
+        """The query slot that drafts the first token: 1 (fill-in), 0 (anchor-as-first)."""
+        return 0 if self.sample_from_anchor else 1
 
     @property
     def ttt_steps(self) -> int:
@@ -107,15 +118,19 @@ def check_markov(rank: int, head_type: str) -> None:
 
 
 def build_dspark_config(options: DSparkOptions, target_config) -> DSparkConfig:
-    """Derive the architecture: the DFlash part from DFlash's builder (block = G + 1)."""
+    """Derive the architecture: the DFlash part from DFlash's builder, its block the query slots
+    (G + 1 fill-in, G anchor-as-first)."""
     check_markov(options.markov_rank, options.markov_head_type)
     shared = {k: v for k, v in asdict(options).items() if k in DFlashOptions.__dataclass_fields__}
     dflash = build_config(DFlashOptions(**{**shared, "kind": "dflash", "block_size": options.block_size + 1}),
                           target_config)
+    if options.sample_from_anchor:
+        dflash = replace(dflash, block_size=options.block_size)
     return DSparkConfig(dflash=dflash, markov_rank=options.markov_rank, markov_head_type=options.markov_head_type,
                         enable_confidence_head=options.enable_confidence_head,
                         confidence_head_with_markov=options.confidence_head_with_markov,
-                        confidence_loss_weight=options.confidence_loss_weight)
+                        confidence_loss_weight=options.confidence_loss_weight,
+                        sample_from_anchor=options.sample_from_anchor)
 
 
 class MarkovHead(nn.Module):
@@ -256,7 +271,7 @@ class DSparkHead(nn.Module):
         """DFlash's block forward, then the block loss on (draft logits + Markov bias) and, with a
         confidence head, the survival BCE. Shapes as `DFlashHead.train_forward`; input_ids [B, T]."""
         d = self.dflash
-        Bs = d.config.block_size  # G + 1
+        Bs = d.config.block_size  # query slots: G + 1 (fill-in) or G (anchor-as-first)
         valid = attention_mask.bool()
         anchors, live = sample_anchors(loss_mask.bool() & valid, valid, d.config.num_anchors,
                                        random=self.training)  # [B, N]
@@ -269,12 +284,14 @@ class DSparkHead(nn.Module):
         d.add_context(cache, d.context(aux), torch.arange(T, device=aux.device).expand(B, T))
         mask = block_attention_mask(anchors, valid, Bs, d.config.causal, d.fc.weight.dtype)
         out = d.block_forward(block.view(B, N * Bs, -1), pos.view(B, N * Bs), mask, cache)
-        return self._loss(out.view(B, N, Bs, -1)[:, :, 1:], pos[:, :, 1:], live, labels, input_ids,
+        first = self.config.first_slot  # drafted slots [first, Bs) predict the tokens at a+1..a+G
+        drafted = pos[:, :, first:] + (1 - first)  # [B, N, G]: the predicted token's position
+        return self._loss(out.view(B, N, Bs, -1)[:, :, first:], drafted, live, labels, input_ids,
                           loss_mask & attention_mask, target_head_weight)
 
     def _loss(self, out, pos, live, labels, input_ids, supervised, target_head_weight) -> HeadOutput:
-        """out [B, N, G, H] drafted slots at pos [B, N, G] -> weighted CE on logits + bias, chain
-        counts, and the confidence BCE."""
+        """out [B, N, G, H] drafted slots, pos [B, N, G] the positions of the tokens they predict ->
+        weighted CE on logits + bias, chain counts, and the confidence BCE."""
         d = self.dflash
         B, N, G, _ = out.shape
         T = labels.shape[1]

@@ -25,9 +25,16 @@ def gated_head(target, seed: int):
     return random_head(DSparkHead, options, target, seed, 0.05)
 
 
+def anchor_first_head(target, seed: int):
+    """The anchor-as-first layout (sample_from_anchor: true, the engines' own default): G query slots."""
+    options = DSparkOptions(num_layers=1, block_size=3, markov_rank=8, enable_confidence_head=True,
+                            sample_from_anchor=True)
+    return random_head(DSparkHead, options, target, seed, 0.05)
+
+
 def first_pass(ours, ids, next_token, out, anchors, k):
-    """Slots 1..k of the block at each anchor with the Markov bias of the greedy token before each
-    [len(anchors) * k, V], from our proposer."""
+    """The k drafted slots of the block at each anchor with the Markov bias of the greedy token before
+    each [len(anchors) * k, V], from our proposer."""
     return dflash.blocks_at(DSparkProposer(ours.head, ours.target), ours, ids, next_token, out, anchors, k)
 
 
@@ -35,8 +42,9 @@ def expect(ours, engine: str) -> dict:
     """DFlash's mask token and aux ids (the backbone's), the block size G and the Markov fields."""
     hc = ours.meta.head_config or {}
     d = hc.get("dflash") or {}
-    want = {**dflash.backbone_expect(d, engine), "markov_rank": hc.get("markov_rank"), "sample_from_anchor": False,
-            "block_size": d["block_size"] - 1 if d.get("block_size") else None,
+    from_anchor = bool(hc.get("sample_from_anchor", False))
+    want = {**dflash.backbone_expect(d, engine), "markov_rank": hc.get("markov_rank"), "sample_from_anchor": from_anchor,
+            "block_size": d["block_size"] - (0 if from_anchor else 1) if d.get("block_size") else None,
             # vLLM copies markov_head_type and never reads it (vanilla only, refused at export)
             "markov_head_type": hc.get("markov_head_type") if engine == "sglang" else None}
     if hc.get("enable_confidence_head"):
@@ -47,7 +55,9 @@ def expect(ours, engine: str) -> dict:
 KIND = Kind(
     "dspark",
     examples=(Example("dspark", example_head, 9, FORMATS, "block 3, vanilla Markov rank 8, confidence head"),
-              Example("dspark-gated", gated_head, 10, ("sglang",), "gated Markov head (SGLang only)")),
+              Example("dspark-gated", gated_head, 10, ("sglang",), "gated Markov head (SGLang only)"),
+              Example("dspark-anchor", anchor_first_head, 11, FORMATS,
+                      "block 3, anchor-as-first (sample_from_anchor: true), confidence head")),
     engine_side=EngineSide(dflash.features, first_pass, expect, anchors=True),
     prepare=dflash.as_trained,
 )

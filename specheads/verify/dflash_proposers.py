@@ -70,17 +70,20 @@ class DFlashProposer:
         """Draft logits [k, Vd] of slots 1..k of the block at the anchor; the block is dropped."""
         return self.head.logits(self.block_states(k), self.target.lm_head.weight)
 
-    def block_states(self, k: int) -> torch.Tensor:
-        """Final-normed states [k, H] of slots 1..k of the block at the anchor; the block is dropped."""
+    def block_states(self, k: int, first: int = 1) -> torch.Tensor:
+        """Final-normed states [k, H] of slots first..first+k-1 of the block at the anchor (first = 1:
+        the fill-in layout [anchor, mask x k]; 0: anchor-as-first, [anchor, mask x (k-1)]); the block
+        is dropped."""
         cfg, device = self.head.config, self.target.device
-        ids = torch.tensor([[self.anchor] + [cfg.mask_token_id] * k], device=device)
-        embeds = self.target.embed(ids)  # [1, k+1, H]
-        mask = torch.zeros(k + 1, self.rows + k + 1, dtype=self.dtype, device=device)
+        n = k + first  # query slots
+        ids = torch.tensor([[self.anchor] + [cfg.mask_token_id] * (n - 1)], device=device)
+        embeds = self.target.embed(ids)  # [1, n, H]
+        mask = torch.zeros(n, self.rows + n, dtype=self.dtype, device=device)
         if cfg.causal:
-            mask[:, self.rows:] = torch.full((k + 1, k + 1), torch.finfo(self.dtype).min, dtype=self.dtype, device=device).triu(1)
-        out = self.head.block_forward(embeds, positions(self.rows, k + 1, device), mask[None, None], self.cache)
+            mask[:, self.rows:] = torch.full((n, n), torch.finfo(self.dtype).min, dtype=self.dtype, device=device).triu(1)
+        out = self.head.block_forward(embeds, positions(self.rows, n, device), mask[None, None], self.cache)
         trim_cache(self.cache, self.rows)
-        return out[0, 1:]
+        return out[0, first:]
 
     @torch.no_grad()
     def propose(self, k: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ class DSparkProposer(DFlashProposer):
         """k drafts [k] (target ids) and their logits [k, Vd] (base + Markov bias); `pick(logits [Vd])`
         chooses slot i's target id, which is slot i+1's previous token. `confide(p)`, with a confidence
         head, hears slot i's P(accepted | earlier accepted) before slot i is picked."""
-        states = self.block_states(k)  # [k, H]
+        states = self.block_states(k, self.dspark.config.first_slot)  # [k, H]
         base = self.head.logits(states, self.target.lm_head.weight)  # [k, Vd]
         markov = self.dspark.markov_head
         prev = torch.full((k,), self.anchor, dtype=torch.long, device=states.device)
