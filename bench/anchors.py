@@ -113,8 +113,8 @@ ANCHORS = {
                "block; exported with its HF exporter (`specforge export --to hf`; its SGLang exporter takes "
                "EAGLE-3 only), the mask token id its trainer resolved written into the config it exports with",
                "DSpark: SpecForge 0.2.0 trains only the anchor-as-first layout (its slot 0 drafts anchor + 1), "
-               "given block_size G for the same G drafted tokens; our verifier runs the fill-in layout and "
-               "refuses that checkpoint by name"),
+               "given block_size G for the same G drafted tokens; our verifier reads its folder as SGLang's "
+               "DSPARK worker does (sample_from_anchor, its default)"),
         kinds=("eagle3", "dflash", "dspark")),
 }
 
@@ -195,7 +195,9 @@ class Budget:
     warmup_steps: int
     seed: int
     kind: str = "eagle3"
-    block: dict | None = None  # DFlash / DSpark: num_layers, block_size (anchor + G), causal, num_anchors, DSpark's heads
+    # DFlash / DSpark: num_layers, block_size (anchor + G), causal, num_anchors, DSpark's heads and, when its
+    # recipe trains anchor-as-first, sample_from_anchor (G query slots instead of anchor + G)
+    block: dict | None = None
 
     @property
     def k(self) -> int | None:
@@ -276,6 +278,8 @@ def block_budget(h, target) -> dict:
     if h.kind == "dspark":
         block.update({name: getattr(h, name) for name in ("markov_rank", "markov_head_type", "enable_confidence_head",
                                                           "confidence_head_with_markov")})
+        if h.sample_from_anchor:  # anchor-as-first (absent: fill-in, as every earlier run's key says)
+            block["sample_from_anchor"] = True
     return {"aux_layers": [i + 1 for i in ids], "draft_vocab_size": h.draft_vocab_size or target.vocab_size,
             "block": block}
 

@@ -228,8 +228,13 @@ def test_block_budget(anchors, demo_run_dir, tmp_path, kind, drafted):
     assert b.aux_layers == [2, 6]  # the recipes' default outputs of layers [1, 5] of 8
     assert b.draft_vocab_size == target.vocab_size and b.block["num_layers"] == 2 and b.block["causal"] is False
     assert b.block["num_anchors"] == 32  # the recipes' blocks a sample: the anchors train as many
-    assert ("markov_rank" in b.block) == (kind == "dspark")
+    assert ("markov_rank" in b.block) == (kind == "dspark") and "sample_from_anchor" not in b.block  # fill-in
     assert anchors.work_root(out, kind) == out / kind and anchors.work_root(out, "eagle3") == out
+    if kind == "dspark":  # an anchor-as-first recipe shares its layout (the block still counts anchor + G)
+        recipe.head.sample_from_anchor = True
+        first = anchors.budget_of(recipe, target, samples)
+        assert first.block["sample_from_anchor"] is True and first.k == drafted
+        assert first.block["block_size"] == drafted + 1
 
 
 # --- the real anchors, only where their venvs exist ------------------------------------------------
@@ -238,8 +243,9 @@ def _venv_ready(name: str) -> bool:
 
 
 def test_driver_flags_of_each_kind():
-    """speculators' flags: EAGLE-3's one layer and TTT; a block kind's layers, block and fill-in layout
-    (no sample-from-anchor); DSpark's heads as shared."""
+    """speculators' flags: EAGLE-3's one layer and TTT; a block kind's layers, block and layout (fill-in:
+    anchor + G slots, no sample-from-anchor; a DSpark recipe's anchor-as-first: G slots); DSpark's heads
+    as shared."""
     sys.path.insert(0, str(DRIVERS))
     try:
         from speculators_train import head_argv
@@ -254,6 +260,8 @@ def test_driver_flags_of_each_kind():
     assert head_argv({"kind": "dspark", "block": block})[5:] == [
         "32", "--no-sample-from-anchor", "--markov-rank", "32", "--markov-head-type", "vanilla",
         "--enable-confidence-head", "--no-confidence-head-with-markov"]
+    first = head_argv({"kind": "dspark", "block": {**block, "sample_from_anchor": True}})  # G slots, its default layout
+    assert first[2:7] == ["--block-size", "7", "--max-anchors", "32", "--sample-from-anchor"]
 
 
 @pytest.mark.parametrize("name", ["speculators", "specforge"])

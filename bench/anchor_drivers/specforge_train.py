@@ -290,8 +290,10 @@ def kept_defaults(job: dict, exported: dict) -> dict:
         kept["draft vocabulary"] = f"the target's {exported.get('vocab_size')} (it drafts with the target's lm_head)"
     if kind_of(job) == "dflash":
         return {**kept, "loss": "dflash cross-entropy (its loss_type default)"}
-    return {**kept, "layout": f"anchor-as-first (its only DSpark layout): block_size {exported.get('block_size')} "
-                              "slots [anchor, mask...], slot j drafts the token at anchor + 1 + j",
+    layout = {} if job["block"].get("sample_from_anchor") else {
+        "layout": f"anchor-as-first (its only DSpark layout): block_size {exported.get('block_size')} "
+                  "slots [anchor, mask...], slot j drafts the token at anchor + 1 + j"}
+    return {**kept, **layout,
             **({"attention_mode": "mha (its opt-in for a draft of the target's equal query / KV head counts; "
                                   "its gqa default refuses them)"} if method.get("attention_mode") == "mha" else {}),
             "loss": "0.1 x cross-entropy + 0.9 x L1 to the target + 1.0 x confidence BCE (its dspark alphas)"}

@@ -79,16 +79,18 @@ def train_argv(job: dict, data: Path, save: Path, total_seq_len: int, epochs: in
 
 
 def head_argv(job: dict) -> list[str]:
-    """EAGLE-3: one Llama layer, TTT steps and decay. DFlash / DSpark: the shared block (anchor + G
-    positions, the fill-in layout specheads trains: no sample-from-anchor), layer count and anchor
-    blocks per sample; DSpark's Markov and confidence heads as shared. Everything else stays
-    speculators' default."""
+    """EAGLE-3: one Llama layer, TTT steps and decay. DFlash / DSpark: the shared block and layout
+    (anchor + G query slots, fill-in: no sample-from-anchor; or, for a DSpark recipe trained
+    anchor-as-first, G slots with sample-from-anchor), layer count and anchor blocks per sample;
+    DSpark's Markov and confidence heads as shared. Everything else stays speculators' default."""
     if job.get("kind", "eagle3") == "eagle3":
         return ["--num-layers", "1", "--draft-arch", "llama", "--ttt-steps", str(job["ttt_steps"]),
                 "--ttt-step-loss-decay", str(job["step_decay"])]
     block = job["block"]
-    argv = ["--num-layers", str(block["num_layers"]), "--block-size", str(block["block_size"]),
-            "--max-anchors", str(block["num_anchors"]), "--no-sample-from-anchor"]
+    from_anchor = bool(block.get("sample_from_anchor"))
+    argv = ["--num-layers", str(block["num_layers"]), "--block-size", str(block["block_size"] - from_anchor),
+            "--max-anchors", str(block["num_anchors"]),
+            "--sample-from-anchor" if from_anchor else "--no-sample-from-anchor"]
     if job["kind"] == "dspark":
         argv += ["--markov-rank", str(block["markov_rank"]), "--markov-head-type", block["markov_head_type"],
                  "--enable-confidence-head" if block["enable_confidence_head"] else "--no-enable-confidence-head",
