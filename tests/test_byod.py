@@ -8,6 +8,7 @@ computed for recorded inputs, so no second virtualenv is needed here.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -240,3 +241,64 @@ def test_mixed_block_masking_is_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ForeignDraftError, match="causal sliding-window layers beside bidirectional"):
         load(folder)
+
+
+# --- speculators' DSpark checkpoint (tests/fixtures/make_speculators_dspark_fixture.py) ----------
+class GoldenTarget:
+    """What a DFlash / DSpark proposer reads of its target, from a golden file: the embedding table and
+    lm_head the toolkit's draft read, and the tapped states (aux, concatenated in tap order)."""
+
+    def __init__(self, gold: dict, num_layers: int = 8):
+        self.vocab_size, self.hidden_size = gold["embed"].shape
+        self.num_layers, self.device = num_layers, torch.device("cpu")
+        self.table = gold["embed"]
+        self.lm_head = torch.nn.Linear(self.hidden_size, gold["lm_head"].shape[0], bias=False)
+        self.lm_head.weight.data.copy_(gold["lm_head"])  # the draft's own lm_head for a reduced vocabulary
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]
+
+
+def dspark_drafted_logits(head, gold: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our DSparkProposer's block at the golden anchor, its context the golden taps before it, each slot's
+    previous token teacher-forced (slot 0: the anchor, slot s: the token at anchor + s, as the toolkits'
+    training forwards take them) -> (logits [G, Vd] = lm_head + Markov bias, P(accepted) [G])."""
+    from specheads.target import TargetOutput
+    from specheads.verify.dspark_proposers import DSparkProposer
+
+    a, ids, H = int(gold["anchor"]), gold["input_ids"][0], gold["embed"].shape[1]
+    proposer = DSparkProposer(head, GoldenTarget(gold))
+    taps = {layer: gold["aux"][:, :, i * H:(i + 1) * H] for i, layer in enumerate(head.required_layers())}
+    proposer.start(ids[:a], int(ids[a]), TargetOutput(logits=None, hidden=taps))
+    following = iter(ids[a + 1:].tolist())
+    with torch.no_grad():
+        rows = proposer.draft_block(head.config.block_size, lambda row: torch.tensor(next(following)))[1]
+    return rows, proposer.confidence()
+
+
+def check_dspark_golden(head, gold: dict) -> None:
+    """Ours equals the toolkit's logits and confidence; read in the fill-in layout (G + 1 queries, slots
+    1..G) the same folder would not (so the golden tells the layouts apart)."""
+    ours, conf = dspark_drafted_logits(head, gold)
+    torch.testing.assert_close(ours, gold["logits"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conf, torch.sigmoid(gold["confidence"]), rtol=1e-4, atol=1e-5)
+    assert (gold["logits"] - gold["base_logits"]).abs().max() > 0.1  # the Markov bias is part of what is compared
+    fill_in = copy.deepcopy(head)  # the same weights and G, the block [anchor, mask x G] read from slot 1
+    fill_in.config.sample_from_anchor = False
+    fill_in.config.dflash.block_size += 1
+    assert (dspark_drafted_logits(fill_in, gold)[0] - gold["logits"]).abs().max() > 0.1
+
+
+def test_dspark_block_logits_equal_speculators_forward():
+    """speculators' DSpark default (sample_from_anchor: G = block_size queries [anchor, mask x (G-1)], slot k
+    drafts the token at anchor + 1 + k, its Markov bias from the token at anchor + k) with its trainer's
+    sliding-window layers (causal in the block), a reduced vocabulary and a confidence head reading the
+    Markov embedding: read as the head speculators ran, drafted as speculators' training forward scores it."""
+    head, meta = load_with_meta(FIXTURES / "speculators_dspark", num_target_layers=8)
+    c = head.config
+    assert (meta.kind, c.sample_from_anchor, c.block_size, c.dflash.block_size, meta.num_speculative_tokens) == (
+        "dspark", True, 4, 4, 4)
+    assert (c.dflash.causal, c.dflash.target_layer_ids, c.dflash.draft_vocab_size, c.markov_rank) == (
+        True, [1, 3, 5], 64, 8)
+    assert c.enable_confidence_head and c.confidence_head_with_markov
+    check_dspark_golden(head, golden("speculators_dspark"))

@@ -2,7 +2,9 @@
 as bench/anchor_drivers/specforge_train.py drives it) read by the verifier without SpecForge: specheads'
 own SGLang export rewritten the way SpecForge writes the folder. DFlash loads as the same head and
 decodes losslessly, and DSpark (anchor-as-first, its only layout) loads as the same anchor-first head;
-what the head cannot run (sliding-window layers, an unknown mask token) is refused by name."""
+what the head cannot run (sliding-window layers, an unknown mask token) is refused by name. A folder
+SpecForge's own exporter wrote (tests/fixtures/specforge_dspark, make_specforge_dspark_fixture.py)
+computes the logits and confidence SpecForge's DSpark training forward computed for it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from random_models import make_target
 from safetensors.torch import load_file, save_file
+from test_byod import check_dspark_golden
 
 from specheads.export import export, load_with_meta
 from specheads.export.checkpoint import save_checkpoint
@@ -133,3 +136,24 @@ def test_specforge_dspark_folder_loads_as_the_same_anchor_first_head(tmp_path, t
         (folder / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ForeignDraftError, match=words):
             load_with_meta(folder)
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_specforge_dspark_export_computes_its_training_forward():
+    """A DSparkDraftModel folder written by SpecForge 0.2.0's own HF exporter (bfloat16, attention_mode mha,
+    no sample_from_anchor key): read as SGLang reads it (anchor-as-first, G = block_size = 4), our proposer's
+    block at the golden anchor, each slot's previous token teacher-forced ([anchor, target_ids[:-1]], as its
+    training forward takes them), gives the base + Markov logits and the confidence SpecForge computed (in
+    float32, on the folder's bfloat16 values)."""
+    folder = FIXTURES / "specforge_dspark"
+    assert "sample_from_anchor" not in json.loads((folder / "config.json").read_text())
+    head, meta = load_with_meta(folder, num_target_layers=8)
+    c = head.config
+    assert (meta.kind, meta.format, c.sample_from_anchor, c.block_size, c.dflash.block_size) == (
+        "dspark", "sglang", True, 4, 4)
+    assert (c.dflash.causal, c.dflash.target_layer_ids, c.dflash.mask_token_id, c.markov_rank) == (
+        False, [1, 3, 5], 95, 8)
+    assert c.enable_confidence_head and c.confidence_head_with_markov
+    check_dspark_golden(head, load_file(str(FIXTURES / "specforge_golden" / "specforge_dspark.safetensors")))
