@@ -12,8 +12,8 @@ answers; else `data/train.jsonl`) and `data/heldout_prompts.jsonl` (a `make demo
 Each `--recipe` (with OVERRIDES) is one kind's section, its head.kind naming the kind (eagle3, dflash,
 dspark), and fixes the shared settings: target layers, draft vocabulary size, learning rate, warm-up,
 max length, `--steps` x `train.batch_size`; EAGLE-3's TTT steps and decay; DFlash's and DSpark's
-layer count, anchor blocks per sample and block (anchor + G, the fill-in layout), DSpark's Markov and
-confidence heads. Block
+layer count, anchor blocks per sample and block (G drafted tokens: anchor + G query slots in the fill-in
+layout, or G for a DSpark recipe with head.sample_from_anchor), DSpark's Markov and confidence heads. Block
 drafters are measured with a chain of the whole block (k = G): their full-block acceptance is the
 last slot's. specheads
 tokenises the conversations once (assistant-only loss masks) and every toolkit trains on those very
@@ -479,8 +479,10 @@ def budget_line(b: dict) -> str:
     blk = b.get("block")
     if blk is None:
         return line + f"; one layer, TTT {b['ttt_steps']} (decay {b['step_decay']})."
-    line += (f"; {blk['num_layers']} layers, up to {blk.get('num_anchors')} anchor blocks a sample, blocks of anchor + "
-             f"{blk['block_size'] - 1} (fill-in layout), "
+    G = blk["block_size"] - 1
+    layout = (f"{G} slots, anchor-as-first layout (sample_from_anchor)" if blk.get("sample_from_anchor") else
+              f"anchor + {G} (fill-in layout)")
+    line += (f"; {blk['num_layers']} layers, up to {blk.get('num_anchors')} anchor blocks a sample, blocks of {layout}, "
              f"{'causal' if blk['causal'] else 'bidirectional'} in the block (specheads; the anchors keep their own)")
     if "markov_rank" in blk:
         line += (f"; Markov head rank {blk['markov_rank']} ({blk['markov_head_type']}), confidence head "
