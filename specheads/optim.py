@@ -2,10 +2,14 @@
 hidden layers with AdamW on everything else, as one torch optimizer so one LR schedule drives both.
 
 Muon (torch.optim.Muon) orthogonalises each matrix's momentum by Newton-Schulz iterations; it is
-defined for 2-D weights only. It gets every 2-D parameter except the output and embedding tables
-(names containing `lm_head` or `embed`: rows are tokens, not a linear map to orthogonalise); norms,
-biases, `mask_hidden` and those tables stay on AdamW. `adjust_lr_fn="match_rms_adamw"` scales Muon's
-step to AdamW's RMS, so `train.lr` and `train.weight_decay` mean the same for both groups.
+defined for 2-D weights only. It gets every 2-D parameter except the token tables (names containing
+`lm_head`, `embed` or DSpark's Markov vocabulary factors `markov_w1` / `markov_w2`: rows are tokens,
+not a linear map to orthogonalise) and degenerate [1, N] / [N, 1] matrices (a confidence head's
+projection: orthogonalising a vector only normalises it); norms, biases, `mask_hidden`, those tables
+and vectors stay on AdamW. (Vocabulary-wide factors also hit a CPU crash: torch 2.13's bfloat16
+Newton-Schulz Gram product of a [32, 49152] matrix dies with SIGFPE on some x86 CPUs.)
+`adjust_lr_fn="match_rms_adamw"` scales Muon's step to AdamW's RMS, so `train.lr` and
+`train.weight_decay` mean the same for both groups.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 
 OPTIMIZERS = ("adamw", "muon")
 ADAMW_BETAS = (0.9, 0.95)
-ADAMW_ONLY = ("lm_head", "embed")  # name parts of 2-D tables that stay on AdamW under Muon
+ADAMW_ONLY = ("lm_head", "embed", "markov_w1", "markov_w2")  # name parts of 2-D token tables kept on AdamW
 
 
 def muon_split(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -22,7 +26,8 @@ def muon_split(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     muon, adamw = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (muon if p.ndim == 2 and not any(part in name for part in ADAMW_ONLY) else adamw).append(name)
+            matrix = p.ndim == 2 and min(p.shape) > 1
+            (muon if matrix and not any(part in name for part in ADAMW_ONLY) else adamw).append(name)
     return muon, adamw
 
 

@@ -78,6 +78,22 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert "lm_head.weight" in adamw and all(n.endswith("norm.weight") for n in adamw if n != "lm_head.weight")
 
 
+def test_muon_leaves_dspark_token_tables_and_vectors_to_adamw():
+    """DSpark's Markov factors are vocabulary tables (rows are tokens) and its confidence projection is a
+    [1, H + r] vector: AdamW's; its DFlash layers' matrices are Muon's."""
+    from random_models import make_target
+
+    from specheads.heads.dspark import DSparkHead, DSparkOptions
+
+    options = DSparkOptions(num_layers=1, block_size=3, markov_rank=8, enable_confidence_head=True,
+                            confidence_head_with_markov=True)
+    muon, adamw = muon_split(DSparkHead.for_target(options, make_target().config))
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+            "confidence_head.proj.weight"} <= set(adamw)
+    assert "dflash.fc.weight" in muon and "dflash.layers.0.self_attn.q_proj.weight" in muon
+    assert not any(n.startswith(("markov_head", "confidence_head")) for n in muon)
+
+
 def test_muon_differs_from_adamw_on_a_matrix_and_equals_it_elsewhere():
     lr, wd = 0.01, 0.05
     b0, muon = one_step(lambda m: build_optimizer(m, "muon", lr, wd))
