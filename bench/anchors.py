@@ -352,16 +352,39 @@ def checkpoint_differences(c, budget: Budget, data: Path) -> list[str]:
     r, head = c.recipe, c.head_config
     have = {"kind": head.get("kind"), "steps": c.trainer_state["step"], "batch_size": r["train"]["batch_size"],
             "lr": r["train"]["lr"], "warmup_steps": r["train"]["warmup_steps"], "seed": r["train"]["seed"],
-            "max_length": r["data"]["max_length"], "aux_layers": head.get("aux_layers"),
-            "draft_vocab_size": head.get("draft_vocab_size"), "ttt_steps": head.get("ttt_steps"),
-            "step_decay": head.get("step_decay")}
+            "max_length": r["data"]["max_length"], **shared_head(head)}
     diffs = [f"{k} {v} (budget {getattr(budget, k)})" for k, v in have.items() if v != getattr(budget, k)]
+    if budget.block is not None:
+        theirs = {**budget.block, "sample_from_anchor": bool(budget.block.get("sample_from_anchor"))}
+        diffs += [f"{k} {v} (budget {theirs[k]})" for k, v in block_of(head).items() if k in theirs and v != theirs[k]]
     trained_on = [Path(p) for p in r["data"]["train"]]
     if [sha256_of(p) if p.is_file() else str(p) for p in trained_on] != [sha256_of(data)]:
         diffs.append(f"data {[str(p) for p in trained_on]} (budget {data})")
     if r["data"].get("features"):
         diffs.append(f"trained from a stored feature capture ({r['data']['features']}), not online")
     return diffs
+
+
+def shared_head(head: dict) -> dict:
+    """A trained head config's taps (vLLM numbering), draft vocabulary and TTT as the budget names them."""
+    if head.get("kind") not in ("dflash", "dspark"):
+        return {k: head.get(k) for k in ("aux_layers", "draft_vocab_size", "ttt_steps", "step_decay")}
+    d = head.get("dflash", head)
+    return {"aux_layers": [t + 1 for t in d["target_layer_ids"]], "draft_vocab_size": d["draft_vocab_size"],
+            "ttt_steps": None, "step_decay": None}
+
+
+def block_of(head: dict) -> dict:
+    """A DFlash / DSpark head config's block as the budget names it (block_size = anchor + G)."""
+    d = head.get("dflash", head)
+    from_anchor = bool(head.get("sample_from_anchor", False))
+    drafted = d["block_size"] - (0 if from_anchor else 1)
+    block = {"num_layers": d["num_hidden_layers"], "block_size": drafted + 1, "causal": bool(d["causal"]),
+             "num_anchors": d["num_anchors"]}
+    if head.get("kind") == "dspark":
+        block.update({k: head[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                           "confidence_head_with_markov")}, sample_from_anchor=from_anchor)
+    return block
 
 
 def _our_version() -> str:

@@ -395,6 +395,34 @@ def test_a_brought_checkpoint_names_what_differs_from_the_budget(anchors, tmp_pa
     assert "differs from the budget in: warmup_steps 22 (budget 15); trained from a stored feature capture" in md
 
 
+def test_a_brought_block_checkpoint_is_compared_by_its_block(anchors, tmp_path, tiny_target_dir):
+    """A DSpark checkpoint's taps (layer outputs + 1), vocabulary and block read as the budget names them:
+    nothing differs for the same head; another layout or Markov rank is named."""
+    from specheads.export.checkpoint import Checkpoint, save_checkpoint
+    from specheads.heads.dspark import DSparkHead, DSparkOptions
+    from specheads.target import Target
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"a": 1}\n')
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    options = DSparkOptions(target_layer_ids=[1, 5], num_layers=2, block_size=7, num_anchors=32, markov_rank=8,
+                            enable_confidence_head=True, sample_from_anchor=True)
+    head = DSparkHead.for_target(options, target.config)
+    recipe = {"train": {"batch_size": 2, "lr": 2e-3, "warmup_steps": 20, "seed": 0},
+              "data": {"max_length": 128, "train": [str(data)]}}
+    c = Checkpoint(save_checkpoint(tmp_path / "run", 7, head, recipe, {}, {"step": 7}))
+    block = {"num_layers": 2, "block_size": 8, "causal": False, "num_anchors": 32, "markov_rank": 8,
+             "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": False,
+             "sample_from_anchor": True}
+    budget = anchors.Budget(steps=7, batch_size=2, tokens_per_step=1, max_length=128, aux_layers=[2, 6],
+                            draft_vocab_size=target.vocab_size, ttt_steps=None, step_decay=None, lr=2e-3,
+                            warmup_steps=20, seed=0, kind="dspark", block=block)
+    assert anchors.checkpoint_differences(c, budget, data) == []
+    fill_in = {k: v for k, v in block.items() if k != "sample_from_anchor"}
+    assert anchors.checkpoint_differences(c, anchors.Budget(**{**budget.__dict__, "block": {**fill_in, "markov_rank": 4}}),
+                                          data) == ["markov_rank 8 (budget 4)", "sample_from_anchor True (budget False)"]
+
+
 def test_our_row_is_keyed_by_the_whole_recipe(anchors, demo_run_dir, tmp_path):
     """An option the anchors do not share (the optimizer) still retrains specheads' row."""
     out = tmp_path / "out"
