@@ -28,7 +28,7 @@ def gated_head(target, seed: int):
 def anchor_first_head(target, seed: int):
     """The anchor-as-first layout (sample_from_anchor: true, the engines' own default): G query slots."""
     options = DSparkOptions(num_layers=1, block_size=3, markov_rank=8, enable_confidence_head=True,
-                            sample_from_anchor=True)
+                            confidence_head_with_markov=True, sample_from_anchor=True)
     return random_head(DSparkHead, options, target, seed, 0.05)
 
 
