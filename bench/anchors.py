@@ -270,14 +270,14 @@ def budget_of(recipe, target, samples) -> Budget:
 def block_budget(h, target) -> dict:
     """A DFlash / DSpark recipe's shared head: taps (layer outputs + 1), vocabulary, layers and block."""
     from specheads.heads.dflash import default_target_layer_ids
+    from specheads.heads.dspark import HEAD_FIELDS
 
     ids = list(h.target_layer_ids or default_target_layer_ids(target.num_layers, h.num_layers))
     drafted = h.block_size if h.kind == "dspark" else h.block_size - 1  # DSpark's recipe counts G; DFlash's, anchor + G
     block = {"num_layers": h.num_layers, "block_size": drafted + 1, "causal": bool(h.causal),
              "num_anchors": h.num_anchors}  # blocks supervised per sample and step: the work of a step
     if h.kind == "dspark":
-        block.update({name: getattr(h, name) for name in ("markov_rank", "markov_head_type", "enable_confidence_head",
-                                                          "confidence_head_with_markov")})
+        block.update({name: getattr(h, name) for name in HEAD_FIELDS})
         if h.sample_from_anchor:  # anchor-as-first (absent: fill-in, as every earlier run's key says)
             block["sample_from_anchor"] = True
     return {"aux_layers": [i + 1 for i in ids], "draft_vocab_size": h.draft_vocab_size or target.vocab_size,
@@ -376,14 +376,15 @@ def shared_head(head: dict) -> dict:
 
 def block_of(head: dict) -> dict:
     """A DFlash / DSpark head config's block as the budget names it (block_size = anchor + G)."""
+    from specheads.heads.dspark import HEAD_FIELDS
+
     d = head.get("dflash", head)
     from_anchor = bool(head.get("sample_from_anchor", False))
     drafted = d["block_size"] - (0 if from_anchor else 1)
     block = {"num_layers": d["num_hidden_layers"], "block_size": drafted + 1, "causal": bool(d["causal"]),
              "num_anchors": d["num_anchors"]}
     if head.get("kind") == "dspark":
-        block.update({k: head[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
-                                           "confidence_head_with_markov")}, sample_from_anchor=from_anchor)
+        block.update({k: head[k] for k in HEAD_FIELDS}, sample_from_anchor=from_anchor)
     return block
 
 

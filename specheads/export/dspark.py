@@ -24,7 +24,7 @@ from specheads.export.contract_rules import CONFIG_FILE, FLOAT_DTYPES, WEIGHTS_F
 from specheads.export.load import read_json, read_weights
 from specheads.export.plan import ExportRefused, cast, float_dtype
 from specheads.export.readme import Readme
-from specheads.heads.dspark import MARKOV_TYPES, DSparkConfig, DSparkHead
+from specheads.heads.dspark import HEAD_FIELDS, MARKOV_TYPES, DSparkConfig, DSparkHead
 from specheads.protocols import ExportPlan, ExportRequest
 
 FORMATS_WRITTEN = ("vllm", "vllm-native", "sglang")
@@ -167,8 +167,7 @@ def check_against_head(cfg: dict, fmt: str, head: dict) -> list[Violation]:
     """The backbone as DFlash checks it, then the Markov and confidence fields against the trained head."""
     out = dflash.check_against_head(dflash_view(cfg, fmt), fmt, head["dflash"])
     trained = {**head, "sample_from_anchor": bool(head.get("sample_from_anchor", False))}
-    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                "sample_from_anchor"):
+    for key in (*HEAD_FIELDS, "sample_from_anchor"):
         value, want = cfg.get(key, MISSING), trained[key]
         if value is not MISSING and value != want:
             out.append(Violation(f"{CONFIG_FILE}: {key}", f"{json.dumps(want)} (the trained head's)",

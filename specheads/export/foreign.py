@@ -19,6 +19,7 @@ from specheads.export.eagle3 import KIND, head_weights
 from specheads.export.eagle31 import engine_options
 from specheads.export.keys import DEFAULT_ROPE, speculative_tokens
 from specheads.export.load import ExportMeta, read_json, read_weights
+from specheads.heads.dspark import HEAD_FIELDS
 from specheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 
 LEGACY_NAMES = (("midlayer.", "layers.0."), ("aux_norm_low.", "fc_norm.0."),
@@ -266,9 +267,6 @@ def sglang_block_view(cfg: dict, kind: str, folder: Path) -> dict:
     return {**cfg, "dflash_config": {**method, "causal": bool(causal)}}
 
 
-DSPARK_HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
-
-
 def sglang_dspark_view(cfg: dict, method: dict, folder: Path) -> tuple[dict, dict]:
     """SpecForge's DSparkDraftModel folder as SGLang's DSPARK worker reads it: the layout is
     sample_from_anchor (SGLang's default when unwritten; SpecForge 0.2.0 trains no other: block slot j
@@ -279,7 +277,7 @@ def sglang_dspark_view(cfg: dict, method: dict, folder: Path) -> tuple[dict, dic
         raise ForeignDraftError(folder, f"dflash_config.projector_type {method['projector_type']!r}: a DSpark "
                                 "folder's projector is 'dspark'")
     method.pop("projector_type", None)
-    heads = {key: cfg.get(key, method.get(key)) for key in DSPARK_HEAD_KEYS}
+    heads = {key: cfg.get(key, method.get(key)) for key in HEAD_FIELDS}
     if not isinstance(heads["markov_rank"], int) or heads["markov_rank"] < 1:
         raise ForeignDraftError(folder, f"markov_rank {heads['markov_rank']!r} (top level or dflash_config): "
                                 "SGLang requires a Markov head of rank > 0")

@@ -34,6 +34,8 @@ from specheads.heads.dflash import (
 from specheads.heads.losses import ChainCounts, HeadOutput
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
+# the Markov / confidence fields of a DSpark head, as every format names them
+HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 @dataclass

@@ -11,11 +11,11 @@ from specheads.verify.dspark_proposers import DSparkProposer
 FORMATS = ("vllm", "vllm-native", "sglang")
 
 
-def example_head(target, seed: int):
-    """Block of 3, rank 8, confidence head reading the Markov embedding; perturbed so the Markov bias
-    (markov_w2 starts at zero) and every norm matter."""
+def example_head(target, seed: int, sample_from_anchor: bool = False):
+    """Block of 3, rank 8, confidence head reading the Markov embedding (llama.cpp builds no other);
+    perturbed so the Markov bias (markov_w2 starts at zero) and every norm matter."""
     options = DSparkOptions(num_layers=1, block_size=3, markov_rank=8, enable_confidence_head=True,
-                            confidence_head_with_markov=True)
+                            confidence_head_with_markov=True, sample_from_anchor=sample_from_anchor)
     return random_head(DSparkHead, options, target, seed, 0.05)
 
 
@@ -26,10 +26,8 @@ def gated_head(target, seed: int):
 
 
 def anchor_first_head(target, seed: int):
-    """The anchor-as-first layout (sample_from_anchor: true, the engines' own default): G query slots."""
-    options = DSparkOptions(num_layers=1, block_size=3, markov_rank=8, enable_confidence_head=True,
-                            confidence_head_with_markov=True, sample_from_anchor=True)
-    return random_head(DSparkHead, options, target, seed, 0.05)
+    """The example in the anchor-as-first layout (sample_from_anchor: true, the engines' own default)."""
+    return example_head(target, seed, sample_from_anchor=True)
 
 
 def first_pass(ours, ids, next_token, out, anchors, k):
