@@ -312,7 +312,10 @@ def restore(accelerator, optim, sched, ckpt_dir: Path, saved_world: int) -> None
         state = shard["optimizer"]
         if deepspeed:  # ZeRO reads the list entry of its own rank
             state = [state if r == accelerator.process_index else None for r in range(saved_world)]
-        optim.load_state_dict(state)
+        try:
+            optim.load_state_dict(state)
+        except ValueError as err:  # another head's or version's optimizer groups
+            raise ValueError(f"{shard_path}: {err}") from None
         set_rng_state(shard["rng"])
     if (ckpt_dir / "scheduler.pt").is_file():
         sched.load_state_dict(torch.load(ckpt_dir / "scheduler.pt", weights_only=True))

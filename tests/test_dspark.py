@@ -418,6 +418,22 @@ def test_refusals_name_the_engine(tmp_path, target):
         export(ckpt, "vllm", tmp_path / "k", num_speculative_tokens=4)
 
 
+def test_llama_cpp_refuses_a_confidence_head_without_the_markov_embedding(tmp_path, target):
+    """llama.cpp builds conf_proj [n_embd + markov_rank, 1] whatever the config says: the real export of a
+    head whose confidence head reads h alone is refused by name before any conversion; with the Markov
+    embedding (the engine-check example) the same export passes."""
+    from specheads.export import export
+    from specheads.export import llamacpp_tool as lc
+
+    plain = export(checkpoint(tmp_path / "p", make_head(target, confidence_head_with_markov=False)), "vllm-native",
+                   tmp_path / "plain")
+    with pytest.raises(lc.RefusedExport, match=r"config.json: a confidence head without the Markov embedding .* "
+                       r"\[n_embd \+ markov_rank, 1\] .* head.confidence_head_with_markov: true"):
+        lc.draft_spec(plain)
+    assert lc.draft_spec(export(checkpoint(tmp_path / "m", make_head(target)), "vllm-native", tmp_path / "with"))[0] \
+        == "draft-dspark"
+
+
 def _edit(folder, config=None, tensors=None):
     from safetensors.torch import load_file, save_file
 

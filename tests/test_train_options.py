@@ -68,30 +68,53 @@ def one_step(optimizer_of, seed=0):
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
-    assert muon_split(Tiny()) == (["proj.weight"], ["proj.bias", "norm.weight", "lm_head.weight"])
-    _, head_inputs = batch()
+    assert muon_split(Tiny()) == (["proj.weight"], [], ["proj.bias", "norm.weight", "lm_head.weight"])
     head, _ = batch()
-    muon, adamw = muon_split(head)
+    muon, muon32, adamw = muon_split(head)
+    assert muon32 == []
     assert set(muon) == {"fc.weight", *(f"layers.0.{m}.weight" for m in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))}
     assert "lm_head.weight" in adamw and all(n.endswith("norm.weight") for n in adamw if n != "lm_head.weight")
 
 
-def test_muon_leaves_dspark_token_tables_and_vectors_to_adamw():
-    """DSpark's Markov factors are vocabulary tables (rows are tokens) and its confidence projection is a
-    [1, H + r] vector: AdamW's; its DFlash layers' matrices are Muon's."""
+def test_muon_runs_dspark_markov_factors_in_float32_and_leaves_vectors_to_adamw():
+    """DSpark's Markov factors ([V, r], vocabulary-wide) are Muon's in float32; its confidence projection
+    is a [1, H + r] vector (AdamW's); its DFlash layers' matrices are torch Muon's."""
     from random_models import make_target
 
     from specheads.heads.dspark import DSparkHead, DSparkOptions
 
     options = DSparkOptions(num_layers=1, block_size=3, markov_rank=8, enable_confidence_head=True,
                             confidence_head_with_markov=True)
-    muon, adamw = muon_split(DSparkHead.for_target(options, make_target().config))
-    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
-            "confidence_head.proj.weight"} <= set(adamw)
+    muon, muon32, adamw = muon_split(DSparkHead.for_target(options, make_target().config))
+    assert muon32 == ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
+    assert "confidence_head.proj.weight" in adamw
     assert "dflash.fc.weight" in muon and "dflash.layers.0.self_attn.q_proj.weight" in muon
     assert not any(n.startswith(("markov_head", "confidence_head")) for n in muon)
+
+
+def test_float32_muon_is_torch_muons_update_without_bfloat16():
+    """Float32Muon's step equals torch.optim.Muon's (same momentum, Newton-Schulz polynomial, decay and
+    step size) up to torch's bfloat16 rounding, on a wide vocabulary-factor shape; a second step carries
+    the momentum the same way."""
+    from specheads.optim import Float32Muon, orthogonalise_float32
+
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(2000, 8, generator=g)
+    grads = [torch.randn(2000, 8, generator=g) * torch.logspace(0, -2, 8) for _ in range(2)]
+    ours, theirs = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    opts = (Float32Muon([ours], lr=0.01, weight_decay=0.1),
+            torch.optim.Muon([theirs], lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
+    for grad in grads:
+        for p, opt in zip((ours, theirs), opts):
+            p.grad = grad.clone()
+            opt.step()
+        step_ours, step_theirs = ours.detach() - w0, theirs.detach() - w0
+        assert torch.nn.functional.cosine_similarity(step_ours.flatten(), step_theirs.flatten(), 0) > 0.999
+        assert (step_ours - step_theirs).norm() < 0.02 * step_theirs.norm()
+    s = torch.linalg.svdvals(orthogonalise_float32(grads[0]))  # the gradient's spread is two decades
+    assert s.min() / s.max() > 0.5 and orthogonalise_float32(grads[0]).dtype == torch.float32
 
 
 def test_muon_differs_from_adamw_on_a_matrix_and_equals_it_elsewhere():
@@ -120,7 +143,8 @@ def test_muon_state_round_trips_and_one_schedule_drives_both():
         p.grad = torch.ones_like(p)
     opt.step()
     sched.step()
-    assert opt.muon.param_groups[0]["lr"] == opt.adamw.param_groups[0]["lr"] == 0.005
+    assert set(opt.inner) == {"muon", "adamw"}
+    assert opt.inner["muon"].param_groups[0]["lr"] == opt.inner["adamw"].param_groups[0]["lr"] == 0.005
     twin = Tiny()
     twin.load_state_dict(m.state_dict())
     opt2 = build_optimizer(twin, "muon", 0.01, 0.0)
@@ -131,6 +155,9 @@ def test_muon_state_round_trips_and_one_schedule_drives_both():
         o.step()
     for (n, a), b in zip(m.named_parameters(), twin.parameters()):
         assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match=r"holds the groups \['adamw'\], but this head's Muon optimizer has "
+                                         r"\['adamw', 'muon'\]: .* without resuming"):
+        opt2.load_state_dict({"adamw": opt.state_dict()["adamw"]})
 
 
 # --- the losses -------------------------------------------------------------------------------

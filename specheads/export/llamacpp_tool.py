@@ -326,6 +326,13 @@ def check_dflash(export_dir: Path, cfg: dict) -> dict:
     if markov != "vanilla":
         raise RefusedExport(f"{export_dir / 'config.json'}: markov_head_type {markov!r}; llama.cpp's converter says "
                             f"\"unsupported markov_head_type {markov!r} (only 'vanilla' is supported)\"")
+    if cfg.get("enable_confidence_head") and (cfg.get("markov_rank") or 0) > 0 \
+            and not cfg.get("confidence_head_with_markov"):
+        raise RefusedExport(f"{export_dir / 'config.json'}: a confidence head without the Markov embedding "
+                            "(confidence_head_with_markov false); llama.cpp's DSpark loader (src/models/dflash.cpp) "
+                            "builds conf_proj as [n_embd + markov_rank, 1] and its graph always feeds it "
+                            "cat[h, markov_w1[prev]], so this [n_embd] projection would not load: train with "
+                            "head.confidence_head_with_markov: true to serve it in llama.cpp")
     return cfg
 
 
