@@ -30,6 +30,9 @@ class TargetConfig:
     device: str = "auto"
 
 
+SUPERVISE = ("assistant", "all")  # data.supervise
+
+
 @dataclass
 class DataConfig:
     """Where conversations come from and how they are tokenised."""
@@ -43,6 +46,15 @@ class DataConfig:
     # captures of the same head and target as one (data added later, captured on its own)
     features: str | list[str] | None = None
     vocab_stats: str | None = None  # a `specheads vocab-stats` file: the draft vocabulary's frequencies
+    # which positions the training loss distils the target on: the assistant turns (what drafting
+    # meets), or every token of the conversation (user turns and template too: the target's own
+    # next-token distribution there is as valid a label, and it is more of it from the same data).
+    # Validation and checkpoint selection score the assistant turns either way.
+    supervise: str = "assistant"
+
+    def __post_init__(self):
+        if self.supervise not in SUPERVISE:
+            raise ConfigError(f"data.supervise '{self.supervise}': expected one of {', '.join(SUPERVISE)}")
 
 
 @dataclass

@@ -91,8 +91,13 @@ def build_head(recipe: Recipe, target, samples):
     return head
 
 
-def make_batch(samples, idx, pad_id, device):
-    return {k: v.to(device) for k, v in collate([samples[i] for i in idx], pad_id).items()}
+def make_batch(samples, idx, pad_id, device, supervise: str = "assistant"):
+    """The collated batch on `device`; supervise "all" (recipe data.supervise) puts every real token
+    under the loss, not only the assistant turns."""
+    batch = {k: v.to(device) for k, v in collate([samples[i] for i in idx], pad_id).items()}
+    if supervise == "all":
+        batch["loss_mask"] = batch["attention_mask"].clone()
+    return batch
 
 
 def head_inputs(target, head, batch, features=None) -> dict:
@@ -472,7 +477,8 @@ def run_training(recipe: Recipe, accelerator) -> Path:
     best_tau = best_val_tau(out_dir) if t.keep_best else None  # checkpoints are kept by validation tau
     while step < t.max_steps:
         for micro in range(t.grad_accum):
-            batch = make_batch(samples, plan.indices(step, micro), pad_id, accelerator.device)
+            batch = make_batch(samples, plan.indices(step, micro), pad_id, accelerator.device,
+                               recipe.data.supervise)
             with accelerator.accumulate(model):
                 with torch.no_grad():
                     inputs = head_inputs(target, head, batch, features)

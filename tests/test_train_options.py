@@ -332,3 +332,27 @@ def test_bad_values_name_the_field():
         recipe_from_dict({"train": {"optimizer": "sgd"}})
     with pytest.raises(ConfigError, match=r"head.dropout"):
         recipe_from_dict({"head": {"kind": "eagle3", "dropout": 1.5}})
+
+
+# --- what the loss supervises (data.supervise) ------------------------------------------------
+def test_supervise_all_distils_the_target_on_every_real_token():
+    """data.supervise: all puts the user turns and template under the loss (padding never); the
+    default keeps the assistant mask; the head then trains on more rows of the same batch."""
+    from specheads.data.tokenize import TokenizedSample
+    from specheads.train import make_batch
+
+    with pytest.raises(ConfigError, match=r"data.supervise 'prompts': expected one of assistant, all"):
+        recipe_from_dict({"data": {"supervise": "prompts"}})
+    assert recipe_from_dict({"data": {"supervise": "all"}}).data.supervise == "all"
+    samples = [TokenizedSample("a", list(range(3, 15)), [0] * 6 + [1] * 6),
+               TokenizedSample("b", list(range(3, 11)), [0] * 5 + [1] * 3)]
+    plain, every = (make_batch(samples, [0, 1], 0, "cpu", s) for s in ("assistant", "all"))
+    assert plain["loss_mask"][1].tolist() == [0] * 5 + [1] * 3 + [0] * 4
+    assert torch.equal(every["loss_mask"], every["attention_mask"]) and every["loss_mask"][1].tolist() == [1] * 8 + [0] * 4
+    assert torch.equal(plain["input_ids"], every["input_ids"])
+    head, inputs = batch()
+    inputs["loss_mask"] = torch.zeros_like(inputs["loss_mask"])
+    inputs["loss_mask"][:, 8:] = 1
+    part = head(**inputs).counts["rows"].sum()
+    inputs["loss_mask"] = inputs["attention_mask"].clone()
+    assert head(**inputs).counts["rows"].sum() > part
