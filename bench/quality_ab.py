@@ -42,6 +42,8 @@ CONFIGS = {  # name -> recipe overrides over BASE (each option alone, then combi
     "qk_norm": ["head.qk_norm=true"],
     "init_lm_head": ["head.init_lm_head=true"],
     "nbf_init_lm_head": ["head.norm_before_fc=true", "head.init_lm_head=true"],
+    "supervise_all": ["data.supervise=all"],  # distil on the user turns too: more labels from the same data
+    "decay1": ["head.step_decay=1.0"],  # deeper TTT steps weigh as much as the first
     "combined": ["train.optimizer=muon", "head.loss=lk", "head.fc_norm=true", "head.norm_output=true",
                  "head.qk_norm=true"],
 }
