@@ -172,7 +172,8 @@ def offline_tau(target, ckpt: Path, samples) -> dict:
 
     head = Checkpoint(ckpt).build_head()
     acc = offline_acceptance(target, head, samples)
-    return {"tau": acc["tau_est"], "acc_cond": acc["acc_cond"]}
+    return {"tau": acc["tau_est"], "acc_cond": acc["acc_cond"],
+            "tau_decode_order": (acc.get("decode_order") or {}).get("tau")}
 
 
 def epochs_table(target_dir: Path, heldout: Path, runs: dict, max_length: int, device: str = "cpu") -> list[dict]:
@@ -311,7 +312,7 @@ def parity(target_dir: Path, ckpt: Path, eval_dir: Path, device: str = "cpu") ->
 
     target = Target.load(str(target_dir), device=device)
     p = check_parity(target, Checkpoint(ckpt).build_head(), eval_dir)
-    return {k: p[k] for k in ("offline_tau", "online_tau", "relative_gap", "ok")}
+    return {k: p[k] for k in ("offline_tau", "online_tau", "relative_gap", "ok", "compared")}
 
 
 def llamacpp_rows(target: Path, export_dir: Path, gguf: Path, prompts: Path, out: Path, new_tokens: int) -> dict:
@@ -332,6 +333,10 @@ def llamacpp_rows(target: Path, export_dir: Path, gguf: Path, prompts: Path, out
 
 
 # --- the report --------------------------------------------------------------------------------
+
+
+def _num(x, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def markdown(r: dict) -> str:
@@ -394,9 +399,13 @@ def markdown(r: dict) -> str:
                   bench_llamacpp.markdown(r["llamacpp"])]
     lines += ["", "## Parity (offline tau of the checkpoint on the MT-bench answers vs online tau)", "",
               f"`{json.dumps(r['parity'])}`", "", "## Data and epochs -> held-out tau (teacher-forced, k = TTT steps)", "",
-              "| data share | samples | epoch | step | offline tau | conditional acceptance |", "|---:|---:|---:|---:|---:|---|"]
+              "Decode order: the same teacher-forced rows replayed as a greedy chain decoder visits them (the "
+              "verifier's tau on this text; teacher-forced tau weighs every row alike).", "",
+              "| data share | samples | epoch | step | offline tau | in decode order | conditional acceptance |",
+              "|---:|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {t['fraction']} | {t['samples']} | {t['epoch']} | {t['step']} | {t['tau']:.3f} | "
-              f"{' / '.join(f'{a:.2f}' for a in t['acc_cond'])} |" for t in r["table"]]
+              f"{_num(t.get('tau_decode_order'))} | {' / '.join(f'{a:.2f}' for a in t['acc_cond'])} |"
+              for t in r["table"]]
     return "\n".join(lines + [""])
 
 

@@ -111,7 +111,9 @@ def _eval_offline(a: argparse.Namespace) -> int:
     m = evaluate_offline(a.target, a.draft, a.data, a.out, a.limit, dtype=a.dtype, device=a.device,
                          allow_missing_fingerprint=a.allow_missing_fingerprint)
     acc = " / ".join(f"{x:.2f}" for x in m["offline"]["acc_cond"])
-    print(f"offline tau {m['tau_est']:.3f} over {m['offline']['samples']} samples, conditional acceptance "
+    walk = m["offline"].get("decode_order")
+    order = f" ({walk['tau']:.3f} in decode order, k = {len(walk['acceptance_per_position'])})" if walk else ""
+    print(f"offline tau {m['tau_est']:.3f}{order} over {m['offline']['samples']} samples, conditional acceptance "
           f"{acc}; simulated tau {json.dumps({k: round(v, 2) for k, v in m['simulated_tau']['chain'].items()})} "
           f"-> {Path(a.out) / 'metrics.json'}")
     return 0

@@ -202,8 +202,9 @@ def print_summary(summary: dict) -> None:
     par = summary.get("parity")
     if par:
         verdict = "ok" if par["ok"] else "GAP: " + "; ".join(par["likely_causes"][:2])
-        console.print(f"parity: offline tau (checkpoint, teacher-forced) {par['offline_tau']:.3f} vs online tau "
-                      f"(export, verifier) {par['online_tau']:.3f}, gap {par['relative_gap']:+.1%} "
+        console.print(f"parity: offline tau (checkpoint, teacher-forced, {par.get('compared', 'teacher-forced')}) "
+                      f"{par['offline_tau']:.3f} vs online (export, verifier) {par['online_tau']:.3f}, gap "
+                      f"{par['relative_gap']:+.1%} "
                       f"(tolerance {par['tolerance']:.0%}): {verdict}")
     t = summary.get("target", {})
     if t.get("heldout_text_loss") is not None:

@@ -7,6 +7,7 @@ Counts are summed over batches and ranks before any ratio is taken.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 
@@ -19,6 +20,36 @@ def ttt_summary(rows: Sequence[float], reached: Sequence[float], cond_rows: Sequ
     uncond = [_ratio(r, n) for r, n in zip(reached, rows)]
     cond = [_ratio(r, n) for r, n in zip(reached, cond_rows)]
     return {"acc_uncond": uncond, "acc_cond": cond, "tau_est": 1.0 + sum(uncond)}
+
+
+def decode_walk(walk) -> dict:
+    """Teacher-forced rows replayed in the order a greedy chain decoder (k = S) visits them.
+
+    walk [S+1, B, T] bool (HeadOutput.walk): walk[0] the rows where a draft may start, walk[j+1]
+    the rows whose drafts 0..j all match the target. From each sequence's first start the decoder
+    accepts a drafts, emits the target's token and drafts next at row i + a + 1 (or the next start
+    after it: a turn's end). Teacher-forced tau weighs every row alike; decoding visits the rows
+    after a rejection more often, so this, not tau_est, is what the verifier measures on the same
+    text. Returns summable counts {"starts", "reached" [S]} (see `walk_summary`).
+    """
+    starts, accepted = walk[0].cpu(), walk[1:].sum(0).cpu()  # [B, T] each: accepted drafts per row
+    reached, n = [0] * (walk.shape[0] - 1), 0
+    for b in range(starts.shape[0]):
+        rows, acc = starts[b].nonzero().flatten().tolist(), accepted[b].tolist()
+        k = 0
+        while k < len(rows):
+            i = rows[k]
+            n += 1
+            for p in range(acc[i]):
+                reached[p] += 1
+            k = bisect_left(rows, i + acc[i] + 1, lo=k + 1)
+    return {"starts": n, "reached": reached}
+
+
+def walk_summary(starts: int, reached: Sequence[int]) -> dict:
+    """decode_walk counts -> tau in decode order (bonus included) and per-position acceptance."""
+    per = [_ratio(r, starts) for r in reached]
+    return {"tau": 1.0 + sum(per), "acceptance_per_position": per, "starts": starts}
 
 
 def chain_summary(drafts: int, accepted_per_pos: Sequence[int], tokens: int, forwards: int) -> dict:

@@ -342,15 +342,18 @@ def truncate_metrics(log_path: Path, step: int) -> None:
 
 # --- validation -----------------------------------------------------------------------
 def validate(accelerator, model, evaluator, target, val_samples, batch_size: int) -> float | None:
-    """Offline (teacher-forced) tau on the held-out split, from full weights; the main process's
-    number counts. With a sharded target every process runs the same forwards (they gather layers
-    together); the others may hold stale head weights, their result is discarded."""
+    """Offline tau on the held-out split, from full weights: the teacher-forced rows replayed in
+    decode order (what the verifier measures on those answers) where the head drafts at every
+    position, else the teacher-forced tau. The main process's number counts. With a sharded target
+    every process runs the same forwards (they gather layers together); the others may hold stale
+    head weights, their result is discarded."""
     full = full_state(accelerator, model)
     tau = None
     if evaluator is not None:
         if full:
             evaluator.load_state_dict(full)
-        tau = offline_acceptance(target, evaluator, val_samples, batch_size)["tau_est"]
+        acc = offline_acceptance(target, evaluator, val_samples, batch_size)
+        tau = acc["decode_order"]["tau"] if "decode_order" in acc else acc["tau_est"]
     accelerator.wait_for_everyone()
     return tau if accelerator.is_main_process else None
 

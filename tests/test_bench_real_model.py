@@ -50,7 +50,9 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
     assert mt_eval["greedy_equal"] is True and mt_eval["prompts"] == 2 and mt_eval["k"] == 3
     assert set(mt_eval["per_category"]) == {"writing", "coding"}
     assert report["evals"]["held-out regenerated k=3"]["prompts"] == 2
-    assert abs(report["parity"]["online_tau"] - mt_eval["tau"]) < 1e-9
+    # parity replays the checkpoint's teacher-forced rows in decode order: the verifier's own walk
+    assert report["parity"]["compared"] == "decode order" and report["parity"]["ok"], report["parity"]
+    assert 1.0 <= report["parity"]["online_tau"] <= 4.0
     # a second run reuses every finished stage
     assert bench.main(args) == 0
     again = json.loads((results / "real_model.json").read_text())

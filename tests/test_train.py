@@ -162,7 +162,7 @@ def test_validation_trackers_schedule_and_peak_memory(tiny_target_dir, demo_data
     target = Target.load(str(tiny_target_dir), device="cpu")
     samples = prepare_samples(recipe, target.tokenizer, report=lambda *_: None)
     held = [samples[i] for i in validation_split(len(samples), 12, 0)[1]]
-    tau = offline_acceptance(target, Checkpoint(best).build_head(), held)["tau_est"]
+    tau = offline_acceptance(target, Checkpoint(best).build_head(), held)["decode_order"]["tau"]  # EAGLE-3
     assert Checkpoint(best).trainer_state["val_tau"] == pytest.approx(tau, rel=1e-5)
     assert tau == max(r["val_tau"] for r in records if "val_tau" in r)  # every validation competes for best
 

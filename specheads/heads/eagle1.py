@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from specheads.bounds import bounded
 from specheads.heads.eagle3 import ttt_attention_mask
-from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
+from specheads.heads.losses import ChainCounts, HeadOutput, chain_starts, collect_final, decayed_output, forward_kl, shift
 from specheads.hf_compat import cache_kwargs
 
 
@@ -174,7 +174,7 @@ class EagleHead(nn.Module):
         if self.training and self.config.noise > 0:
             hidden = hidden + (torch.rand_like(hidden) - 0.5) * 2 * self.config.noise
         cache, base_pos = DynamicCache(), torch.arange(T, device=final.device).expand(B, T)
-        losses, counts = [], ChainCounts(loss_mask)
+        losses, counts = [], ChainCounts(loss_mask, chain_starts(supervised))
         for j in range(self.config.ttt_steps):
             mask4d = ttt_attention_mask(valid, j, self.fc.weight.dtype)  # [B, 1, T, (j+1)T]
             out = self.step(hidden, shift(embeds, j + 1), base_pos + j, mask4d, cache)

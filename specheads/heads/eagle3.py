@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from specheads.bounds import ConfigError, bounded
-from specheads.heads.losses import LOSSES, NOISES, ChainCounts, HeadOutput, add_feature_noise, decayed_output, shift
+from specheads.heads.losses import LOSSES, NOISES, ChainCounts, HeadOutput, add_feature_noise, chain_starts, decayed_output, shift
 from specheads.heads.peagle import parallel_train_forward
 from specheads.heads.vocab import draft_to_target
 from specheads.hf_compat import cache_kwargs
@@ -368,7 +368,7 @@ class Eagle3Head(nn.Module):
         hidden = self.fuse(self.noisy(aux))
         cache = DynamicCache()
         base_pos = torch.arange(T, device=hidden.device).expand(B, T)
-        losses, counts = [], ChainCounts(loss_mask)
+        losses, counts = [], ChainCounts(loss_mask, chain_starts(supervised))
         for j in range(self.config.ttt_steps):
             mask4d = ttt_attention_mask(valid, j, hidden.dtype)  # [B, 1, T, (j+1)T]
             out = self.step(hidden, shift(embeds, j + 1), base_pos + j, mask4d, cache)

@@ -23,6 +23,7 @@ class HeadOutput:
     loss: torch.Tensor
     step_losses: torch.Tensor  # [S]
     counts: dict[str, torch.Tensor]  # each [S]: rows, reached, cond_rows
+    walk: torch.Tensor | None = None  # [S+1, B, T] bool, ChainCounts.walk(): for metrics.decode_walk
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -105,11 +106,16 @@ def stack_counts(counts: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tenso
 
 
 class ChainCounts:
-    """Running per-position counts of a chain of draft steps (the `HeadOutput.counts`)."""
+    """Running per-position counts of a chain of draft steps (the `HeadOutput.counts`).
 
-    def __init__(self, like: torch.Tensor):
+    starts [B, T] (optional): rows where a chain decoder drafts after the target emitted the row's
+    next token; with it `walk()` keeps, per step, the rows whose drafts so far all matched, so that
+    metrics.decode_walk can replay the rows in the order decoding visits them."""
+
+    def __init__(self, like: torch.Tensor, starts: torch.Tensor | None = None):
         self.reached = torch.ones(like.shape[:2], dtype=torch.bool, device=like.device)  # [B, T]
         self.counts: dict[str, list[torch.Tensor]] = {k: [] for k in COUNT_KEYS}
+        self.masks = None if starts is None else [starts.bool()]
 
     def step(self, rows: torch.Tensor, b: torch.Tensor, i: torch.Tensor, correct_rows: torch.Tensor,
              ranks: torch.Tensor | None = None) -> None:
@@ -129,6 +135,8 @@ class ChainCounts:
         self.reached = self.reached & correct
         self.counts["rows"].append(rows.sum())
         self.counts["reached"].append((self.reached & rows).sum())
+        if self.masks is not None:
+            self.masks.append(self.reached & rows)
 
     def stacked(self) -> dict[str, torch.Tensor]:
         out = stack_counts(self.counts)
@@ -136,13 +144,24 @@ class ChainCounts:
             out["rank_hits"] = torch.stack(self.counts["rank_hits"]).float()  # [S, RANK_WIDTH]
         return out
 
+    def walk(self) -> torch.Tensor | None:
+        """[S+1, B, T] bool: the starts, then per step j the rows whose drafts 0..j all matched."""
+        return None if self.masks is None else torch.stack(self.masks)
+
+
+def chain_starts(supervised: torch.Tensor) -> torch.Tensor:
+    """supervised [B, T] -> [B, T]: row i starts a draft when x_{i+1} (the target's own token)
+    and x_{i+2} (the first drafted one) are both answer tokens; a turn's first token comes from
+    prefill, so its row i = p - 2 never drafts."""
+    return shift(supervised, 1) & shift(supervised, 2)
+
 
 def decayed_output(losses: list[torch.Tensor], decay: float, counts: ChainCounts) -> HeadOutput:
     """Per-step losses weighted decay ** j, summed; with the chain's counts."""
     step_losses = torch.stack(losses)  # [S]
     weights = decay ** torch.arange(len(losses), device=step_losses.device)
     return HeadOutput(loss=(weights * step_losses).sum(), step_losses=step_losses.detach(),
-                      counts=counts.stacked())
+                      counts=counts.stacked(), walk=counts.walk())
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.bounds import bounded
-from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, shift
+from specheads.heads.losses import ChainCounts, HeadOutput, chain_starts, collect_final, decayed_output, shift
 
 
 @dataclass
@@ -143,7 +143,7 @@ class MedusaHead(nn.Module):
         argmax at position i+k+1 (what greedy verification would accept).
         """
         supervised = loss_mask.bool() & attention_mask.bool()
-        losses, counts = [], ChainCounts(loss_mask)
+        losses, counts = [], ChainCounts(loss_mask, chain_starts(supervised))
         for k in range(self.config.num_heads):
             rows = shift(supervised, k + 2)
             b, i = rows.nonzero(as_tuple=True)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.bounds import bounded
-from specheads.heads.losses import ChainCounts, HeadOutput, collect_final, decayed_output, forward_kl, shift
+from specheads.heads.losses import ChainCounts, HeadOutput, chain_starts, collect_final, decayed_output, forward_kl, shift
 from specheads.heads.mtp_checkpoint import load_modules
 from specheads.hf_compat import cache_kwargs
 
@@ -217,7 +217,7 @@ class MtpHead(nn.Module):
         mask = causal_padding_mask(valid, final.dtype)  # [B, 1, T, T]
         base = torch.arange(T, device=final.device).expand(B, T)
         hidden = final.to(self.layers[0].eh_proj.weight.dtype)
-        losses, counts = [], ChainCounts(loss_mask)
+        losses, counts = [], ChainCounts(loss_mask, chain_starts(supervised))
         for j in range(self.config.ttt_steps):
             pos = base + j
             hidden = self.step(j, hidden, self.embed_rows(shift(embeds, j + 1), pos), pos, mask)
