@@ -112,7 +112,7 @@ def test_plain_soft_cross_entropy_golden():
 REPORT = {
     "settings": {"command": "python bench/anchors.py --run r --out o", "target": "r/target", "data": "r/data/t.jsonl",
                  "train_samples": 10, "num_prompts": 2, "max_new_tokens": 8, "k": 3, "threads": 2, "niceness": 19,
-                 "loadavg_at_end": [1.0, 1.5, 2.0], "plain_tokens_per_s": 50.0},
+                 "loadavg_at_end": [1.0, 1.5, 2.0], "plain_tokens_per_s": 50.0, "heldout_answers": 5},
     "budgets": {
         "eagle3": {"steps": 4, "batch_size": 2, "tokens_per_step": 100, "aux_layers": [2, 4, 5],
                    "draft_vocab_size": 64, "ttt_steps": 3, "step_decay": 0.8, "lr": 0.002, "warmup_steps": 1},
@@ -123,8 +123,9 @@ REPORT = {
                              "confidence_head_with_markov": True}}},
     "rows": [
         {"toolkit": "specheads", "version": "0.1.0", "tau": 2.5, "acceptance_per_position": [0.8, 0.5, 0.2],
-         "greedy_equal": True, "speedup": 1.5, "train_tokens_per_s": 1000.0, "train_s": 4.0},
+         "greedy_equal": True, "speedup": 1.5, "train_tokens_per_s": 1000.0, "train_s": 4.0, "heldout_tau": 2.2},
         {"toolkit": "speculators", "version": "0.9.0", "tau": 2.25, "acceptance_per_position": [0.75, 0.4, 0.1],
+         "heldout_tau": 2.0,
          "greedy_equal": True, "speedup": 1.25, "train_tokens_per_s": 2000.0, "train_tokens_per_s_with_capture": 500.0,
          "train_s": 2.0, "install_notes": ["pip install torch==2.13.0 (CPU) first"],
          "errors_before_adaptation": ["RuntimeError: Cannot access accelerator device when none is available."],
@@ -146,8 +147,9 @@ REPORT = {
 def test_markdown_rows_and_failures(anchors):
     md = anchors.markdown(REPORT)
     eagle3, dspark = md.split("## EAGLE-3 (chain k = 3)")[1].split("## DSpark (chain k = 3)")
-    assert "| specheads 0.1.0 | 2.50 |  | 0.80 / 0.50 / 0.20 | yes | 1.50x | 1000 |  | 4 |" in eagle3
-    assert "| speculators 0.9.0 | 2.25 | 1.11x | 0.75 / 0.40 / 0.10 | yes | 1.25x | 2000 | 500 | 2 |" in eagle3
+    assert "| specheads 0.1.0 | 2.50 |  | 0.80 / 0.50 / 0.20 | yes | 1.50x | 2.200 |  | 1000 |  | 4 |" in eagle3
+    assert "| speculators 0.9.0 | 2.25 | 1.11x | 0.75 / 0.40 / 0.10 | yes | 1.25x | 2.000 | 1.10x | 2000 | 500 | 2 |" in eagle3
+    assert "all 5 held-out conversations" in md
     assert "| specforge 0.2.0 | train | | `RuntimeError: 0 active drivers ([]).` |" in eagle3
     assert "one layer, TTT 3 (decay 0.8)" in eagle3 and "4 steps x batch 2 (packed trainers: 100 tokens a step)" in eagle3
     assert "| speculators 0.9.0 | 2.00 | 1.50x | 0.60 / 0.30 / 0.10 |" in dspark  # its own kind's specheads row
@@ -209,6 +211,30 @@ def test_shared_samples_and_budget(anchors, tiny_target_dir, demo_data_dir, tmp_
     assert (b.steps, b.batch_size, b.tokens_per_step) == (5, 3, round(3 * mean))
     assert b.aux_layers == [2, 4, 5] and b.draft_vocab_size == 64 and b.ttt_steps == 3
     assert b.kind == "eagle3" and b.block is None and b.k is None
+
+
+def test_heldout_answers_replayed_in_decode_order(anchors, tiny_target_dir, demo_data_dir, random_export_dir, tmp_path):
+    """The run's held-out conversations, whole, tokenised once; a chain drafter's replay is the offline
+    acceptance's decode order (its drafts, and tau within 1..k+1); no held-out file: nothing."""
+    from specheads.data.conversations import read_conversations
+    from specheads.eval.offline import offline_acceptance
+    from specheads.session import load_draft
+    from specheads.target import Target
+
+    target = Target.load(str(tiny_target_dir), device="cpu")
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    assert anchors.heldout_answers(run, target, 256) == []
+    convs = (demo_data_dir / "train.jsonl").read_text().splitlines()[:6]
+    (run / "data" / "heldout.jsonl").write_text("\n".join(convs) + "\n")
+    answers = anchors.heldout_answers(run, target, 256)
+    assert len(read_conversations(str(run / "data" / "heldout.jsonl"))[0]) == 6
+    assert 0 < len(answers) <= 6  # tokenised like training: one with no answer token left in 256 is dropped
+    head = load_draft(str(random_export_dir), target).head
+    row = anchors.replay_heldout(head, target, answers)
+    walk = offline_acceptance(target, head, answers)["decode_order"]
+    assert row["heldout_tau"] == walk["tau"] and row["heldout_drafts"] == walk["starts"] > 0
+    assert 1.0 <= row["heldout_tau"] <= 4.0 and anchors.replay_heldout(head, target, []) == {}
 
 
 @pytest.mark.parametrize("kind, drafted", [("dflash", 7), ("dspark", 7)])
