@@ -28,7 +28,11 @@ step. The checkpoint each toolkit saves is loaded as is by specheads' verifier (
 reads speculators' and SGLang's EAGLE-3 folders, speculators' DFlash / DSpark and SpecForge's DFlash
 checkpoints, and names what it refuses); every drafter decodes the same prompts greedily:
 tau, acceptance per position, greedy equality with plain decoding and wall-clock speed-up over plain
-decoding (drafting included). A toolkit that fails keeps its row with the stage and its own error. A toolkit
+decoding (drafting included). Each chain drafter is also replayed on every held-out answer of the run
+(`data/heldout.jsonl`, whole): its teacher-forced rows walked in decode order, the verifier's tau on
+that text over several thousand drafts, where a few hundred decoded tokens leave a few percent of noise
+(only where that file holds the target's own regenerated answers, as `make real` writes it).
+A toolkit that fails keeps its row with the stage and its own error. A toolkit
 that finished in OUT with the same budget and samples is not trained again (its row.json), so a
 second call can add a toolkit or re-measure all of them in one process.
 Writes OUT/anchors.json and OUT/anchors.md.
@@ -334,9 +338,10 @@ def train_ours(recipe, out: Path, budget: Budget, samples_sha256: str = "") -> d
     return row
 
 
-def bring_ours(c, out: Path, budget: Budget, data: Path) -> dict:
+def bring_ours(c, out: Path, budget: Budget, data: Path, recipe_head: dict | None = None) -> dict:
     """specheads' row from a checkpoint `c` trained elsewhere (`--specheads-checkpoint`): exported here
-    and measured like the others, with every shared setting its recipe.json differs in named in the row."""
+    and measured like the others, with every shared setting its recipe.json differs in named in the row,
+    and every head option of its own that differs from the recipe's `recipe_head`."""
     from specheads.export import export
 
     ckpt = c.path
@@ -344,7 +349,17 @@ def bring_ours(c, out: Path, budget: Budget, data: Path) -> dict:
     return {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(),
             "export": "OUT/" + os.path.relpath(folder, out), "export_path": str(folder),
             "brought": str(ckpt), "differs_from_budget": checkpoint_differences(c, budget, data),
+            "head_differs_from_recipe": head_differences(c, recipe_head or {}),
             "note": f"trained before this call (its own run of the same recipe): {ckpt}"}
+
+
+def head_differences(c, recipe_head: dict) -> list[str]:
+    """The checkpoint's own head options (those the budget does not share) that differ from the
+    recipe's, e.g. `norm_output true (recipe false)`."""
+    shared = {"aux_layers", "draft_vocab_size", "ttt_steps", "step_decay"}
+    trained = (c.recipe or {}).get("head") or {}
+    return [f"{k} {json.dumps(v)} (recipe {json.dumps(recipe_head[k])})" for k, v in trained.items()
+            if k in recipe_head and k not in shared and v != recipe_head[k]]
 
 
 def checkpoint_differences(c, budget: Budget, data: Path) -> list[str]:
@@ -455,13 +470,17 @@ def _bench_module(script: str):
 
 
 def heldout_answers(run: Path, target, max_length: int) -> list:
-    """The run's held-out conversations (`data/heldout.jsonl`: the target's own greedy answers to the
-    held-out prompts, whole), tokenised; [] when the run has none."""
+    """The run's held-out conversations when they are the target's own greedy answers (`make real`
+    regenerates `data/heldout.jsonl`, each row marked `regenerated`), tokenised; [] otherwise (the
+    demo's held-out file holds the source text, which the target would not have written)."""
     from specheads.data.conversations import read_conversations
     from specheads.data.tokenize import tokenize_all
 
     path = run / "data" / "heldout.jsonl"
     if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows or not all("regenerated" in row for row in rows):
         return []
     return tokenize_all(target.tokenizer, read_conversations(str(path))[0], max_length)
 
@@ -597,9 +616,10 @@ def markdown(report: dict) -> str:
         if r["toolkit"] == "specheads":
             if r.get("brought"):
                 differs = "; ".join(r.get("differs_from_budget") or []) or "nothing"
+                own = "; ".join(r.get("head_differs_from_recipe") or [])
                 lines.append(f"- **specheads, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**: not trained by this call: "
                              f"the checkpoint `{r['brought']}` exported and measured; it differs from the budget in: "
-                             f"{differs}")
+                             f"{differs}" + (f"; its own head options differ from the recipe's in: {own}" if own else ""))
             continue
         lines.append(f"- **{r['toolkit']} {r.get('version', '')}, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**")
         if r["toolkit"] not in noted:
@@ -634,7 +654,9 @@ def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Pat
     budget = budget_of(recipe, target, samples)
     rows = []
     if brought is not None and brought.kind == budget.kind:
-        rows.append(bring_ours(brought, out, budget, data))
+        from specheads.config import to_dict
+
+        rows.append(bring_ours(brought, out, budget, data, json.loads(json.dumps(to_dict(recipe)["head"], default=str))))
     elif "specheads" in a.toolkits:
         rows.append(train_ours(recipe, out, budget, sha256_of(samples_file)))
         print(f"[anchors] {budget.kind}: specheads trained: {rows[-1]['train_s']} s", flush=True)

@@ -214,8 +214,9 @@ def test_shared_samples_and_budget(anchors, tiny_target_dir, demo_data_dir, tmp_
 
 
 def test_heldout_answers_replayed_in_decode_order(anchors, tiny_target_dir, demo_data_dir, random_export_dir, tmp_path):
-    """The run's held-out conversations, whole, tokenised once; a chain drafter's replay is the offline
-    acceptance's decode order (its drafts, and tau within 1..k+1); no held-out file: nothing."""
+    """The run's held-out conversations, whole, tokenised once, when they are the target's regenerated
+    answers; a chain drafter's replay is the offline acceptance's decode order (its drafts, and tau
+    within 1..k+1); no held-out file, or one of source text: nothing."""
     from specheads.data.conversations import read_conversations
     from specheads.eval.offline import offline_acceptance
     from specheads.session import load_draft
@@ -227,6 +228,9 @@ def test_heldout_answers_replayed_in_decode_order(anchors, tiny_target_dir, demo
     assert anchors.heldout_answers(run, target, 256) == []
     convs = (demo_data_dir / "train.jsonl").read_text().splitlines()[:6]
     (run / "data" / "heldout.jsonl").write_text("\n".join(convs) + "\n")
+    assert anchors.heldout_answers(run, target, 256) == []  # source text, not the target's own answers
+    marked = [json.dumps({**json.loads(c), "regenerated": {"turns": 1}}) for c in convs]
+    (run / "data" / "heldout.jsonl").write_text("\n".join(marked) + "\n")
     answers = anchors.heldout_answers(run, target, 256)
     assert len(read_conversations(str(run / "data" / "heldout.jsonl"))[0]) == 6
     assert 0 < len(answers) <= 6  # tokenised like training: one with no answer token left in 256 is dropped
@@ -419,6 +423,14 @@ def test_a_brought_checkpoint_names_what_differs_from_the_budget(anchors, tmp_pa
     md = anchors.markdown({**REPORT, "rows": [row]})
     assert f"not trained by this call: the checkpoint `{c.path}` exported and measured" in md
     assert "differs from the budget in: warmup_steps 22 (budget 15); trained from a stored feature capture" in md
+    assert "own head options" not in md
+    # the checkpoint's own head options against the recipe's (shared ones are the budget's business)
+    recipe["head"] = {"norm_output": True, "norm_before_fc": True, "ttt_steps": 3}
+    c = Checkpoint(save_checkpoint(tmp_path / "run2", 7, head, recipe, {}, {"step": 7}))
+    own = anchors.head_differences(c, {"norm_output": False, "norm_before_fc": True, "ttt_steps": 5})
+    assert own == ["norm_output true (recipe false)"]
+    md = anchors.markdown({**REPORT, "rows": [{**row, "head_differs_from_recipe": own}]})
+    assert "; its own head options differ from the recipe's in: norm_output true (recipe false)" in md
 
 
 def test_a_brought_block_checkpoint_is_compared_by_its_block(anchors, tmp_path, tiny_target_dir):
