@@ -333,6 +333,8 @@ def train_ours(recipe, out: Path, budget: Budget, samples_sha256: str = "") -> d
     row = {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(), "export": f"OUT/{folder}",
            "export_path": str(out / folder), "train_s": round(train_s, 2),
            "train_tokens_est": tokens, "train_tokens_per_s": round(tokens / train_s, 1),
+           # online: the target's forward runs inside each step, so the rate already includes the capture
+           "train_tokens_per_s_with_capture": round(tokens / train_s, 1),
            "note": "target forward inside each step (online features)"}
     write_json(record, {"key": key, "row": row})
     return row
@@ -620,6 +622,10 @@ def markdown(report: dict) -> str:
                 lines.append(f"- **specheads, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**: not trained by this call: "
                              f"the checkpoint `{r['brought']}` exported and measured; it differs from the budget in: "
                              f"{differs}" + (f"; its own head options differ from the recipe's in: {own}" if own else ""))
+            elif r.get("train_s") is not None:
+                lines.append(f"- **specheads, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**: trained online (the "
+                             "target's forward inside each step), so its tokens/s include the hidden-state capture: "
+                             "compare them with the anchors' \"incl. hidden-state capture\"")
             continue
         lines.append(f"- **{r['toolkit']} {r.get('version', '')}, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**")
         if r["toolkit"] not in noted:

@@ -162,6 +162,7 @@ def test_markdown_rows_and_failures(anchors):
     assert "train: `RuntimeError: 0 active drivers ([]).`" in md
     assert md.count("setup: --no-deps") == 1  # a toolkit's setup notes once, under its first kind
     assert "earlier call" not in md
+    assert "- **specheads, EAGLE-3**: trained online" in md and "- **specheads, DSpark**: trained online" in md
     again = anchors.markdown({**REPORT, "rows": [{**r, "reused": True} if i == 1 else r for i, r in enumerate(REPORT["rows"])]})
     assert "measured again here: speculators EAGLE-3; their training seconds and tokens/s are that call's" in again
 
@@ -470,3 +471,20 @@ def test_our_row_is_keyed_by_the_whole_recipe(anchors, demo_run_dir, tmp_path):
     keys = [anchors.ours_key(anchors.load_recipe_for(anchors.RECIPE, demo_run_dir / "target", data, out, 4, extra),
                              budget, "sha") for extra in ([], [], ["train.optimizer=muon"])]
     assert keys[0] == keys[1] != keys[2] and json.dumps(keys[0])  # stable, JSON-clean, and the optimizer counts
+
+
+def test_our_online_row_counts_the_capture_in_its_rate(anchors, demo_run_dir, tmp_path):
+    """specheads trains online (the target inside each step): its one rate is also its with-capture rate,
+    the column the anchors' stored-state rates are compared in; a second call reuses the row."""
+    out = tmp_path / "out"
+    data = anchors.train_file(demo_run_dir, out, 8)
+    recipe = anchors.load_recipe_for(anchors.RECIPE, demo_run_dir / "target", data, out, 2,
+                                     ["train.batch_size=2", "train.warmup_steps=1", "head.draft_vocab_size=64",
+                                      "data.max_length=64"])
+    budget = anchors.Budget(steps=2, batch_size=2, tokens_per_step=40, max_length=64, aux_layers=[2, 4, 5],
+                            draft_vocab_size=64, ttt_steps=3, step_decay=0.8, lr=2e-3, warmup_steps=1, seed=0)
+    row = anchors.train_ours(recipe, out, budget, "sha")
+    assert row["train_tokens_per_s"] == row["train_tokens_per_s_with_capture"]
+    assert row["train_tokens_per_s"] == pytest.approx(80 / row["train_s"], rel=0.05)  # train_s is rounded to 0.01 s
+    assert (out / row["export"].removeprefix("OUT/") / "config.json").is_file()
+    assert anchors.train_ours(recipe, out, budget, "sha")["train_s"] == row["train_s"]
