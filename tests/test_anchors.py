@@ -485,6 +485,7 @@ def test_our_online_row_counts_the_capture_in_its_rate(anchors, demo_run_dir, tm
                             draft_vocab_size=64, ttt_steps=3, step_decay=0.8, lr=2e-3, warmup_steps=1, seed=0)
     row = anchors.train_ours(recipe, out, budget, "sha")
     assert row["train_tokens_per_s"] == row["train_tokens_per_s_with_capture"]
-    assert row["train_tokens_per_s"] == pytest.approx(80 / row["train_s"], rel=0.05)  # train_s is rounded to 0.01 s
+    s = row["train_s"]  # rounded to 0.01 s, the rate is not
+    assert 80 / (s + 0.005) - 0.05 <= row["train_tokens_per_s"] <= 80 / max(s - 0.005, 1e-3) + 0.05
     assert (out / row["export"].removeprefix("OUT/") / "config.json").is_file()
     assert anchors.train_ours(recipe, out, budget, "sha")["train_s"] == row["train_s"]
