@@ -330,11 +330,12 @@ def train_ours(recipe, out: Path, budget: Budget, samples_sha256: str = "") -> d
     folder = export(ckpt, "vllm", work_root(out, budget.kind) / "specheads" / "export", overwrite=True)
     folder = Path(os.path.relpath(folder, out))
     tokens = budget.steps * budget.tokens_per_step
+    rate = round(tokens / train_s, 1)
     row = {"toolkit": "specheads", "kind": budget.kind, "version": _our_version(), "export": f"OUT/{folder}",
            "export_path": str(out / folder), "train_s": round(train_s, 2),
-           "train_tokens_est": tokens, "train_tokens_per_s": round(tokens / train_s, 1),
+           "train_tokens_est": tokens, "train_tokens_per_s": rate,
            # online: the target's forward runs inside each step, so the rate already includes the capture
-           "train_tokens_per_s_with_capture": round(tokens / train_s, 1),
+           "train_tokens_per_s_with_capture": rate,
            "note": "target forward inside each step (online features)"}
     write_json(record, {"key": key, "row": row})
     return row
@@ -356,9 +357,12 @@ def bring_ours(c, out: Path, budget: Budget, data: Path, recipe_head: dict | Non
 
 
 def head_differences(c, recipe_head: dict) -> list[str]:
-    """The checkpoint's own head options (those the budget does not share) that differ from the
-    recipe's, e.g. `norm_output true (recipe false)`."""
-    shared = {"aux_layers", "draft_vocab_size", "ttt_steps", "step_decay"}
+    """The checkpoint's own head options that differ from the recipe's, e.g. `norm_output true (recipe
+    false)`; those the budget shares are left to `checkpoint_differences`, in the budget's numbering."""
+    from specheads.heads.dspark import HEAD_FIELDS
+
+    block = ("target_layer_ids", "num_layers", "block_size", "causal", "num_anchors", "sample_from_anchor")
+    shared = {*SHARED_HEAD_KEYS, *block, *HEAD_FIELDS}
     trained = (c.recipe or {}).get("head") or {}
     return [f"{k} {json.dumps(v)} (recipe {json.dumps(recipe_head[k])})" for k, v in trained.items()
             if k in recipe_head and k not in shared and v != recipe_head[k]]
@@ -382,10 +386,13 @@ def checkpoint_differences(c, budget: Budget, data: Path) -> list[str]:
     return diffs
 
 
+SHARED_HEAD_KEYS = ("aux_layers", "draft_vocab_size", "ttt_steps", "step_decay")  # EAGLE-3's, as the budget names them
+
+
 def shared_head(head: dict) -> dict:
     """A trained head config's taps (vLLM numbering), draft vocabulary and TTT as the budget names them."""
     if head.get("kind") not in ("dflash", "dspark"):
-        return {k: head.get(k) for k in ("aux_layers", "draft_vocab_size", "ttt_steps", "step_decay")}
+        return {k: head.get(k) for k in SHARED_HEAD_KEYS}
     d = head.get("dflash", head)
     return {"aux_layers": [t + 1 for t in d["target_layer_ids"]], "draft_vocab_size": d["draft_vocab_size"],
             "ttt_steps": None, "step_decay": None}
@@ -622,7 +629,7 @@ def markdown(report: dict) -> str:
                 lines.append(f"- **specheads, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**: not trained by this call: "
                              f"the checkpoint `{r['brought']}` exported and measured; it differs from the budget in: "
                              f"{differs}" + (f"; its own head options differ from the recipe's in: {own}" if own else ""))
-            elif r.get("train_s") is not None:
+            else:
                 lines.append(f"- **specheads, {KIND_TITLES.get(r.get('kind', 'eagle3'))}**: trained online (the "
                              "target's forward inside each step), so its tokens/s include the hidden-state capture: "
                              "compare them with the anchors' \"incl. hidden-state capture\"")
@@ -662,7 +669,7 @@ def train_section(recipe_path: Path, a: argparse.Namespace, out: Path, data: Pat
     if brought is not None and brought.kind == budget.kind:
         from specheads.config import to_dict
 
-        rows.append(bring_ours(brought, out, budget, data, json.loads(json.dumps(to_dict(recipe)["head"], default=str))))
+        rows.append(bring_ours(brought, out, budget, data, to_dict(recipe.head)))
     elif "specheads" in a.toolkits:
         rows.append(train_ours(recipe, out, budget, sha256_of(samples_file)))
         print(f"[anchors] {budget.kind}: specheads trained: {rows[-1]['train_s']} s", flush=True)

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -432,6 +433,11 @@ def test_a_brought_checkpoint_names_what_differs_from_the_budget(anchors, tmp_pa
     assert own == ["norm_output true (recipe false)"]
     md = anchors.markdown({**REPORT, "rows": [{**row, "head_differs_from_recipe": own}]})
     assert "; its own head options differ from the recipe's in: norm_output true (recipe false)" in md
+    # a block drafter's shared shape (named by checkpoint_differences in the budget's numbering) is not repeated
+    block = SimpleNamespace(recipe={"head": {"kind": "dspark", "block_size": 8, "target_layer_ids": [1], "markov_rank": 16,
+                                             "sample_from_anchor": True, "loss": "ce"}})
+    assert anchors.head_differences(block, {"kind": "dspark", "block_size": 7, "target_layer_ids": [2], "markov_rank": 32,
+                                            "sample_from_anchor": False, "loss": "kl"}) == ['loss "ce" (recipe "kl")']
 
 
 def test_a_brought_block_checkpoint_is_compared_by_its_block(anchors, tmp_path, tiny_target_dir):
@@ -487,5 +493,8 @@ def test_our_online_row_counts_the_capture_in_its_rate(anchors, demo_run_dir, tm
     assert row["train_tokens_per_s"] == row["train_tokens_per_s_with_capture"]
     s = row["train_s"]  # rounded to 0.01 s, the rate is not
     assert 80 / (s + 0.005) - 0.05 <= row["train_tokens_per_s"] <= 80 / max(s - 0.005, 1e-3) + 0.05
-    assert (out / row["export"].removeprefix("OUT/") / "config.json").is_file()
+    config = out / row["export"].removeprefix("OUT/") / "config.json"
+    assert config.is_file()
+    written = config.stat().st_mtime_ns
     assert anchors.train_ours(recipe, out, budget, "sha")["train_s"] == row["train_s"]
+    assert config.stat().st_mtime_ns == written  # reused: neither trained nor exported again
