@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from specheads.cli_options import (
     add_fingerprint_argument,
@@ -38,6 +37,7 @@ from specheads.data.messages import FieldError, check_text
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text, user_turn
 from specheads.metrics import broken_draft_warning
 from specheads.mixing import Mixing
+from specheads.model_ref import resolve_draft
 from specheads.session import Session
 from specheads.target import resolve_device
 from specheads.verify.sampling import check_warp
@@ -123,9 +123,7 @@ def check_inputs(draft_dir, prompt: str, max_new_tokens: int, sampling: Sampling
     if not prompt or not prompt.strip():
         raise GenerateError("the prompt is empty: pass some text with --prompt")
     check_prompt_text(prompt)
-    if not Path(draft_dir).is_dir():
-        raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export "
-                                "folder written by `specheads export`")
+    resolve_draft(draft_dir)  # a missing folder or an uncached hub id fails before the target loads
     if not sampling.greedy:
         check_warp(sampling.temperature, sampling.top_p, 0)
     check_acceptance(sampling)
@@ -166,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "Generate from one prompt with an exported draft (greedy unless --temperature > 0), "
         "streaming the text; then decode it plainly and report tau, per-position acceptance "
         "and tokens/s of both."))
-    p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
-    p.add_argument("--draft", required=True, help="export folder written by `specheads export`")
+    p.add_argument("--target", required=True, help="local HF model folder, hub id (org/name, from the hub cache) or builtin:tiny")
+    p.add_argument("--draft", required=True, help="export folder written by `specheads export`, or a hub id (org/name)")
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat)")
     add_tree_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads.model_ref import resolve_folder
 from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer, loop_k
 from specheads.verify.calibration import Calibration
 from specheads.verify.hybrid_proposers import hybrid_proposer
@@ -87,7 +88,7 @@ class Mixing:
 
 def eval_metrics(draft_dir: str | Path) -> tuple[dict | None, Path]:
     """EXPORT/eval/metrics.json (None when absent) and its path; a broken file is a clear error."""
-    path = Path(draft_dir) / "eval" / "metrics.json"
+    path = resolve_folder(str(draft_dir), "--draft") / "eval" / "metrics.json"  # hub ids too
     if not path.is_file():
         return None, path
     try:

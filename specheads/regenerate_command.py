@@ -20,6 +20,7 @@ from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, prompt_seed
 from specheads.data.resume import check_resumable
+from specheads.model_ref import resolve_draft
 from specheads.session import Session, load_draft
 from specheads.target import Target
 from specheads.verify.settings import Sampling, TreeSpec
@@ -61,9 +62,8 @@ def check_options(a: argparse.Namespace) -> None:
     if a.draft and a.endpoint:
         raise RegenerateError("--draft speculates with a target loaded in this process; a server "
                               "(--endpoint) uses its own drafter, if it was started with one")
-    if a.draft and not Path(a.draft).is_dir():
-        raise RegenerateError(f"--draft '{a.draft}' does not exist: pass an export folder written by "
-                              "`specheads export` for this target")
+    if a.draft:
+        resolve_draft(a.draft)  # a missing folder or an uncached hub id fails before the target loads
     if Path(a.out).is_dir():
         raise RegenerateError(f"--out '{a.out}' is a folder: pass a file path for the JSON lines")
     mixing_from_args(a, a.draft)  # --hybrid / --adaptive checked before a target loads
@@ -93,7 +93,7 @@ def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBacke
     print(f"[specheads] regenerate: speculation: {session.mixing.label()} ({session.mixing.reason})"
           + (f"; {session.free_note}" if session.free_note else ""), file=sys.stderr, flush=True)
     decoder = SessionDecoder(session, opts, a.batch_size)
-    return LocalBackend(session.target, opts, a.batch_size, decoder, draft=str(Path(a.draft).resolve()))
+    return LocalBackend(session.target, opts, a.batch_size, decoder, draft=str(draft.meta.folder.resolve()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", default="auto")
     p.add_argument("--limit", type=int, default=None, help="first N rows only")
     g = p.add_argument_group("backend")
-    g.add_argument("--target", default=None, help="local HF model folder: generate in this process")
+    g.add_argument("--target", default=None, help="local HF model folder or hub id (org/name): generate in this process")
     g.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
     g.add_argument("--model", default=None, help="served model name (default: the first listed)")
     g.add_argument("--api-key", default=None)

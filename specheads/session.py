@@ -23,6 +23,7 @@ from specheads.data.suffix_history import history_pairs
 from specheads.export import load_with_meta
 from specheads.export.load import ExportMeta
 from specheads.mixing import Mixing, mix_free, warm_free
+from specheads.model_ref import resolve_draft
 from specheads.target import Target
 from specheads.verify.loop import Request, decode_batch, request
 from specheads.verify.ngram_proposers import NO_DRAFT
@@ -63,10 +64,7 @@ class Draft:
 
 def load_draft(folder: str | Path, target: Target, allow_missing_fingerprint: bool = False) -> Draft:
     """The export at `folder`, checked against `target` (module docstring: the policy)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"draft folder '{folder}' does not exist: pass an export folder "
-                                "written by `specheads export`")
+    folder = resolve_draft(folder)  # a local folder, or a hub id through the hub cache
     head, meta = load_with_meta(folder, num_target_layers=target.num_layers)
     checked = meta.check_target(target, allow_missing=allow_missing_fingerprint)
     return Draft(head.to(device=target.device, dtype=target.dtype).eval(), meta, checked)

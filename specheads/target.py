@@ -16,6 +16,7 @@ from torch import nn
 from specheads.attention import register as register_gqa_sdpa
 from specheads.builtin.tiny_target import BUILD_INFO, PRESETS, cache_path, cached_tiny_target
 from specheads.hf_compat import cache_kwargs
+from specheads.model_ref import resolve_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,11 +40,11 @@ def resolve_target_path(path: str) -> Path:
     if path.startswith("builtin:"):
         preset = path.split(":", 1)[1]
         return cached_tiny_target("default" if preset in ("", "tiny") else preset)
-    folder = Path(path).expanduser()
+    folder = resolve_folder(path, "target")  # a local folder, or a hub id through the hub cache
     if not (folder / "config.json").is_file():
         raise TargetError(
-            f"target '{path}': no config.json there. Pass a local Hugging Face model folder "
-            "(downloads are not done by specheads) or builtin:tiny"
+            f"target '{path}': no config.json there. Pass a local Hugging Face model folder, "
+            "a hub id (org/name) or builtin:tiny"
         )
     return folder
 

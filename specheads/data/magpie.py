@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specheads magpie", description=(
         "Magpie: let the target write user prompts (its chat template up to a user turn's opening, sampled), "
         "clean and deduplicate them, and write a prompts file for `specheads regenerate`."))
-    p.add_argument("--target", required=True, help="local HF chat model folder (its tokenizer needs a chat template)")
+    p.add_argument("--target", required=True, help="local HF chat model folder or hub id (its tokenizer needs a chat template)")
     p.add_argument("--out", required=True, help="prompts JSON-lines file ({id, prompt} rows); resumed if it exists")
     p.add_argument("--n", type=int, default=1000, help="samples to generate (kept <= n after cleaning)")
     p.add_argument("--batch-size", type=int, default=16, help="samples per generate call")

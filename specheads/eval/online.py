@@ -49,6 +49,7 @@ from specheads.eval.predict import StepCosts, eval_costs, prediction_metrics
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.eval.waves import Totals, check_batch_size, eval_prompt_ids, evaluate_rows
 from specheads.metrics import broken_draft_warning, predicted_speedup
+from specheads.model_ref import resolve_draft
 from specheads.provenance import machine, provenance
 from specheads.session import Session
 from specheads.verify.adaptive_proposers import LengthCosts
@@ -161,9 +162,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     # broken inputs fail before decoding
     verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")
     llamacpp = read_llamacpp_cost(llamacpp_cost) if llamacpp_cost else None
-    if not Path(draft_dir).is_dir():
-        raise FileNotFoundError(f"draft folder '{draft_dir}' does not exist: pass an export folder "
-                                "written by `specheads export`")
+    resolve_draft(draft_dir)  # a missing folder or an uncached hub id fails before the target loads
     session = Session.open(target_path, draft_dir, tree or TreeSpec("chain"), k, device, dtype,
                            allow_missing_fingerprint)
     target, k, tree = session.target, session.k, session.spec

@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specheads serve", description=(
         "Serve the target (with an exported draft, or plainly) behind an OpenAI-compatible API "
         "with Prometheus /metrics using vLLM's speculative-decoding metric names."))
-    p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
-    p.add_argument("--draft", default=None, help="export folder from `specheads export` (default: none)")
+    p.add_argument("--target", required=True, help="local HF model folder, hub id (org/name, from the hub cache) or builtin:tiny")
+    p.add_argument("--draft", default=None, help="export folder from `specheads export` or a hub id (org/name) (default: none)")
     add_tree_arguments(p)
     add_mixing_arguments(p)
     add_fingerprint_argument(p)
