@@ -12,12 +12,13 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.atomic import OutputRefused, check_output, write_json, write_text
 from specheads.builtin.stdlib import MAX_PROMPT_CHARS, write_demo_data
 from specheads.builtin.tiny_target import cached_tiny_target, is_tiny_target
-from specheads.config import load_recipe
+from specheads.config import check_recipe_inputs, load_recipe
 from specheads.data.conversations import read_conversations
 from specheads.data.prompts import read_prompts, user_turn
 from specheads.data.regenerate_turns import regenerate_local
@@ -35,6 +36,27 @@ from specheads.train import train
 
 DEFAULT_RECIPE = Path("recipes/demo/eagle3.yaml")
 CONCURRENCY = {"prompts": 32, "max_new_tokens": 64, "batch_sizes": (1, 8, 32)}
+
+
+@dataclass(frozen=True)
+class DemoPreset:
+    """A --preset's settings: the embedded target's preset and the demo's sizes; a flag given on the
+    command line wins, and recipe overrides given there come after `overrides` (so they win too)."""
+
+    regenerate: int = 2000
+    module_limit: int | None = None
+    limit: int | None = None
+    max_new_tokens: int = 96
+    overrides: tuple[str, ...] = ()
+
+
+PRESETS = {
+    "default": DemoPreset(),
+    # the 'test' target's context is 256 tokens: every length here fits it, and each stage takes seconds
+    "test": DemoPreset(regenerate=12, module_limit=60, limit=3, max_new_tokens=16,
+                       overrides=("data.max_length=128", "head.draft_vocab_size=256", "train.batch_size=4",
+                                  "train.max_steps=8", "train.save_every=8", "train.log_every=4")),
+}
 
 
 def link_target(run: Path, target: Path) -> Path:
@@ -109,6 +131,8 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
     if not (data / "heldout_prompts.jsonl").is_file():
         write_demo_data(data, limit=module_limit)
     train_file = data / "train.jsonl"
+    # the recipe (its max_length against the target's context included) is checked before the slow regeneration
+    check_recipe_inputs(demo_recipe(recipe_path, run, train_file, list(overrides)), memory=False)
     if regenerate:
         train_file = regenerated_data(run, target, regenerate)
     timings["data_s"] = time.time() - t0 - timings["target_s"]
@@ -226,22 +250,34 @@ def print_summary(summary: dict) -> None:
             console.print(f"[{fmt}] {cmd}", soft_wrap=True, markup=False, highlight=False)
 
 
+def _given_or(given, preset_value):
+    """A flag given on the command line, else the preset's value."""
+    return preset_value if given is None else given
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specheads demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default=os.environ.get("RUN", "runs/demo"), help="run folder (default runs/demo)")
-    p.add_argument("--recipe", default=str(DEFAULT_RECIPE))
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
-    p.add_argument("--preset", default="default", choices=["default", "test"],
-                   help="embedded target preset ('test' is a seconds-sized smoke run)")
-    p.add_argument("--module-limit", type=int, default=None, help="use only the first N stdlib modules for data")
-    p.add_argument("--regenerate", type=int, default=2000,
-                   help="answer N train prompts with the target itself and train on those (0 = original answers)")
-    p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=50")
+    p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the EAGLE-3 recipe the demo trains with")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens decoded per held-out prompt (default: the preset's, 96 / test 16)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="evaluate only the first N prompts (default: the preset's, all / test 3)")
+    p.add_argument("--preset", default="default", choices=list(PRESETS),
+                   help="default: the embedded target and the full demo (minutes); test: a smaller target, 12 "
+                        "regenerated prompts and 8 training steps, a smoke run in seconds")
+    p.add_argument("--module-limit", type=int, default=None,
+                   help="use only the first N stdlib modules for data (default: the preset's, all / test 60)")
+    p.add_argument("--regenerate", type=int, default=None,
+                   help="answer N train prompts with the target itself and train on those (0 = original "
+                        "answers; default: the preset's, 2000 / test 12)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=50 (after the preset's)")
     a = p.parse_args(argv)
-    summary = run_demo(Path(a.run), Path(a.recipe), a.max_new_tokens, a.limit, a.overrides,
-                       a.preset, a.module_limit, a.regenerate)
+    pre = PRESETS[a.preset]
+    summary = run_demo(Path(a.run), Path(a.recipe), _given_or(a.max_new_tokens, pre.max_new_tokens),
+                       _given_or(a.limit, pre.limit), [*pre.overrides, *a.overrides], a.preset,
+                       _given_or(a.module_limit, pre.module_limit), _given_or(a.regenerate, pre.regenerate))
     print_summary(summary)
     m = summary["metrics"]
     conc_equal = all(r["greedy_equal"] == r["prompts"] for r in summary["concurrency"]["rows"])

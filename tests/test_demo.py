@@ -14,10 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_demo_pipeline_smoke(tmp_path):
     run = tmp_path / "demo"
     env = {**os.environ, "SPECHEADS_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "specheads", "demo", "--run", str(run), "--preset", "test",
-           "--module-limit", "60", "--limit", "3", "--max-new-tokens", "16", "--regenerate", "12",
-           "data.max_length=128", "head.draft_vocab_size=256", "train.batch_size=4",
-           "train.max_steps=8", "train.save_every=8", "train.log_every=4"]
+    cmd = [sys.executable, "-m", "specheads", "demo", "--run", str(run), "--preset", "test"]  # the preset alone
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rel in ("target/config.json", "data/train_regen.jsonl", "checkpoint/latest", "export/vllm/config.json",
@@ -35,3 +32,14 @@ def test_demo_pipeline_smoke(tmp_path):
     conc = json.loads((run / "concurrency" / "concurrency.json").read_text())  # the speed-up by concurrency table
     assert [r["batch_size"] for r in conc["rows"]] == [1, 8, 32] and all(r["greedy_equal"] == 3 for r in conc["rows"])
     assert "speed-up by concurrency" in proc.stdout and "num_speculative_tokens_per_batch_size" in proc.stdout
+
+
+def test_demo_refuses_a_max_length_beyond_the_context_before_regenerating(tmp_path):
+    """The recipe is checked before the slow step: no prompt is answered, the message names the fix."""
+    env = {**os.environ, "SPECHEADS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "specheads", "demo", "--run", str(tmp_path / "demo"), "--preset", "test",
+           "data.max_length=512"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "data.max_length = 512 exceeds the target's context of 256" in proc.stderr, proc.stderr[-3000:]
+    assert "answers" not in proc.stderr and not (tmp_path / "demo" / "data" / "train_regen.jsonl").exists()
