@@ -7,7 +7,11 @@
 The strategy (DDP, FSDP2, DeepSpeed ZeRO-2/3) comes from the accelerate launch config; only the
 drafter is prepared (wrapped, sharded), the frozen target is loaded whole on every process.
 Resume is exact: data order is a function of the step, and the head, optimizer (per rank),
-scheduler and RNG states come back from the latest checkpoint. Several machines run the same
+scheduler and RNG states come back from the latest checkpoint. A resume keeps the recorded
+recipe: a change that affects the weights (lr, data, head.*, batch size, a cosine run's max_steps,
+...) is refused by name unless --new-phase starts a new phase from the checkpoint's weights
+(specheads/resume_plan.py lists what may change freely). One run at a time writes an output_dir:
+a second is refused, naming the live process (specheads/run_lock.py). Several machines run the same
 command (with --num_machines / --machine_rank / --main_process_ip) into one shared output_dir; a
 lost machine stops the others (at the latest after train.dist_timeout) with a message saying how
 to resume.
@@ -39,11 +43,13 @@ from specheads.engine_facts import PEAGLE_SPECULATORS_DROPS, REFUSED_OPTIONS
 from specheads.errors import first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
+    STATE_FILE,
     Checkpoint,
     best_checkpoint,
     latest_checkpoint,
     load_strict,
     mark_run,
+    read_json,
     resume_hint,
     run_dir_refusal,
     save_checkpoint,
@@ -54,6 +60,8 @@ from specheads.heads.vocab import build_vocab_map, count_tokens
 from specheads.optim import build_optimizer
 from specheads.protocols import InitFromTarget, ReducedVocab
 from specheads.provenance import provenance
+from specheads.resume_plan import NEW_PHASE_FLAG, ResumePlan, plan_resume
+from specheads.run_lock import RunBusy, acquire, release
 from specheads.runlog import RunLog, new_window, window_record
 from specheads.schedule import BatchPlan, lr_factor
 from specheads.target import Target, check_fingerprint
@@ -258,16 +266,47 @@ def state_digest(state: dict) -> str:
     return h.hexdigest()
 
 
-def check_output_dir(accelerator, out_dir: Path) -> None:
-    """Rank 0 decides whether train.output_dir may be written (absent, empty, or a run of ours);
-    every rank raises the same refusal, before the target loads."""
+def claim_output_dir(accelerator, out_dir: Path):
+    """Rank 0 decides whether train.output_dir may be written (absent, empty, or a run of ours no
+    other live process writes: it takes the run's lock, returned); every rank raises the same
+    refusal, before the target loads."""
     from accelerate.utils import broadcast_object_list
 
-    verdict = [run_dir_refusal(out_dir) if accelerator.is_main_process else None]
+    lock, verdict = None, [None]
+    if accelerator.is_main_process:
+        verdict = [run_dir_refusal(out_dir)]
+        if verdict[0] is None:
+            try:
+                lock = acquire(out_dir)
+            except RunBusy as err:
+                verdict = [str(err)]
     if accelerator.num_processes > 1:
         broadcast_object_list(verdict)
     if verdict[0] is not None:
         raise OutputRefused(verdict[0])
+    return lock
+
+
+@contextmanager
+def run_folder(accelerator, out_dir: Path):
+    """train.output_dir claimed for this run (see claim_output_dir) while the block runs."""
+    lock = claim_output_dir(accelerator, out_dir)
+    try:
+        yield
+    finally:
+        release(lock)
+
+
+def resume_plan(recipe: Recipe, new_phase: bool, report=print) -> ResumePlan:
+    """Where this run starts: from scratch, or its latest checkpoint when the recipe continues the
+    recorded one (resume_plan.plan_resume refuses anything else); `new_phase` (--new-phase)."""
+    out_dir = Path(recipe.train.output_dir)
+    ckpt = latest_checkpoint(out_dir) if recipe.train.resume else None
+    if ckpt is None:
+        if new_phase:
+            report(f"[specheads] {NEW_PHASE_FLAG}: no checkpoint in {out_dir} to start a phase from; training from step 0")
+        return ResumePlan()
+    return plan_resume(ckpt, read_json(ckpt / "recipe.json"), read_json(ckpt / STATE_FILE), to_dict(recipe), new_phase)
 
 
 def save(accelerator, model, optim, sched, out_dir: Path, step: int, recipe: Recipe, prov: dict,
@@ -424,28 +463,34 @@ def peer_guard(accelerator, t: TrainConfig):
 
 
 # --- the loop ----------------------------------------------------------------------------------
-def train(recipe: Recipe) -> Path:
-    """Run (or resume) training; returns the path of the final checkpoint."""
+def train(recipe: Recipe, new_phase: bool = False) -> Path:
+    """Run (or resume) training; returns the path of the final checkpoint. A resume must keep the
+    recorded recipe (resume_plan.FREE_KEYS aside) unless `new_phase` starts a new phase from it."""
     check_export_compat(recipe)
     check_recipe_inputs(recipe)  # before the slow part
     accelerator = build_accelerator(recipe.train, Path(recipe.train.output_dir))
-    with peer_guard(accelerator, recipe.train):
-        return run_training(recipe, accelerator)
+    # a user's folder, or one another live run writes, is refused before anything loads
+    with peer_guard(accelerator, recipe.train), run_folder(accelerator, Path(recipe.train.output_dir)):
+        plan = resume_plan(recipe, new_phase, accelerator.print)
+        if plan.finished:
+            accelerator.print(f"[specheads] the run in {recipe.train.output_dir} is already at train.max_steps="
+                              f"{plan.step} ({plan.checkpoint.name}): nothing to train; raise train.max_steps to train on")
+            return plan.checkpoint
+        return run_training(recipe, accelerator, plan)
 
 
-def run_training(recipe: Recipe, accelerator) -> Path:
-    """The training loop on a built accelerator (see `train`)."""
+def run_training(recipe: Recipe, accelerator, resume: ResumePlan) -> Path:
+    """The training loop on a built accelerator, from where `resume` says (see `train`)."""
     from accelerate.utils import set_seed
 
     t = recipe.train
     out_dir = Path(t.output_dir)
-    check_output_dir(accelerator, out_dir)  # a user's folder is refused before anything loads
     set_seed(t.seed)
     target = load_target(accelerator, recipe)
     samples = prepare_samples(recipe, target.tokenizer, report=accelerator.print)
     samples, val_samples = split_samples(recipe, samples)
     head = build_head(recipe, target, samples)
-    resume_from = latest_checkpoint(out_dir) if t.resume else None
+    resume_from = resume.checkpoint
     start, saved_world = 0, 1
     if resume_from is not None:
         ckpt = Checkpoint(resume_from, remedy=resume_hint(resume_from))
@@ -458,9 +503,10 @@ def run_training(recipe: Recipe, accelerator) -> Path:
     evaluator = copy.deepcopy(head) if val_samples and (accelerator.is_main_process or every_rank_evaluates) else None
     model, optim, base_optim = wrap(accelerator, head, t)
     # the scheduler stays unprepared: accelerate would step it once per process
+    # the schedule counts the steps of the current phase (a new phase starts it again)
     sched = torch.optim.lr_scheduler.LambdaLR(base_optim, lambda s: lr_factor(
-        s, t.max_steps, t.warmup_steps, t.schedule, t.decay_fraction, t.min_lr_ratio))
-    if resume_from is not None:
+        s, t.max_steps - resume.phase_start, t.warmup_steps, t.schedule, t.decay_fraction, t.min_lr_ratio))
+    if resume_from is not None and not resume.new_phase:  # a new phase keeps the weights only
         restore(accelerator, optim, sched, resume_from, saved_world)
     plan = BatchPlan([len(x.input_ids) for x in samples], t.batch_size, accelerator.num_processes,
                      accelerator.process_index, t.seed, accum=t.grad_accum)
@@ -473,7 +519,7 @@ def run_training(recipe: Recipe, accelerator) -> Path:
         accelerator.print(
             f"[specheads] training {recipe.head.kind} on {len(samples)} samples ({len(val_samples)} held out), "
             f"{accelerator.num_processes} process(es), {strategy(accelerator)}, steps {start}->{t.max_steps}"
-            + (f", resumed from {resume_from}" if resume_from else ""))
+            + resume.describe())
     features = feature_source(recipe.data.features, target, head)  # offline capture or online collect
     log = RunLog(accelerator, recipe, out_dir, start)
     window, step = new_window(), start
@@ -516,6 +562,8 @@ def run_training(recipe: Recipe, accelerator) -> Path:
         log.tick(record)
         if saving or improved:  # a validation that beats every kept checkpoint is kept too
             state = {"num_samples": len(samples), "val_samples": len(val_samples)}
+            if resume.phases:  # the run's phases, each with the recipe keys it changed
+                state["phases"] = resume.phases
             if val_tau is not None:
                 state["val_tau"] = val_tau
             save(accelerator, model, optim, sched, out_dir, step, recipe, prov, state)
@@ -528,9 +576,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
+    parser.add_argument(NEW_PHASE_FLAG, action="store_true", dest="new_phase",
+                        help="resume with a changed recipe (lr, data, head.*, batch size, schedule, a longer "
+                             "cosine/wsd run, ...): a new phase from the latest checkpoint's weights, with a fresh "
+                             "optimizer and learning-rate schedule up to train.max_steps, recorded in the "
+                             "checkpoints. Without it a resume refuses any change that affects the weights")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
-    ckpt = train(recipe)
+    ckpt = train(recipe, new_phase=args.new_phase)
     print(f"[specheads] checkpoint: {ckpt}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # DeepSpeed ranks otherwise hang at exit

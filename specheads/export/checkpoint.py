@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specheads.atomic import OutputRefused, atomic_dir, describe_contents, is_empty_dir, remove_stale, write_json, write_text
+from specheads.atomic import OutputRefused, atomic_dir, describe_contents, remove_stale, write_json, write_text
 from specheads.heads import head_class
 from specheads.integrity import check_finite, file_hashes, read_safetensors, sha256_file, verify_files
+from specheads.run_lock import LOCK_FILE
 
 HEAD_FILE = "head.safetensors"
 STATE_FILE = "trainer_state.json"
@@ -100,8 +101,8 @@ def run_dir_refusal(folder: str | Path) -> str | None:
         return None
     if not folder.is_dir():
         return f"train.output_dir {folder} exists and is not a folder. Nothing was changed: choose another train.output_dir"
-    if is_empty_dir(folder) or is_training_run(folder):
-        return None
+    if is_training_run(folder) or (not folder.is_symlink() and not [p for p in folder.iterdir() if p.name != LOCK_FILE]):
+        return None  # ours, or empty but for the lock of a run still starting (or one that crashed)
     return (f"train.output_dir {folder} is a non-empty folder that is not a specheads training run (no {RUN_FILE}, "
             f"no checkpoint-NNNNNN); it holds {describe_contents(folder)}. Training writes latest, best, "
             "metrics.jsonl and checkpoint-NNNNNN/ there and would overwrite files of those names. Nothing was "
@@ -165,10 +166,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     latest = path / "latest"
     if latest.is_file():
         return path / latest.read_text().strip()
-    raise CheckpointError(
-        f"{path}: not a specheads checkpoint (no {HEAD_FILE} and no 'latest' file). Pass a "
-        "training output_dir or one of its checkpoint-NNNNNN folders."
-    )
+    inside = runs_inside(path)
+    if len(inside) == 1:  # a run folder (e.g. the demo's runs/demo) holding one training output_dir
+        return resolve_checkpoint(inside[0])
+    held = f" It holds the training output_dirs {', '.join(map(str, inside))}: pass one of them." if inside else (
+        " Pass a training output_dir or one of its checkpoint-NNNNNN folders.")
+    raise CheckpointError(f"{path}: not a specheads checkpoint (no {HEAD_FILE} and no 'latest' file).{held}")
+
+
+def runs_inside(folder: Path) -> list[Path]:
+    """The training output_dirs (a `latest` file inside) directly under `folder`, sorted."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and (p / "latest").is_file())
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
