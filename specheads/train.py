@@ -43,13 +43,11 @@ from specheads.engine_facts import PEAGLE_SPECULATORS_DROPS, REFUSED_OPTIONS
 from specheads.errors import first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
-    STATE_FILE,
     Checkpoint,
     best_checkpoint,
     latest_checkpoint,
     load_strict,
     mark_run,
-    read_json,
     resume_hint,
     run_dir_refusal,
     save_checkpoint,
@@ -306,7 +304,8 @@ def resume_plan(recipe: Recipe, new_phase: bool, report=print) -> ResumePlan:
         if new_phase:
             report(f"[specheads] {NEW_PHASE_FLAG}: no checkpoint in {out_dir} to start a phase from; training from step 0")
         return ResumePlan()
-    return plan_resume(ckpt, read_json(ckpt / "recipe.json"), read_json(ckpt / STATE_FILE), to_dict(recipe), new_phase)
+    recorded = Checkpoint(ckpt, remedy=resume_hint(ckpt))  # checksums first: a corrupt recipe.json is named as such
+    return plan_resume(ckpt, recorded.recipe, recorded.trainer_state, to_dict(recipe), new_phase)
 
 
 def save(accelerator, model, optim, sched, out_dir: Path, step: int, recipe: Recipe, prov: dict,

@@ -189,13 +189,14 @@ def test_resume_refuses_a_corrupted_checkpoint_and_cleans_a_killed_save(tiny_tar
     """Flipped bits in the latest checkpoint: resume is refused by name (nothing carried forward);
     with that checkpoint set aside, a killed save's temporary folder is removed by the next save."""
     out = tmp_path / "run"
-    recipe = load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out))
+    recipe = load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out, **{"train.schedule": "constant"}))
     train(recipe)
     head = out / "checkpoint-000006" / "head.safetensors"
     data = bytearray(head.read_bytes())
     data[-3] ^= 0x01
     head.write_bytes(bytes(data))
-    longer = load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out, **{"train.max_steps": 9}))
+    longer = load_recipe(RECIPE, _overrides(tiny_target_dir, demo_data_dir, out, **{
+        "train.max_steps": 9, "train.schedule": "constant"}))  # constant: a longer run is the same schedule
     with pytest.raises(ValueError, match=r"checkpoint-000006/head\.safetensors: checksum mismatch.*latest"):
         train(longer)
     shutil.move(out / "checkpoint-000006", tmp_path / "set-aside")
