@@ -1,8 +1,9 @@
 """The export folder as a whole: what may be replaced by an export, what a re-export keeps, and the
 checksums of its weight files.
 
-`--out` is replaced only when it is an earlier export (its specheads.json says so); any other
-non-empty folder (a training run, a checkpoint, the user's files) is refused with what it holds.
+`--out` is replaced only when it is an earlier export (its specheads.json says so) of the same
+format (another format's export is replaced only with `overwrite`); any other non-empty folder
+(a training run, a checkpoint, the user's files) is refused with what it holds.
 An earlier export may carry attachments made after it was written (`eval --attach`: `eval/` and the
 README's "Recommended settings"): a re-export of the same weights (same checkpoint file, format and
 dtype) keeps them, since they measured exactly these weights; a different export refuses to drop
@@ -78,6 +79,12 @@ def plan_replacement(out_dir: Path, identity: dict, overwrite: bool) -> Replacem
     record = read_record(out_dir) if out_dir.is_dir() else None
     if record is None:
         return Replacement(None, False)
+    old_fmt, new_fmt = record.get("format"), identity.get("format")
+    if old_fmt and new_fmt and old_fmt != new_fmt and not overwrite:
+        raise OutputRefused(
+            f"{out_dir} is an earlier export in format {old_fmt}; writing format {new_fmt} there would replace it. "
+            f"Nothing was changed: choose another --out for {new_fmt} (e.g. {out_dir.parent / new_fmt}), or pass "
+            "--overwrite to replace it")
     attached = attachments(out_dir)
     same = all(record.get(k) == v for k, v in identity.items())
     if attached and not same and not overwrite:
