@@ -8,8 +8,11 @@ user handed us (recipe, data, prompts, README) so a binary or non-UTF-8 file is 
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 DEBUG_ENV = "SPECHEADS_DEBUG"
@@ -17,6 +20,14 @@ DEBUG_ENV = "SPECHEADS_DEBUG"
 
 class UserInputError(ValueError):
     """An input the user can fix (the message names the file, key or option and what to do)."""
+
+
+class DiskFull(ValueError):
+    """No space left where we write; the message says where, what survived and how to go on."""
+
+
+# how a full disk (or quota) reads where no errno survives, e.g. safetensors' Rust io error
+DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
 
 
 def debug_enabled(flag: bool = False) -> bool:
@@ -72,6 +83,49 @@ def peer_failure(err: BaseException) -> tuple[str, BaseException] | None:
     return None
 
 
+def disk_full(err: BaseException) -> BaseException | None:
+    """The exception in `err`'s chain that says a disk (or quota) is full: ENOSPC / EDQUOT, or the
+    text of one (safetensors); None if none does."""
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        if any(text in str(e).lower() for text in DISK_FULL_TEXT):
+            return e
+    return None
+
+
+def free_space(path: str | Path) -> str:
+    """'N.N GiB free there now' for the disk holding `path` (its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return f"{shutil.disk_usage(path).free / 2**30:.1f} GiB free there now"
+    except OSError:
+        return "free space unknown"
+
+
+@contextmanager
+def disk_guard(where: str | Path, after: str):
+    """Turn a full disk inside the block into DiskFull: 'disk full at PATH (free now): `after`'
+    (what survived and how to go on); PATH is the file the error names, else `where`."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as err:
+        found = disk_full(err)
+        if found is None:
+            raise
+        at = getattr(found, "filename", None) or where
+        raise DiskFull(f"disk full at {at} ({_reason(found)}; {free_space(at)}): {after}") from err
+
+
+def _reason(err: BaseException) -> str:
+    """An OSError's strerror (no '[Errno 28]'), else the message's first line."""
+    return (err.strerror if isinstance(err, OSError) else None) or first_line(err)
+
+
 def first_line(err: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message, shortened (library messages can run long)."""
     text = str(err).strip()
@@ -97,6 +151,11 @@ def explain(err: BaseException) -> tuple[str, int]:
                 f"max_length, or use a device with more memory ({first_line(err)})"), 1
     if isinstance(err, (ValueError, FileNotFoundError, NotImplementedError)) and str(err):
         return str(err), 1  # our error classes carry a message meant for the user
+    full = disk_full(err)
+    if full is not None:  # a write no disk_guard covers: what survived is the command's to say
+        at = getattr(full, "filename", None)
+        return (f"disk full{f' at {at}' if at else ''} ({_reason(full)}): free some space (or choose an output "
+                "on another disk) and rerun the same command"), 1
     if is_network_error(err):
         return (f"cannot reach the server ({type(err).__name__}: {first_line(err)}); "
                 "check the network, the endpoint and any proxy settings"), 1

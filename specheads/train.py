@@ -40,7 +40,7 @@ from specheads.data.samples import prepare_samples, split_samples
 from specheads.data.tokenize import collate
 from specheads.data.vocab_stats import load_vocab_stats
 from specheads.engine_facts import PEAGLE_SPECULATORS_DROPS, REFUSED_OPTIONS
-from specheads.errors import first_line, peer_failure
+from specheads.errors import disk_guard, first_line, peer_failure
 from specheads.eval.offline import offline_acceptance
 from specheads.export.checkpoint import (
     Checkpoint,
@@ -51,6 +51,7 @@ from specheads.export.checkpoint import (
     resume_hint,
     run_dir_refusal,
     save_checkpoint,
+    save_torch,
 )
 from specheads.heads import head_class
 from specheads.heads.losses import COUNT_KEYS
@@ -319,7 +320,7 @@ def save(accelerator, model, optim, sched, out_dir: Path, step: int, recipe: Rec
     shard = {"optimizer": optim.state_dict(), "rng": rng_state()}
 
     def write_shards(tmp: Path) -> None:
-        torch.save(shard, Path(tmp) / f"rank{rank:03d}.pt")
+        save_torch(shard, Path(tmp) / f"rank{rank:03d}.pt")
         accelerator.wait_for_everyone()
 
     if accelerator.is_main_process:
@@ -462,14 +463,20 @@ def peer_guard(accelerator, t: TrainConfig):
 
 
 # --- the loop ----------------------------------------------------------------------------------
+DISK_FULL_AFTER = ("nothing is lost: every checkpoint there is complete (a checkpoint is written whole or not at "
+                   "all, and `latest` names the newest). Free some space and rerun the same command: it resumes "
+                   "from the latest checkpoint (from step 0 when none was written yet)")
+
+
 def train(recipe: Recipe, new_phase: bool = False) -> Path:
     """Run (or resume) training; returns the path of the final checkpoint. A resume must keep the
     recorded recipe (resume_plan.FREE_KEYS aside) unless `new_phase` starts a new phase from it."""
     check_export_compat(recipe)
     check_recipe_inputs(recipe)  # before the slow part
     accelerator = build_accelerator(recipe.train, Path(recipe.train.output_dir))
+    out_dir = Path(recipe.train.output_dir)
     # a user's folder, or one another live run writes, is refused before anything loads
-    with peer_guard(accelerator, recipe.train), run_folder(accelerator, Path(recipe.train.output_dir)):
+    with peer_guard(accelerator, recipe.train), run_folder(accelerator, out_dir), disk_guard(out_dir, DISK_FULL_AFTER):
         plan = resume_plan(recipe, new_phase, accelerator.print)
         if plan.finished:
             accelerator.print(f"[specheads] the run in {recipe.train.output_dir} is already at train.max_steps="

@@ -13,6 +13,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from specheads import engine_facts
+from specheads.errors import disk_guard
 from specheads.export.checkpoint import Checkpoint, CheckpointError
 from specheads.export.contract_rules import CONFIG_FILE, META_FILE, ContractError
 from specheads.export.folder import export_dir, identity, link_or_copy, plan_replacement
@@ -33,9 +34,22 @@ ALL_FORMATS = tuple(engine_facts.FORMATS)  # any kind: the formats the writers p
 CLI_FORMATS = (*ALL_FORMATS, *DERIVED)  # the --format choices: those and the converted ones (gguf)
 
 
+DISK_FULL_AFTER = ("nothing is lost: an export is built in a temporary folder beside --out, removed again, and "
+                   "an earlier export there is untouched. Free some space and rerun the same command")
+
+
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
            verifier: str | None = None, dtype: str | None = None, adapter: str | None = None,
            overwrite: bool = False, target_gguf: bool = True) -> Path:
+    """`write_export`, with a full disk named as such (where, and that nothing is lost)."""
+    with disk_guard(out_dir, DISK_FULL_AFTER):
+        return write_export(checkpoint, fmt, out_dir, num_speculative_tokens, verifier, dtype, adapter, overwrite,
+                            target_gguf)
+
+
+def write_export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
+                 verifier: str | None = None, dtype: str | None = None, adapter: str | None = None,
+                 overwrite: bool = False, target_gguf: bool = True) -> Path:
     """Write `checkpoint` (a path or Checkpoint) as an `fmt` folder at `out_dir`; returns out_dir.
 
     `verifier` names the target for the serve commands (a hub id, or a local folder); `dtype`

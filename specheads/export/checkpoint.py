@@ -59,9 +59,9 @@ def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, prove
         _dump(tmp / "recipe.json", recipe)
         _dump(tmp / "provenance.json", provenance)
         if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / "optimizer.pt")
+            save_torch(optimizer_state, tmp / "optimizer.pt")
         if scheduler_state is not None:
-            torch.save(scheduler_state, tmp / "scheduler.pt")
+            save_torch(scheduler_state, tmp / "scheduler.pt")
         if before_commit is not None:
             before_commit(tmp)
         # written last: the checksum of every other file (verified on export and resume)
@@ -73,6 +73,13 @@ def save_checkpoint(output_dir: str | Path, step: int, head, recipe: dict, prove
         write_text(output_dir / "best", best.name + "\n")
     prune(output_dir, keep_last, keep=best)
     return dest
+
+
+def save_torch(obj, path: Path) -> None:
+    """torch.save through a Python file object: a full disk then raises OSError(ENOSPC) with the
+    file's name (to a path, torch's writer says only `[enforce fail ...] unexpected pos`)."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
 
 
 def is_checkpoint(folder: Path) -> bool:
