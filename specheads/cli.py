@@ -35,14 +35,21 @@ def _export(argv: list[str]) -> int:
                    help="gguf: do not convert the target's HF folder to target.gguf (you have one)")
     p.add_argument("--adapter", default=None, choices=["merge", "ship"],
                    help="medusa2 only: merge the LoRA into a full target folder (default) or ship a peft adapter")
+    p.add_argument("--llama-cpp", metavar="PATH", default=None,
+                   help="gguf: convert with this llama.cpp source tree, built with cmake (build/bin/llama-server); "
+                        "default: $SPECHEADS_LLAMA_CPP, else the pinned build in the user cache")
+    p.add_argument("--build-llama-cpp", action="store_true",
+                   help="gguf: download and build the pinned llama.cpp in the user cache when it is not built "
+                        "there yet (about 12 min on 2 cores, once); without it a missing build is refused")
     a = p.parse_args(argv)
     if a.num_speculative_tokens is not None and a.num_speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens {a.num_speculative_tokens}: must be >= 1")
     from specheads.export import read_export_meta
+    from specheads.export.llamacpp_tool import LlamaCppChoice
 
     out = export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens,
                  verifier=a.verifier, adapter=a.adapter, overwrite=a.overwrite,
-                 target_gguf=not a.no_target_gguf)
+                 target_gguf=not a.no_target_gguf, llama_cpp=LlamaCppChoice(a.llama_cpp, a.build_llama_cpp))
     print(f"exported {a.format} -> {out}")
     for cmd in read_export_meta(out).serve_commands:
         print(cmd)

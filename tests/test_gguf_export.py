@@ -75,6 +75,28 @@ def test_the_cli_says_it_in_one_line(ckpts, tiny_target_dir, tmp_path, monkeypat
     assert "Traceback" not in err and "the vllm export" in err and len(err.splitlines()) == 1
 
 
+def test_without_a_build_it_asks_before_building(ckpts, tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """No llama.cpp built, no flag: refused before any download or build, naming both ways to choose."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECHEADS_LLAMA_CPP", raising=False)
+    rc = cli_main(["export", str(ckpts["eagle3"]), "--format", "gguf", "--out", str(tmp_path / "out"),
+                   "--verifier", str(tiny_target_dir)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--build-llama-cpp" in err and "--llama-cpp PATH" in err and "SPECHEADS_LLAMA_CPP" in err
+    assert "about 12 min" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache" / "engines").exists()
+
+
+def test_a_llama_cpp_path_that_is_not_a_build_is_named(ckpts, tiny_target_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "llama.cpp").mkdir()
+    rc = cli_main(["export", str(ckpts["eagle3"]), "--format", "gguf", "--out", str(tmp_path / "out"),
+                   "--verifier", str(tiny_target_dir), "--llama-cpp", str(tmp_path / "llama.cpp")])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"llama.cpp at {tmp_path / 'llama.cpp'}" in err and "build/bin/llama-server" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_serve_command_is_llama_server_with_the_sidecar():
     assert serve_command("draft-eagle3", "/o/target.gguf", "/o/draft.gguf", 3) == (
         "llama-server -m /o/target.gguf -md /o/draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3 "

@@ -17,6 +17,7 @@ from specheads.errors import disk_guard
 from specheads.export.checkpoint import Checkpoint, CheckpointError
 from specheads.export.contract_rules import CONFIG_FILE, META_FILE, ContractError
 from specheads.export.folder import export_dir, identity, link_or_copy, plan_replacement
+from specheads.export.llamacpp_tool import LlamaCppChoice
 from specheads.export.load import ExportMeta
 from specheads.export.plan import ExportRefused, check_dtype, float_dtype
 from specheads.export.readme import readme_text, serve_commands, target_ref
@@ -40,22 +41,23 @@ DISK_FULL_AFTER = ("nothing is lost: an export is built in a temporary folder be
 
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
            verifier: str | None = None, dtype: str | None = None, adapter: str | None = None,
-           overwrite: bool = False, target_gguf: bool = True) -> Path:
+           overwrite: bool = False, target_gguf: bool = True, llama_cpp: LlamaCppChoice | None = None) -> Path:
     """`write_export`, with a full disk named as such (where, and that nothing is lost)."""
     with disk_guard(out_dir, DISK_FULL_AFTER):
         return write_export(checkpoint, fmt, out_dir, num_speculative_tokens, verifier, dtype, adapter, overwrite,
-                            target_gguf)
+                            target_gguf, llama_cpp)
 
 
 def write_export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
                  verifier: str | None = None, dtype: str | None = None, adapter: str | None = None,
-                 overwrite: bool = False, target_gguf: bool = True) -> Path:
+                 overwrite: bool = False, target_gguf: bool = True, llama_cpp: LlamaCppChoice | None = None) -> Path:
     """Write `checkpoint` (a path or Checkpoint) as an `fmt` folder at `out_dir`; returns out_dir.
 
     `verifier` names the target for the serve commands (a hub id, or a local folder); `dtype`
     casts floating weights (float32 / bfloat16 / float16), never d2t / t2d; `adapter` (medusa2
     only): "merge" (default) or "ship" the target's LoRA adapters. `out_dir` may only be an earlier
     export (see export/folder.py); `overwrite` drops what it carries that this export would not keep.
+    `llama_cpp` (gguf): which llama.cpp converts, and whether it may be built (llamacpp_tool.locate).
     Every kind goes through the same steps: options checked, the writer's plan (protocols.ExportPlan)
     written atomically with specheads.json and README.md, the loader contract checked.
     """
@@ -67,7 +69,8 @@ def write_export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_toke
             return export(ckpt, source_fmt, folder, num_speculative_tokens, verifier, dtype)
 
         readme = WRITERS[ckpt.kind].README if ckpt.kind in WRITERS else None
-        return DERIVED[fmt](ckpt, Path(out_dir), source_export, readme, verifier, dtype, overwrite, target_gguf)
+        return DERIVED[fmt](ckpt, Path(out_dir), source_export, readme, verifier, dtype, overwrite, target_gguf,
+                            llama_cpp or LlamaCppChoice())
     writer = writer_for(ckpt.kind, fmt)
     check_options(writer, ckpt.kind, num_speculative_tokens, dtype, adapter)
     out_dir, ident = Path(out_dir), identity(ckpt, fmt, dtype)

@@ -66,7 +66,7 @@ def draft_length(kind: str, record: dict) -> int | None:
 
 def export_gguf(ckpt: Checkpoint, out_dir: Path, source_export: Callable[[str, Path], Path], readme: Readme,
                 verifier: str | None = None, dtype: str | None = None, overwrite: bool = False,
-                target_gguf: bool = True) -> Path:
+                target_gguf: bool = True, llama_cpp: lc.LlamaCppChoice = lc.LlamaCppChoice()) -> Path:
     """Write the llama.cpp folder of `ckpt` at `out_dir` (see the module docstring); returns out_dir.
     `source_export(format, folder)` writes our export the converter reads (export.export, passed in:
     this module sits below the pipeline); `readme` is the kind's writer's."""
@@ -83,7 +83,7 @@ def export_gguf(ckpt: Checkpoint, out_dir: Path, source_export: Callable[[str, P
         source = source_export(src.format, tmp / SOURCE_DIR)
         try:
             spec_type, _ = lc.draft_spec(source)  # llama.cpp's refusals, before llama.cpp is looked for
-            conversions = convert_all(lc.ensure(), source, target_dir, tmp, OUTTYPES[dtype], target_gguf)
+            conversions = convert_all(lc.locate(llama_cpp), source, target_dir, tmp, OUTTYPES[dtype], target_gguf)
         except lc.RefusedExport as e:
             raise ExportRefused(str(e).replace(str(tmp / SOURCE_DIR), f"the {src.format} export")) from None
         except lc.LlamaCppError as e:

@@ -42,6 +42,7 @@ from specheads.engine_facts import (
 CONVERT_SHIM = Path(__file__).parents[1] / "engines" / "llamacpp_convert.py"  # run as a script, never imported
 MARKER = "SPECHEADS_PRE_FALLBACK="  # printed by llamacpp_convert.py
 STAMP = ".specheads-built"
+LLAMA_CPP_ENV = "SPECHEADS_LLAMA_CPP"  # an existing llama.cpp source tree built under build/bin (--llama-cpp)
 
 
 class LlamaCppError(RuntimeError):
@@ -81,7 +82,7 @@ class LlamaCpp:
 
     @property
     def pydeps(self) -> Path:
-        return self.source.parents[2] / "pydeps"
+        return home() / "pydeps"  # the converter's extra packages: in the user cache, whichever tree converts
 
     def env(self, **extra: str) -> dict:
         """The binaries' environment: their shared libraries sit beside them (the tree may have moved
@@ -153,6 +154,41 @@ def missing_tools(ninja_ok: bool = True) -> list[str]:
         if not any(shutil.which(n) for n in ((names,) if isinstance(names, str) else names)):
             out.append(what)
     return out
+
+
+@dataclass(frozen=True)
+class LlamaCppChoice:
+    """Which llama.cpp `export --format gguf` converts with: `path` (--llama-cpp) an existing source tree
+    built under build/bin; `build` (--build-llama-cpp) lets it build the pinned one when absent."""
+
+    path: str | None = None
+    build: bool = False
+
+
+def locate(choice: LlamaCppChoice = LlamaCppChoice(), progress=print) -> LlamaCpp:
+    """The llama.cpp a gguf export converts with, chosen before anything slow starts: the choice's path
+    (or $SPECHEADS_LLAMA_CPP); else the pinned build in the user cache; else, when the choice allows it,
+    that build made now (~12 min); else a refusal naming both ways."""
+    path, build = choice.path or os.environ.get(LLAMA_CPP_ENV) or None, choice.build
+    if path:
+        given = LlamaCpp(Path(path).expanduser())
+        if not built(given.source):
+            missing = [str(p) for p in (given.server, given.cli, given.converter) if not p.is_file()]
+            raise LlamaCppError(f"llama.cpp at {given.source} (--llama-cpp or {LLAMA_CPP_ENV}): {', '.join(missing)} "
+                                "missing; pass the source tree of a llama.cpp built with cmake (its build/bin "
+                                "holds llama-server and llama-cli)")
+        ensure_converter_deps(given, progress)
+        return given
+    if built(home() / "sdist" / "vendor" / "llama.cpp") or build:
+        if build:
+            progress(f"[specheads] --build-llama-cpp: llama.cpp {LLAMA_CPP_BUILD.version} is built under {home()} "
+                     f"when absent (about {LLAMA_CPP_BUILD.minutes} min on 2 cores, once)")
+        return ensure(progress)
+    raise LlamaCppError(
+        f"--format gguf converts with llama.cpp's own converter, and no llama.cpp is built under {home()}. "
+        f"Pass --build-llama-cpp to download and build the pinned one there (llama-cpp-python "
+        f"{LLAMA_CPP_BUILD.version}; about {LLAMA_CPP_BUILD.minutes} min on 2 cores, once), or --llama-cpp PATH (or "
+        f"{LLAMA_CPP_ENV}=PATH) for a llama.cpp source tree you built (build/bin/llama-server)")
 
 
 def ensure(progress=print, build: bool = True) -> LlamaCpp:
