@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import struct
 from pathlib import Path
 
 import torch
 
-from specheads.atomic import atomic_dir
+from specheads.atomic import OutputRefused, atomic_dir, describe_contents, is_empty_dir
 
 CHECK_TEXT = "The quick brown fox jumps over the lazy dog. def f(x):\n    return x + 1"
 
@@ -31,6 +33,98 @@ def _require_gguf():
         raise GGUFError("reading GGUF needs the `gguf` package: pip install 'specheads[gguf]'") from None
 
 
+# --- the file's own extent: header, tensor table, data (GGUF v2/v3), read before anything loads ---
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Header:
+    """Sequential reads of a GGUF header; running past the end of the file raises _Truncated."""
+
+    def __init__(self, fh, size: int, endian: str):
+        self.fh, self.size, self.endian = fh, size, endian
+
+    def take(self, n: int) -> bytes:
+        data = self.fh.read(n) if n <= self.size else b""
+        if len(data) < n:
+            raise _Truncated
+        return data
+
+    def num(self, fmt: str):
+        return struct.unpack(self.endian + fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def skip(self, n: int) -> None:
+        if self.fh.tell() + n > self.size:
+            raise _Truncated
+        self.fh.seek(n, 1)
+
+    def value(self, kind: int):
+        """One metadata value (arrays of fixed-size items are skipped, not read)."""
+        if kind in SCALARS:
+            return self.num(SCALARS[kind])
+        if kind == STRING:
+            return self.take(self.num("Q"))
+        if kind != ARRAY:
+            raise ValueError(f"unknown metadata type {kind}")
+        item, count = self.num("I"), self.num("Q")
+        if item in SCALARS:
+            return self.skip(count * struct.calcsize(SCALARS[item]))
+        for _ in range(count):
+            self.value(item)
+        return None
+
+
+def tensor_data_end(h: _Header) -> tuple[int, int]:
+    """(bytes the file needs: the end of its last tensor's data, number of tensors) from the header."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    version = h.num("I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")
+    tensors, kvs = h.num("Q"), h.num("Q")
+    alignment = 32
+    for _ in range(kvs):
+        key, value = h.take(h.num("Q")), h.value(h.num("I"))
+        alignment = value if key == b"general.alignment" and isinstance(value, int) and value > 0 else alignment
+    end = 0
+    for _ in range(tensors):
+        h.take(h.num("Q"))
+        dims = [h.num("Q") for _ in range(h.num("I"))]
+        kind, offset = h.num("I"), h.num("Q")
+        if kind not in GGML_QUANT_SIZES:
+            raise ValueError(f"unknown tensor type {kind}")
+        block, nbytes = GGML_QUANT_SIZES[kind]
+        end = max(end, offset + math.prod(dims) // block * nbytes)
+    start = -(-h.fh.tell() // alignment) * alignment  # the data section starts aligned after the table
+    return start + end, tensors
+
+
+def check_extent(file: Path) -> None:
+    """Refuse a GGUF file cut short (a partial download or copy) by name, before transformers reads
+    it: the header must parse within the file, and the file must hold every tensor's data."""
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        magic = fh.read(4)
+        if magic != b"GGUF":
+            raise GGUFError(f"{file}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        endian = "<" if struct.unpack("<I", fh.read(4).ljust(4, b"\0"))[0] < 0x10000 else ">"
+        fh.seek(4)
+        try:
+            need, tensors = tensor_data_end(_Header(fh, size, endian))
+        except _Truncated:
+            raise GGUFError(f"{file}: truncated: the file ends ({size:,} bytes) inside its header, before the "
+                            "tensor data; download or copy it again") from None
+        except (ValueError, OverflowError) as err:
+            raise GGUFError(f"{file}: not a GGUF file we can read ({err})") from None
+    if need > size:
+        raise GGUFError(f"{file}: truncated: its {tensors} tensors need {need:,} bytes but the file has {size:,} "
+                        f"({need - size:,} missing); download or copy it again")
+
+
 def load_gguf(file: Path):
     """(model, tokenizer) dequantised to fp32 by transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,6 +132,7 @@ def load_gguf(file: Path):
     _require_gguf()
     if not file.is_file():
         raise GGUFError(f"{file}: no such GGUF file")
+    check_extent(file)
     try:
         tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
@@ -77,6 +172,7 @@ def convert(file: str | Path, out: str | Path, name: str | None = None, report=p
     from transformers import AutoModelForCausalLM
 
     file, out = Path(file).expanduser(), Path(out).expanduser()
+    check_out(out)  # before minutes of loading a large GGUF
     src, tok = load_gguf(file)
     model = plain_copy(src)
     with atomic_dir(out) as tmp:
@@ -91,6 +187,17 @@ def convert(file: str | Path, out: str | Path, name: str | None = None, report=p
            f"vocab {model.config.vocab_size}, chat template {'kept' if tok.chat_template else 'absent'}, "
            "logits equal to the GGUF model's")
     return out
+
+
+def check_out(out: Path) -> None:
+    """--out must be absent or an empty folder (the conversion is written there atomically)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if is_empty_dir(out):
+        return
+    held = describe_contents(out) if out.is_dir() and not out.is_symlink() else "a file"
+    raise OutputRefused(f"--out {out} already exists ({held}). Nothing was read or changed: choose a new --out, "
+                        "or move or remove it yourself")
 
 
 def _record_source(folder: Path, file: Path, name: str | None) -> None:

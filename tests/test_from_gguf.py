@@ -56,3 +56,24 @@ def test_cli_from_gguf_and_errors(gguf_file, tmp_path, capsys):
     with pytest.raises(GGUFError, match="bad.gguf"):
         convert(bad, tmp_path / "v", report=lambda *_: None)
     assert cli(["target"]) == 2
+
+
+def test_a_truncated_gguf_is_named_and_an_existing_out_is_refused_before_loading(gguf_file, tmp_path, capsys):
+    data = gguf_file.read_bytes()
+    for cut, needle in ((len(data) - 1000, r"truncated: its \d+ tensors need [\d,]+ bytes but the file has [\d,]+ "
+                                            r"\(1,000 missing\); download or copy it again"),
+                        (300, r"truncated: the file ends \(300 bytes\) inside its header")):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match=rf"{short}: {needle}"):
+            load_gguf(short)
+        assert cli(["target", "from-gguf", str(short), "--out", str(tmp_path / "o")]) == 1
+        err = capsys.readouterr().err
+        assert f"{short}: truncated" in err and "bug" not in err and not (tmp_path / "o").exists()
+    # an existing --out is refused first: even a truncated file is not read
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "config.json").write_text("{}")
+    assert cli(["target", "from-gguf", str(short), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'o'} already exists (1 file(s)" in err and "Nothing was read or changed" in err
+    assert ": truncated" not in err
