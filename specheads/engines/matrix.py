@@ -32,9 +32,9 @@ from transformers import AutoModelForCausalLM
 from specheads.atomic import write_json, write_text
 from specheads.builtin.family_targets import save_family_target
 from specheads.builtin.tiny_target import cached_tiny_target
-from specheads.engine_facts import FORMAT_ENGINES, LLAMA_CPP, LLAMA_CPP_SPEC
+from specheads.engine_facts import FORMAT_ENGINES, LLAMA_CPP, LLAMA_CPP_SPEC, VLLM_CPU_DECODE_ROWS
 from specheads.engines import llamacpp as lc
-from specheads.engines import llamacpp_check
+from specheads.engines import llamacpp_check, vllm_rows
 from specheads.engines.check import FAIL, PASS, PROBES, REFUSED, EngineCheck, Stage, format_report, prepare, run_jobs
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint, save_checkpoint
@@ -45,6 +45,8 @@ from specheads.target import Target
 
 STAGES = ("config", "weights", "layers", "forward")
 LLAMA_CPP_KEY = "llama.cpp"  # --engines name of the decoding check (not a probe)
+VLLM_CPU_KEY = "vllm-cpu"  # --engines name of vLLM's decode rows (vllm_rows; not a probe)
+DECODERS = (LLAMA_CPP_KEY, VLLM_CPU_KEY)
 
 
 @dataclass
@@ -94,17 +96,21 @@ def example_checkpoint(root: Path, example: Example, tiny: Path, target) -> tupl
     return save_example(folder, example.build(target, example.seed), target_path, prov), target_path
 
 
-def build_exports(root: Path) -> list[Row]:
-    """Every kind's matrix examples x their formats as small exports under `root` (reused when there)."""
+def build_exports(root: Path, preset: str = "test", only: tuple[str, ...] | None = None) -> list[Row]:
+    """Every kind's matrix examples x their formats as small exports under `root` (reused when there),
+    on the tiny target's `preset`; `only`: just these row names."""
     root.mkdir(parents=True, exist_ok=True)
-    tiny = cached_tiny_target("test", progress=False)
+    tiny = cached_tiny_target(preset, progress=False)
     target = Target.load(str(tiny), device="cpu")
     V, rows = target.vocab_size, []
     for kind, spec in KINDS.items():
         for example in (e for e in spec.examples if e.matrix):
+            formats = [f for f in example.formats if only is None or f"{example.name}-{f}" in only]
+            if not formats:
+                continue
             ckpt, target_path = example_checkpoint(root, example, tiny, target)
             checked_against = None if example.family else tiny  # MTP: the export is the target
-            for fmt in example.formats:
+            for fmt in formats:
                 out = root / f"{example.name}-{fmt}"
                 if not (out / "specheads.json").is_file():
                     export(ckpt, fmt, out)
@@ -202,6 +208,22 @@ def llamacpp_row(row: Row, report: EngineCheck, work: Path, log=print) -> None:
     report.numbers["faults"] = faults
 
 
+def vllm_cpu_checks(rows: list[Row], out: Path, runs: list[str], runs_only: bool = False, only: str | None = None,
+                    log=print) -> list[tuple[Row, EngineCheck]]:
+    """vLLM's decode rows (vllm_rows): the kinds' small exports on the demo's target and vLLM's free
+    proposers (unless `runs_only`), and every trained run's export in a vLLM format, on the first run's
+    held-out prompts (else three built-in prompts)."""
+    exports = [] if runs_only else build_exports(out / "exports-vllm-cpu", "default", VLLM_CPU_DECODE_ROWS)
+    exports += [r for r in rows if r.trained and r.format == "vllm"]
+    prompts = next((parse_run(t)[0] / "data" / "heldout_prompts.jsonl" for t in runs
+                    if (parse_run(t)[0] / "data" / "heldout_prompts.jsonl").is_file()), None)
+    decode = vllm_rows.decode_rows(exports, cached_tiny_target("default", progress=False), free=not runs_only)
+    decode = [d for d in decode if not only or only in d.name]
+    results = vllm_rows.run(decode, out / "work-vllm-cpu", prompts, limit=6, n_predict=64, log=log)
+    return [(Row(d.name, d.kind, d.format, d.export or d.target, d.target, trained=d.trained,
+                 note=d.spec.json or ""), r) for d, r in results]
+
+
 def markdown(results: list[tuple[Row, EngineCheck]], seconds: float) -> str:
     lines = ["| kind | format | engine | export | config | weights | layers | forward | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -240,15 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="a trained run folder (make demo / make real) whose export/ folders are checked too, "
                         "against TARGET (default RUN/target); repeatable")
     p.add_argument("--runs-only", action="store_true", help="check only the --run exports, not the kind x format matrix")
-    p.add_argument("--engines", default=",".join([*PROBES, LLAMA_CPP_KEY]), help="comma-separated engines (default: all)")
+    p.add_argument("--engines", default=",".join([*PROBES, *DECODERS]), help="comma-separated engines (default: all)")
     p.add_argument("--only", help="check only rows whose name contains this")
     a = p.parse_args(argv)
     engines = [e for e in a.engines.split(",") if e]
-    probed = [e for e in engines if e != LLAMA_CPP_KEY]
+    probed = [e for e in engines if e not in DECODERS]
     missing = [e for e in probed if not (Path(__file__).with_name(PROBES.get(e, "?"))).is_file()]
     if missing or any(e not in PROBES for e in probed):
         print(f"engine-check: no probe for {missing or probed}; engines with one: {', '.join(PROBES)} "
-              f"(and {LLAMA_CPP_KEY}, decoding)", file=sys.stderr)
+              f"(and {', '.join(DECODERS)}, decoding)", file=sys.stderr)
         return 2
     out, started = Path(a.out).resolve(), time.time()  # absolute: each probe runs in its own folder
     try:
@@ -263,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_checks(rows, probed, out / "work") if probed else []
     if LLAMA_CPP_KEY in engines:
         results += llamacpp_checks(rows, out / "work")
+    if VLLM_CPU_KEY in engines:
+        results += vllm_cpu_checks(rows, out, a.runs, a.runs_only, a.only)
     seconds = time.time() - started
 
     write_json(out / "engine-check.json", {"seconds": seconds, "engines": engines, "checks": [
