@@ -27,7 +27,7 @@ from specheads.eval.concurrency import markdown as concurrency_markdown
 from specheads.eval.offline import check_parity
 from specheads.eval.online import eval_prompt_ids, evaluate
 from specheads.eval.predict import advice_summary
-from specheads.eval.report import FREE_NAMES, MIX_NAMES, advice_line
+from specheads.eval.report import FREE_NAMES, MIX_NAMES, advice_line, attach_to_export
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint
 from specheads.session import Session
@@ -146,15 +146,18 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
     exports = {fmt: export(ckpt, fmt, run / "export" / fmt, overwrite=True) for fmt in ("vllm", "sglang")}
     timings["export_s"] = time.time() - t1
     t1 = time.time()
-    stage("evaluating the vLLM export on held-out prompts")
-    metrics = evaluate(str(target), str(exports["vllm"]), str(data / "heldout_prompts.jsonl"),
-                       str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit, attach=True)
-    timings["eval_s"] = time.time() - t1
-    parity = demo_parity(target, ckpt, run / "eval")
-    t1 = time.time()
+    # before the eval: its advice by batch size (one recommendation, eval/recommend.py) reads this table
     stage("speed-up by concurrency: plain vs speculative at batch 1 / 8 / 32")
     concurrency = demo_concurrency(target, exports["vllm"], data / "heldout_prompts.jsonl", run / "concurrency", limit)
     timings["concurrency_s"] = time.time() - t1
+    t1 = time.time()
+    stage("evaluating the vLLM export on held-out prompts")
+    metrics = evaluate(str(target), str(exports["vllm"]), str(data / "heldout_prompts.jsonl"),
+                       str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit, attach=True,
+                       concurrency=concurrency)
+    attach_to_export(exports["sglang"], run / "eval")  # its README's serve commands draft the same k
+    timings["eval_s"] = time.time() - t1
+    parity = demo_parity(target, ckpt, run / "eval")
     timings["total_s"] = time.time() - t0
     build = json.loads((target / "specheads_build.json").read_text()) if (target / "specheads_build.json").is_file() else {}
     summary = {"run": str(run), "checkpoint": str(ckpt), "exports": {k: str(v) for k, v in exports.items()},
@@ -175,7 +178,8 @@ def demo_concurrency(target_dir: Path, export_dir: Path, prompts_file: Path, out
     session.warm_up()
     table = concurrency_table(session, prompts, CONCURRENCY["max_new_tokens"], CONCURRENCY["batch_sizes"])
     write_json(out / "concurrency.json", table)
-    write_text(out / "concurrency.md", concurrency_markdown(table))
+    # the schedule to serve with is the eval's one recommendation (eval/metrics.json advice.recommended)
+    write_text(out / "concurrency.md", concurrency_markdown(table, schedule=False))
     return table
 
 
@@ -235,15 +239,14 @@ def print_summary(summary: dict) -> None:
         console.print(f"target {t['builder_version']}: {t['parameters']:,} parameters, held-out loss "
                       f"{t['heldout_text_loss']:.3f} (module text) / {t['heldout_assistant_loss']:.3f} (assistant tokens)")
     adv = m.get("advice")
-    if adv:
-        console.print(f"recommended: {advice_summary(adv)}", soft_wrap=True, markup=False, highlight=False)
-        if adv.get("engines"):
-            console.print(f"best per engine: {advice_line(adv['engines'])}", soft_wrap=True, markup=False, highlight=False)
     conc = summary.get("concurrency")
     if conc:
         console.print(f"speed-up by concurrency ({conc['rows'][0]['prompts']} held-out prompts, {conc['max_new_tokens']} new "
                       "tokens, greedy, our verifier, continuous batching):")
-        console.print(concurrency_markdown(conc), soft_wrap=True, markup=False, highlight=False)
+        console.print(concurrency_markdown(conc, schedule=False), soft_wrap=True, markup=False, highlight=False)
+    if adv:
+        for line in recommendation_lines(adv):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
     console.print("timings (s): " + json.dumps(summary["timings"]))
     for fmt, folder in summary["exports"].items():
         for cmd in serve_commands(Path(folder)):
@@ -253,6 +256,19 @@ def print_summary(summary: dict) -> None:
 def _given_or(given, preset_value):
     """A flag given on the command line, else the preset's value."""
     return preset_value if given is None else given
+
+
+def recommendation_lines(adv: dict) -> list[str]:
+    """The run's one recommendation (eval/metrics.json advice.recommended): k, vLLM's schedule, the best
+    setting per engine; the serve commands printed after it draft the same k."""
+    lines = [f"recommended: {advice_summary(adv)}"]
+    schedule = (adv.get("recommended") or {}).get("vllm_num_speculative_tokens_per_batch_size")
+    if schedule:
+        lines.append(f"recommended by concurrency: vLLM `\"num_speculative_tokens_per_batch_size\": {schedule}` in "
+                     "`--speculative-config` (k 0: speculation off at that size)")
+    if adv.get("engines"):
+        lines.append(f"best per engine: {advice_line(adv['engines'])}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,7 +169,8 @@ def test_drafter_timing_runs_the_group_path_k_forwards_per_step(random_pair, row
         count.close()
     assert set(timed) == {rows} and set(timed[rows]) == {3} and timed[rows][3] > 0
     starts = [(1, 20 - 3 - 2 - b % 2) for b in range(rows)]  # each row started on its own prefix
-    assert shapes == starts + [(rows, 4), (rows, 1), (rows, 1)] * 3  # warm-up + 2 timed steps
+    steps = (len(shapes) - len(starts)) // 3  # warm-up + 2 timed steps, + 2 per round a noisy machine adds
+    assert steps in (3, 5, 7) and shapes == starts + [(rows, 4), (rows, 1), (rows, 1)] * steps
 
 
 def test_drafter_timing_is_none_for_a_head_that_does_not_group(random_pair):

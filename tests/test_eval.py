@@ -85,6 +85,9 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
     assert [r["batch_size"] for r in by["rows"]] == [1, 8, 32] and by["drafter"] == "grouped"  # one draft group over B rows
     assert by["vllm_num_speculative_tokens_per_batch_size"] == [[1, 1, by["rows"][0]["best_k"]], [2, 8, by["rows"][1]["best_k"]],
                                                                [9, 32, by["rows"][2]["best_k"]]]
+    rec = m["advice"]["recommended"]  # one recommendation (eval/recommend.py): batch 1's band is its k
+    assert rec["vllm_num_speculative_tokens_per_batch_size"] == by["vllm_num_speculative_tokens_per_batch_size"]
+    assert by["rows"][0]["best_k"] == rec["k"] == (m["advice"]["vllm"]["num_speculative_tokens"] if rec["speculate"] else 0)
     report = (out / "report.md").read_text()
     assert "adaptive draft length (drafter + suffix) tau" in report and "Best setting per engine" in report
     assert "num_speculative_tokens_per_batch_size" in report

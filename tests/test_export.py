@@ -329,3 +329,23 @@ def test_t2d_is_rebuilt_from_d2t_as_the_vocab_map_builds_it():
     counts = torch.tensor([5, 0, 3, 9, 1, 0, 7, 2])
     d2t, t2d = build_vocab_map(counts, 4)
     assert torch.equal(t2d_from_d2t(d2t, 8), t2d)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_serve_commands_use_absolute_paths(tiny_target_dir, tmp_path, monkeypatch, capsys, fmt):
+    """Relative --out and a recipe's relative target.path: the printed and README commands name
+    both absolutely (they must work from any directory)."""
+    from specheads.cli import main as cli
+
+    (tmp_path / "tgt").symlink_to(tiny_target_dir)
+    ckpt = save(tmp_path, make_head(), recipe={"target": {"path": "tgt"}})
+    monkeypatch.chdir(tmp_path)
+    assert cli(["export", str(ckpt), "--format", fmt, "--out", "rel/out"]) == 0
+    printed = capsys.readouterr().out
+    assert f"exported {fmt} -> {tmp_path / 'rel' / 'out'}" in printed
+    commands = read_export_meta(tmp_path / "rel" / "out").serve_commands
+    readme = (tmp_path / "rel" / "out" / "README.md").read_text()
+    for cmd in commands:
+        assert cmd in printed and cmd in readme
+        assert str(tmp_path / "tgt") in cmd and str(tmp_path / "rel" / "out") in cmd
+        assert " tgt " not in cmd and " rel/out" not in cmd and '"rel/out"' not in cmd

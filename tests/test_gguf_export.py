@@ -17,6 +17,7 @@ from specheads.engines import llamacpp as lc
 from specheads.engines import llamacpp_check, llamacpp_gguf
 from specheads.engines.matrix import fingerprint_provenance, save_example
 from specheads.export import ExportRefused, export
+from specheads.export.checkpoint import Checkpoint
 from specheads.export.gguf import serve_command
 from specheads.heads.eagle3 import Eagle3Head, Eagle3Options
 from specheads.kinds import KINDS
@@ -169,3 +170,25 @@ def test_each_injected_fault_is_caught(eagle3_gguf, tiny_target_dir, tmp_path, f
     want = {"renamed-tensor": r"tensor 'blk.0.attn_q.weight' not found", "wrong-d2t": r"d2t 2 of \d+ entries differ",
             "wrong-aux-layers": r"eagle3.target_layers \[1, 3, 4\] but the export's eagle_aux_hidden_state_layer_ids"}
     assert re.search(want[fault], r["how"]), r["how"]
+
+
+def test_a_verifier_that_is_not_a_target_folder_is_named(ckpts, tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """--verifier meant as a folder must be one (it was dropped for the recipe's path); a hub id
+    is tried when the recipe's target is not here, and named when that fails too."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for verifier, state in ((tmp_path / "afile", "is not a folder"), (tmp_path / "missing", "does not exist"),
+                            (tmp_path / "empty", "is a folder without config.json")):
+        rc = cli_main(["export", str(ckpts["eagle3"]), "--format", "gguf", "--out", str(tmp_path / "out"),
+                       "--verifier", str(verifier)])
+        err = capsys.readouterr().err
+        assert rc == 1 and f"specheads export: error: --verifier {verifier} {state}: --format gguf converts " \
+                           "eagle3 with the target's HF folder" in err, err
+        assert "Traceback" not in err and not (tmp_path / "out").exists()
+    ckpt = Checkpoint(ckpts["eagle3"])
+    ckpt.recipe = {"target": {"path": "runs/nowhere/target"}}  # relative to a training directory elsewhere
+    with pytest.raises(ExportRefused, match=r"^--verifier someorg/not-cached: .*and the recipe's target.path "
+                                            r"'runs/nowhere/target' is not here either"):
+        export(ckpt, "gguf", tmp_path / "out", verifier="someorg/not-cached")

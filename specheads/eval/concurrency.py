@@ -41,14 +41,16 @@ import torch
 
 from specheads.eval.mixes import in_situ_costs
 from specheads.eval.predict import (
-    MIN_GAIN,
     NEAR_TIE,
     PredictError,
     StepCosts,
     expected_tokens_chain,
     measure_costs,
-    median_round_robin,
+    speedup_range,
+    verdict,
 )
+from specheads.eval.report import band_mark, band_notes
+from specheads.eval.timing import largest_spread, round_robin
 from specheads.protocols import GroupedProposer
 from specheads.target import TargetOutput
 from specheads.verify.loop import Batch
@@ -66,24 +68,43 @@ def chain_inputs(n: int, rows: int) -> tuple[list[torch.Tensor], list[torch.Tens
     return [torch.arange(n)] * rows, [torch.ones(n, n, dtype=torch.bool).tril()] * rows
 
 
-def time_batch_forwards(target, prompt_ids: list[int], batch_sizes=BATCH_SIZES, counts=(1, 2, 3, 4, 5, 6, 9),
-                        reps: int = 5) -> dict[int, dict[int, float]]:
-    """Median seconds of one cached forward over B rows x n new tokens after the prompt -> {B: {n: s}}."""
+def by_size(timings: dict) -> dict[int, dict]:
+    """{(B, x): value} -> {B: {x: value}} (x in timing order)."""
+    out: dict[int, dict] = {}
+    for (rows, x), value in timings.items():
+        out.setdefault(rows, {})[x] = value
+    return out
+
+
+def table_medians(timings: dict[int, dict]) -> dict[int, dict[int, float]]:
+    return {rows: {x: t.median for x, t in row.items()} for rows, row in timings.items()}
+
+
+def batch_forward_timings(target, prompt_ids: list[int], batch_sizes=BATCH_SIZES, counts=(1, 2, 3, 4, 5, 6, 9),
+                          reps: int = 5) -> dict[int, dict]:
+    """`Timing` of one cached forward over B rows x n new tokens after the prompt -> {B: {n: Timing}}:
+    every batch size prefilled first, then every (B, n) interleaved (eval/timing.py), so a burst of
+    load cannot land on one batch size's block alone."""
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)  # [P]
     past = ids.numel()
     ctx = target.context or 1 << 30
     counts = [n for n in counts if past + n <= ctx]
     if not counts:
         raise PredictError(f"the prompt ({past} tokens) leaves no room in the target's context")
-    out = {}
+    calls = {}
     with torch.no_grad():
         for rows in batch_sizes:
             cache = new_cache(target)
             depths, masks = chain_inputs(past, rows)
             batch_forward(target, [ids] * rows, depths, masks, [0] * rows, cache)  # prefill [B, P]
-            out[rows] = median_round_robin({n: _forward(target, ids, n, rows, past, cache) for n in counts},
-                                            reps, target.device)
-    return out
+            calls.update({(rows, n): _forward(target, ids, n, rows, past, cache) for n in counts})
+        return by_size(round_robin(calls, reps, target.device))
+
+
+def time_batch_forwards(target, prompt_ids: list[int], batch_sizes=BATCH_SIZES, counts=(1, 2, 3, 4, 5, 6, 9),
+                        reps: int = 5) -> dict[int, dict[int, float]]:
+    """Median seconds of one cached forward over B rows x n new tokens after the prompt -> {B: {n: s}}."""
+    return table_medians(batch_forward_timings(target, prompt_ids, batch_sizes, counts, reps))
 
 
 def ragged_pasts(past: int, rows: int) -> list[int]:
@@ -115,9 +136,18 @@ def group_drafter_of(proposer):
 def time_batch_drafts(target, head, prompt_ids: list[int], batch_sizes=BATCH_SIZES, ks=range(1, 5),
                       reps: int = 5) -> dict[int, dict[int, float]] | None:
     """Median seconds of the drafter's part of one decode step over B rows drafting chains of k ->
-    {B: {k: s}}: every row accepts the tokens it accepted last step, then B >= 2 rows draft as one
+    {B: {k: s}} (`batch_draft_timings`); None when the head's chain proposer does not group."""
+    timings = batch_draft_timings(target, head, prompt_ids, batch_sizes, ks, reps)
+    return None if timings is None else table_medians(timings)
+
+
+def batch_draft_timings(target, head, prompt_ids: list[int], batch_sizes=BATCH_SIZES, ks=range(1, 5),
+                        reps: int = 5) -> dict[int, dict] | None:
+    """`Timing` of the drafter's part of one decode step over B rows drafting chains of k ->
+    {B: {k: Timing}}: every row accepts the tokens it accepted last step, then B >= 2 rows draft as one
     group (`draft_group`: the catch-up forward, then k - 1 forwards), a lone row alone (`propose`),
-    as `loop.propose_all` does. None when the head's chain proposer does not group."""
+    as `loop.propose_all` does; every (B, k) interleaved. None when the head's chain proposer does
+    not group."""
     ks = sorted(ks)
     lead = group_drafter_of(make_proposer(TreeSpec("chain", k=ks[-1]), head, target))
     if lead is None:
@@ -126,14 +156,13 @@ def time_batch_drafts(target, head, prompt_ids: list[int], batch_sizes=BATCH_SIZ
     if ids.numel() < ks[-1] + 4:
         raise PredictError(f"the prompt ({ids.numel()} tokens) is too short to time drafts of "
                            f"{ks[-1]}: it needs {ks[-1] + 4}")
-    out = {}
+    calls = {}
     with torch.no_grad():
         prefill = target_step(target, ids[None], 0, new_cache(target), lead.layers)  # [1, P, ...]
         for rows in batch_sizes:
             members, points = draft_rows(target, head, ids, prefill, rows, ks[-1])
-            out[rows] = median_round_robin({k: _draft_step(members, points, ids, prefill, k) for k in ks},
-                                            reps, target.device)
-    return out
+            calls.update({(rows, k): _draft_step(members, points, ids, prefill, k) for k in ks})
+        return by_size(round_robin(calls, reps, target.device))
 
 
 def draft_rows(target, head, ids: torch.Tensor, prefill, rows: int, k_max: int) -> tuple[list, list]:
@@ -291,6 +320,17 @@ class BatchCosts:
     per_row: StepCosts  # batch-1 costs corrected by real decodes (mixes.in_situ_costs)
     drafts: dict[int, dict[int, float]] | None = None  # B -> k -> seconds of D_B(k); None: per row
     overhead: LoopOverhead | None = None  # None: batch 1's, per row (LoopOverhead.per_row)
+    spreads: dict[int, float] | None = None  # B -> the largest interquartile range / median of its timings
+
+    def spread(self, rows: int) -> float:
+        """The spread of the timings that price a step over `rows` rows: batch 1's costs' own, and above
+        it also the largest among the measured batch sizes around `rows` (eval/timing.py)."""
+        if rows == 1 or not self.spreads:
+            return self.per_row.spread
+        sizes = sorted(self.spreads)
+        lo = max([b for b in sizes if b <= rows], default=sizes[0])
+        hi = min([b for b in sizes if b >= rows], default=sizes[-1])
+        return max(self.spreads[lo], self.spreads[hi], self.per_row.spread)
 
     def target(self, rows: int, n: int) -> float:
         """T_B(n): batch 1's forward as real decodes met it; above, the micro-timed forward (linear
@@ -345,7 +385,8 @@ class BatchCosts:
     def to_dict(self) -> dict:
         return {"forwards_s": as_json(self.forwards), "drafts_s": as_json(self.drafts) if self.drafts else None,
                 "drafter": "grouped" if self.drafts else "per row", "loop_overhead": self.loop.to_dict(),
-                "per_row": self.per_row.to_dict()}
+                "per_row": self.per_row.to_dict(),
+                "spreads": {str(b): x for b, x in sorted((self.spreads or {}).items())}}
 
 
 def median_ratio(real: dict[int, float], micro: dict[int, float]) -> float:
@@ -363,13 +404,15 @@ def batch_costs(session, prompts: list[list[int]], per_row: StepCosts, batch_siz
     """Every part of `BatchCosts` measured for the session's target and drafter (drafts of 1 ..
     max(4, k) timed; the loop's growth per row between 1 and the largest batch size)."""
     target, k_max = session.target, max(4, session.k)
-    forwards = time_batch_forwards(target, prompts[0], batch_sizes, reps=reps)
+    forwards = batch_forward_timings(target, prompts[0], batch_sizes, reps=reps)
     ctx = target.context or 1 << 30
     long_enough = [p for p in prompts if k_max + 4 <= len(p) <= ctx]
-    drafts = time_batch_drafts(target, session.head, long_enough[0], batch_sizes, range(1, k_max + 1),
-                               reps) if long_enough else None
+    drafts = batch_draft_timings(target, session.head, long_enough[0], batch_sizes, range(1, k_max + 1),
+                                 reps) if long_enough else None
     growth = time_loop_overhead(session, prompts, max(batch_sizes))
-    return BatchCosts(forwards, per_row, drafts, LoopOverhead.growing(per_row, *growth) if growth else None)
+    spreads = {b: largest_spread(forwards[b], (drafts or {}).get(b, {})) for b in forwards}
+    return BatchCosts(table_medians(forwards), per_row, table_medians(drafts) if drafts else None,
+                      LoopOverhead.growing(per_row, *growth) if growth else None, spreads)
 
 
 def continuous_seconds(steps: list[int], rows: int, step_s) -> float:
@@ -385,18 +428,39 @@ def continuous_seconds(steps: list[int], rows: int, step_s) -> float:
 
 
 def predict_by_batch(costs: BatchCosts, cond: list[float], ks=range(1, 9)) -> list[dict]:
-    """Per batch size: the predicted speed-up of each chain length k and the best k (0: plain
-    decoding, when no k gains MIN_GAIN; near ties go to the shorter k, as `predict.advice`)."""
+    """Per batch size: the predicted speed-up of each chain length k, the top k (near ties go to the
+    shorter k, as `predict.advice`), the band the timings' spread allows around the top speed-up and
+    its `predict.verdict`; the best k is the top k, or 0 (plain decoding) only when the verdict is
+    "off" (no gain of MIN_GAIN anywhere in the band)."""
     rows = []
     for b in sorted(costs.forwards):
         by_k = {k: costs.speedup(b, k, expected_tokens_chain(cond, k)) for k in ks}
         top = max(by_k.values())
-        best = min(k for k, s in by_k.items() if s >= top - NEAR_TIE)
-        if top < 1 + MIN_GAIN:
-            best = 0
+        on = min(k for k, s in by_k.items() if s >= top - NEAR_TIE)
+        band = speedup_range(top, costs.spread(b))
+        call = verdict(top, band["speedup_low"], band["speedup_high"])
+        best = on if call != "off" else 0
         rows.append({"batch_size": b, "speedup_by_k": {str(k): s for k, s in by_k.items()},
-                     "best_k": best, "best_speedup": by_k[best] if best else 1.0})
+                     "best_k": best, "best_speedup": by_k[best] if best else 1.0, "top_k": on,
+                     "top_speedup": top, "speedup_low": band["speedup_low"], "speedup_high": band["speedup_high"],
+                     "verdict": call})
     return rows
+
+
+def keep_measured(rows: list[dict], measured: dict[int, tuple[int, float]]) -> list[dict]:
+    """`predict_by_batch` rows where this run also measured speculation: a band the prediction turns
+    off while this run measured speculative decoding faster than plain there (measured[B] = (k,
+    speed-up)) keeps that k, saying so ("kept_on"): never advise turning speculation off where the
+    same run just measured a speed-up."""
+    out = []
+    for row in rows:
+        k, speedup = measured.get(row["batch_size"], (0, 0.0))
+        if row["best_k"] == 0 and k and speedup > 1.0:
+            row = {**row, "best_k": k, "best_speedup": speedup, "verdict": "uncertain",
+                   "kept_on": f"measured {speedup:.2f}x at k={k} in this run against a predicted "
+                              f"{row['top_speedup']:.2f}x at best: speculation kept on"}
+        out.append(row)
+    return out
 
 
 def vllm_schedule(rows: list[dict]) -> list[list[int]]:
@@ -425,25 +489,61 @@ def timed(fn) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
+def decode_pair(session, prompts: list[list[int]], max_new_tokens: int, rows: int, drafter_first: bool) -> dict:
+    """The prompts decoded plainly and with the drafter at batch size `rows`, in the order asked ->
+    {"plain": results, "plain_s": wall seconds, "spec": results, "spec_s": wall seconds}."""
+    out = {}
+    for drafted in ((True, False) if drafter_first else (False, True)):
+        results, seconds = timed(lambda d=drafted: session.decode_many(prompts, max_new_tokens, batch_size=rows,
+                                                                       drafted=d))
+        key = "spec" if drafted else "plain"
+        out[key], out[f"{key}_s"] = results, seconds
+    return out
+
+
+def decode_speedup(pair: dict) -> float:
+    """A `decode_pair`'s decode-step speed-up (each wall less its prefill phase)."""
+    plain = pair["plain_s"] - prefill_seconds(DecodeStats.total(pair["plain"]))
+    return plain / (pair["spec_s"] - prefill_seconds(DecodeStats.total(pair["spec"])))
+
+
+def measured_row(rows: int, pairs: list[dict]) -> dict:
+    """One batch size's measured row from its rounds of `decode_pair`: seconds added up over the rounds,
+    each round's decode-step speed-up kept (`rounds`) and their spread (max / min - 1)."""
+    plain, spec = (DecodeStats.total([r for p in pairs for r in p[key]]) for key in ("plain", "spec"))
+    plain_s, spec_s = sum(p["plain_s"] for p in pairs), sum(p["spec_s"] for p in pairs)
+    plain_decode_s, spec_decode_s = plain_s - prefill_seconds(plain), spec_s - prefill_seconds(spec)
+    each = [decode_speedup(p) for p in pairs]
+    first = pairs[0]
+    return {"batch_size": rows, "prompts": len(first["plain"]), "tokens": plain.tokens // len(pairs),
+            "plain_tok_s": plain.tokens / plain_s, "spec_tok_s": spec.tokens / spec_s,
+            "plain_s": plain_s, "spec_s": spec_s, "plain_decode_s": plain_decode_s,
+            "spec_decode_s": spec_decode_s, "measured_speedup": plain_decode_s / spec_decode_s,
+            "measured_speedup_wall": plain_s / spec_s, "measured_rounds": each,
+            "measured_spread": max(each) / min(each) - 1, "tau": spec.summary()["tau"],
+            "greedy_equal": min(sum(s.tokens == q.tokens for s, q in zip(p["spec"], p["plain"])) for p in pairs)}
+
+
 def measure_by_batch(session, prompts: list[list[int]], max_new_tokens: int,
-                     batch_sizes=BATCH_SIZES) -> tuple[list[dict], dict, dict]:
+                     batch_sizes=BATCH_SIZES, rounds: int = 2) -> tuple[list[dict], dict, dict]:
     """Plain and speculative throughput of `prompts` decoded at each batch size (continuous
     batching over all of them), whether every speculative output equals the plain one -> (rows,
-    {B: (plain stats, speculative stats)}, {B: (each request's plain / speculative decode forwards)})."""
-    rows, stats, steps = [], {}, {}
-    for b in batch_sizes:
-        plain, plain_s = timed(lambda b=b: session.decode_many(prompts, max_new_tokens, batch_size=b, drafted=False))
-        spec, spec_s = timed(lambda b=b: session.decode_many(prompts, max_new_tokens, batch_size=b))
-        stats[b] = (DecodeStats.total(plain), DecodeStats.total(spec))
-        steps[b] = ([r.stats.decode_forwards for r in plain], [r.stats.decode_forwards for r in spec])
-        tokens = stats[b][0].tokens
-        plain_decode_s, spec_decode_s = plain_s - prefill_seconds(stats[b][0]), spec_s - prefill_seconds(stats[b][1])
-        rows.append({"batch_size": b, "prompts": len(prompts), "tokens": tokens,
-                     "plain_tok_s": tokens / plain_s, "spec_tok_s": stats[b][1].tokens / spec_s,
-                     "plain_s": plain_s, "spec_s": spec_s, "plain_decode_s": plain_decode_s,
-                     "spec_decode_s": spec_decode_s, "measured_speedup": plain_decode_s / spec_decode_s,
-                     "measured_speedup_wall": plain_s / spec_s, "tau": stats[b][1].summary()["tau"],
-                     "greedy_equal": sum(s.tokens == p.tokens for s, p in zip(spec, plain))})
+    {B: (plain stats, speculative stats)}, {B: (each request's plain / speculative decode forwards)}).
+
+    Interleaved over `rounds` rounds (eval/timing.py's reason): every batch size in each round, in
+    reverse order and the drafter first every other round, so a burst of load on a shared machine
+    lands on both methods and on more than one size; the seconds are added up over the rounds."""
+    if rounds < 1:
+        raise PredictError(f"measure_by_batch needs rounds >= 1, got {rounds}")
+    pairs: dict[int, list[dict]] = {b: [] for b in batch_sizes}
+    for r in range(rounds):
+        for b in (batch_sizes if r % 2 == 0 else batch_sizes[::-1]):
+            pairs[b].append(decode_pair(session, prompts, max_new_tokens, b, drafter_first=r % 2 == 1))
+    rows = [measured_row(b, pairs[b]) for b in batch_sizes]
+    stats = {b: (DecodeStats.total([x for p in pairs[b] for x in p["plain"]]),
+                 DecodeStats.total([x for p in pairs[b] for x in p["spec"]])) for b in batch_sizes}
+    steps = {b: ([x.stats.decode_forwards for x in pairs[b][0]["plain"]],
+                 [x.stats.decode_forwards for x in pairs[b][0]["spec"]]) for b in batch_sizes}
     return rows, stats, steps
 
 
@@ -456,16 +556,17 @@ def prefill_seconds(stats: DecodeStats) -> float:
 
 
 def concurrency_table(session, prompts: list[list[int]], max_new_tokens: int, batch_sizes=BATCH_SIZES,
-                      reps: int = 5) -> dict:
+                      reps: int = 5, rounds: int = 2) -> dict:
     """Measured rows at each batch size beside the prediction for the session's k, and the predicted
     best k per size. Per-row costs: micro-timed, corrected by the batch-1 decodes of this run
     (`mixes.in_situ_costs`, as eval does); each request's forwards at batch 1 give the workload that
     `continuous_seconds` schedules at every size, so the batch-1 row checks the cost model on its
     own decodes and every larger batch is a prediction from the parts timed over B rows
-    (`batch_costs`) and batch-1 counts alone."""
+    (`batch_costs`) and batch-1 counts alone. The best k per size never turns speculation off at a size
+    where these decodes measured it faster (`keep_measured`); `rounds`: `measure_by_batch`'s."""
     if 1 not in batch_sizes:
         raise PredictError("the concurrency table needs batch size 1 (it prices the per-row costs)")
-    measured, stats, steps = measure_by_batch(session, prompts, max_new_tokens, batch_sizes)
+    measured, stats, steps = measure_by_batch(session, prompts, max_new_tokens, batch_sizes, rounds)
     plain1, spec1 = stats[1]
     per_row = in_situ_costs(measure_costs(session.target, session.head, prompts[:4], k_max=max(session.k, 2)),
                             plain1, spec1)
@@ -474,30 +575,47 @@ def concurrency_table(session, prompts: list[list[int]], max_new_tokens: int, ba
         row["predicted_speedup"] = costs.workload_speedup(row["batch_size"], session.k, *steps[1])
         row["predicted_speedup_full_batches"] = costs.speedup(row["batch_size"], session.k, row["tau"])
         row["within_10pct"] = abs(row["predicted_speedup"] / row["measured_speedup"] - 1) <= WITHIN
-    best = predict_by_batch(costs, spec1.summary()["acceptance_per_position_conditional"])
-    return {"k": session.k, "max_new_tokens": max_new_tokens, "rows": measured, "best_k": best,
+    best = keep_measured(predict_by_batch(costs, spec1.summary()["acceptance_per_position_conditional"]),
+                         {r["batch_size"]: (session.k, r["measured_speedup"]) for r in measured})
+    return {"k": session.k, "max_new_tokens": max_new_tokens, "rounds": rounds, "rows": measured, "best_k": best,
             "vllm_num_speculative_tokens_per_batch_size": vllm_schedule(best), "costs": costs.to_dict()}
 
 
-def markdown(table: dict) -> str:
-    """The speed-up-by-concurrency table: plain vs speculative tokens/s, measured and predicted."""
+def measured_text(r: dict) -> str:
+    """A row's measured decode-step speed-up, with its rounds' range when there were several."""
+    rounds = r.get("measured_rounds") or []
+    each = f" ({min(rounds):.2f}-{max(rounds):.2f}x)" if len(rounds) > 1 else ""
+    return f"{r['measured_speedup']:.2f}x{each}"
+
+
+def best_text(b: dict) -> str:
+    """A band's best k and its speed-up, marked as `report.band_mark` marks it."""
+    return f"{b['best_k']} ({b['best_speedup']:.2f}x{band_mark(b)})" if b else "-"
+
+
+def markdown(table: dict, schedule: bool = True) -> str:
+    """The speed-up-by-concurrency table: plain vs speculative tokens/s, measured and predicted
+    (`schedule`: with vLLM's per-batch-size line; the demo prints its one recommendation instead)."""
+    rounds = table.get("rounds", 1)
     lines = [f"| batch | plain tok/s | speculative tok/s (k = {table['k']}) | measured, wall | measured, decode steps "
              "| predicted, decode steps | within 10% | greedy-equal | best k (predicted) |",
              "|---:|---:|---:|---:|---:|---:|:-:|---:|---:|"]
     best = {r["batch_size"]: r for r in table["best_k"]}
     for r in table["rows"]:
-        b = best.get(r["batch_size"], {})
         wall = r.get("measured_speedup_wall")
         lines.append(f"| {r['batch_size']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
-                     f"| {'-' if wall is None else f'{wall:.2f}x'} | {r['measured_speedup']:.2f}x "
+                     f"| {'-' if wall is None else f'{wall:.2f}x'} | {measured_text(r)} "
                      f"| {r['predicted_speedup']:.2f}x | {'yes' if r['within_10pct'] else 'no'} "
-                     f"| {r['greedy_equal']}/{r['prompts']} | {b.get('best_k', '-')} ({b.get('best_speedup', 0):.2f}x) |")
+                     f"| {r['greedy_equal']}/{r['prompts']} | {best_text(best.get(r['batch_size'], {}))} |")
     lines.append("")
     lines.append("tok/s and the wall speed-up count the whole run (prefill included); the decode-step speed-up "
                  "leaves out the prefill phase (the target's prompt forwards and the proposers' starts), which "
-                 "the prediction prices and speculation does not change.")
-    lines.append(f"vLLM: `\"num_speculative_tokens_per_batch_size\": {table['vllm_num_speculative_tokens_per_batch_size']}`"
-                 " in `--speculative-config` (k 0: speculation off at that size).")
+                 "the prediction prices and speculation does not change."
+                 + (f" Measured over {rounds} interleaved rounds (in brackets: the rounds' range)." if rounds > 1 else ""))
+    lines += band_notes(table["best_k"])
+    if schedule:
+        lines.append(f"vLLM: `\"num_speculative_tokens_per_batch_size\": {table['vllm_num_speculative_tokens_per_batch_size']}`"
+                     " in `--speculative-config` (k 0: speculation off at that size).")
     drafter = table.get("costs", {}).get("drafter")
     if drafter:
         how = ("one draft group over B rows, timed per batch size" if drafter == "grouped"

@@ -84,7 +84,7 @@ def in_situ_costs(costs: StepCosts, plain: DecodeStats, draft: DecodeStats, *oth
     fixed = max((draft.proposer_s - per_level * draft.proposed_tokens) / draft.decode_forwards, 0.0)
     rest = draft.wall_s - draft.target_prefill_s - draft.proposer_start_s - draft.target_decode_s - draft.proposer_s
     return StepCosts(curve, fixed, per_level, max(rest, 0.0) / draft.decode_forwards,
-                     (plain.wall_s - plain.target_prefill_s) / plain.decode_forwards)
+                     (plain.wall_s - plain.target_prefill_s) / plain.decode_forwards, spread=costs.spread)
 
 
 def family(row: str) -> str:

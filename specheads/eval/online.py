@@ -46,6 +46,7 @@ from specheads.eval.mixes import (
 )
 from specheads.eval.offline import offline_acceptance, samples_from_rows
 from specheads.eval.predict import StepCosts, eval_costs, prediction_metrics
+from specheads.eval.recommend import by_concurrency_from_table, settle
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.eval.waves import Totals, check_batch_size, eval_prompt_ids, evaluate_rows
 from specheads.metrics import broken_draft_warning, predicted_speedup
@@ -127,7 +128,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
              attach: bool = False, quiet: bool = False, dtype: str | None = None,
              device: str = "auto", allow_missing_fingerprint: bool = False, batch_size: int = 1,
              llamacpp_cost: str | None = None, suffix_history: str | None = None,
-             mix_rows: tuple[str, ...] = MIXES) -> dict:
+             mix_rows: tuple[str, ...] = MIXES, concurrency: dict | None = None) -> dict:
     """Decode the prompts plain / with the draft / with n-grams; write metrics.json + outputs.jsonl.
 
     `predict` adds the hybrid rows, and for chains (greedy or sampled) the predicted speed-up per k
@@ -147,6 +148,10 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
 
     `suffix_history` (conversations) fills every suffix decoding cache before the first prompt
     (`data.suffix_history`); `mix_rows`: the hybrid rows to decode (the others are skipped, saying so).
+
+    `concurrency`: a concurrency table this run measured (`concurrency.concurrency_table`, the demo's):
+    the advice by batch size comes from it instead of timing the batch costs again. The advice is
+    settled once (`recommend.settle`: one k, one schedule) and every reader takes it from metrics.json.
     """
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -218,7 +223,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
         metrics["suffix_history"] = {"file": Path(suffix_history).name, "answers": len(history)}
     if predict:
         prompts = [eval_prompt_ids(target.tokenizer, user_turn(r.turns[0])) for r in rows]
-        mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet, tuple(mix_rows), history)
+        mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet, tuple(mix_rows), history, concurrency)
         (predict_chain if tree.kind == "chain" else predict_tree)(metrics, session, totals, outputs, prompts, mix)
     if llamacpp is not None:
         add_llamacpp_prediction(metrics, llamacpp, session.draft.meta.kind, session.draft.meta.format)
@@ -239,6 +244,7 @@ class Mix:
     quiet: bool = True
     rows: tuple[str, ...] = MIXES  # the hybrid rows asked for
     history: list = field(default_factory=list)  # (prompt ids, answer ids) for suffix decoding's caches
+    concurrency: dict | None = None  # a concurrency table measured in this run (the advice by batch size)
 
 
 def say(quiet: bool, what: str) -> None:
@@ -271,7 +277,9 @@ def predict_chain(metrics: dict, session: Session, totals: Totals, outputs: list
     rows = row_costs(micro, *observed) if correct is not None else RowCosts.same(costs)
     metrics["prediction"]["costs_by_family"] = rows.to_dict()
     add_mixes(metrics, session, totals, outputs, costs, rows, max(session.k, metrics["prediction"]["best_chain_k"]), mix)
-    metrics["advice"]["by_concurrency"] = concurrency_advice(session, prompts, costs, cond)
+    metrics["advice"]["by_concurrency"] = (by_concurrency_from_table(mix.concurrency) if mix.concurrency
+                                           else concurrency_advice(session, prompts, costs, cond))
+    settle(metrics)
 
 
 def predict_tree(metrics: dict, session: Session, totals: Totals, outputs: list[dict], prompts: list[list[int]],

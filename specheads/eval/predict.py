@@ -24,10 +24,11 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from specheads.engine_facts import sglang_tree_flags
+from specheads.eval.timing import largest_spread, medians, round_robin
 from specheads.verify.loop import decode, greedy_decode
 from specheads.verify.registry import make_proposer
 from specheads.verify.settings import TreeSpec
-from specheads.verify.steps import Clock, DecodeStats, new_cache, target_step, trim_cache
+from specheads.verify.steps import DecodeStats, new_cache, target_step, trim_cache
 
 CHAIN_KS = tuple(range(1, 9))
 TREE_BUDGETS = (8, 16, 32, 48, 64)  # verified tokens per step, root included (SGLang draft tokens)
@@ -51,6 +52,7 @@ class StepCosts:
     draft_per_level_s: float = 0.0  # drafter seconds per draft level (one head forward)
     overhead_s: float = 0.0  # loop bookkeeping per speculative step (masks, cache trimming)
     plain_step_s: float | None = None  # one plain decode step; default target(1)
+    spread: float = 0.0  # the largest interquartile range / median of its micro-timed parts (eval/timing.py)
 
     def __post_init__(self):
         self.target_s = {int(n): float(s) for n, s in self.target_s.items()}
@@ -174,9 +176,15 @@ class Prediction:
         top = max(r["speedup"] for r in self.chains)
         return min((r for r in self.chains if r["speedup"] >= top * (1 - NEAR_TIE)), key=lambda r: r["k"])
 
+    def verdict(self) -> str:
+        """`verdict` of the recommended chain: "on", "uncertain" or "off"."""
+        best = self.best_chain()
+        return verdict(best["speedup"], best.get("speedup_low", best["speedup"]), best.get("speedup_high", best["speedup"]))
+
     def speculate(self) -> bool:
-        """Whether the recommended chain is predicted to beat plain decoding by MIN_GAIN."""
-        return self.best_chain()["speedup"] >= 1 + MIN_GAIN
+        """Whether speculation is advised: the recommended chain is predicted to beat plain decoding by
+        MIN_GAIN, or the spread of its timings reaches that far (uncertain: not a hard off)."""
+        return self.verdict() != "off"
 
     def chain(self, k: int) -> dict | None:
         return next((r for r in self.chains if r["k"] == k), None)
@@ -186,8 +194,30 @@ class Prediction:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "best_chain_k": self.best_chain()["k"], "speculate": self.speculate(),
+                "verdict": self.verdict(),
                 "near_tie": NEAR_TIE, "min_gain": MIN_GAIN,
                 "best_tree_budget": (self.best_tree() or {}).get("budget")}
+
+
+def speedup_range(speedup: float, spread: float) -> dict:
+    """A predicted speed-up and the band its cost timings' spread allows: x / (1 + spread) .. x * (1 + spread)."""
+    return {"speedup": speedup, "speedup_low": speedup / (1 + spread), "speedup_high": speedup * (1 + spread)}
+
+
+def verdict(speedup: float, low: float, high: float) -> str:
+    """"on": predicted to gain MIN_GAIN and at least plain's speed across the spread; "uncertain": the
+    spread reaches across (predicted to gain but maybe slower than plain, or predicted not to gain but
+    maybe gaining): say so, never a hard off; "off": no gain anywhere in the spread."""
+    gain = 1 + MIN_GAIN
+    if speedup >= gain:
+        return "on" if low >= 1.0 else "uncertain"
+    return "uncertain" if high >= gain else "off"
+
+
+def uncertain_note(row: dict, where: str = "") -> str:
+    """Why a prediction is uncertain, in words (the report and the terminal print it)."""
+    return (f"uncertain{where}: predicted {row['speedup']:.2f}x, {row['speedup_low']:.2f}x to "
+            f"{row['speedup_high']:.2f}x within the spread of the timed costs; measure it on your machine")
 
 
 def predict(cond: list[float], costs: StepCosts, ks=CHAIN_KS, budgets=TREE_BUDGETS,
@@ -202,7 +232,7 @@ def predict(cond: list[float], costs: StepCosts, ks=CHAIN_KS, budgets=TREE_BUDGE
     for k in ks:
         e, step = expected_tokens_chain(cond, k), costs.step(k + 1, k)
         pred.chains.append({"k": k, "nodes": k + 1, "expected_tokens": e, "step_s": step,
-                            "speedup": e * plain / step})
+                            **speedup_range(e * plain / step, costs.spread)})
     if not rank_q:
         return pred
     q = rank_acceptance(rank_q, max_depth)
@@ -225,20 +255,15 @@ def advice(pred: Prediction) -> dict:
     level, so a tree is offered to measure (bench/verifier.py), not recommended.
     """
     chain = pred.best_chain()
-    if not pred.speculate():
+    if pred.verdict() == "off":
         return {"speculate": False,
                 "best_chain": {"k": chain["k"], "predicted_speedup": chain["speedup"]},
                 "reason": (f"no draft length is predicted to beat plain decoding by {MIN_GAIN:.0%} "
                            f"(best: k={chain['k']} at {chain['speedup']:.2f}x): serve the target "
                            "without speculation on this hardware")}
-    out = {
-        "speculate": True,
-        "vllm": {"num_speculative_tokens": chain["k"], "predicted_speedup": chain["speedup"],
-                 "expected_tokens": chain["expected_tokens"]},
-        "sglang": {"speculative_num_steps": chain["k"], "speculative_eagle_topk": 1,
-                   "speculative_num_draft_tokens": chain["k"] + 1,
-                   "predicted_speedup": chain["speedup"], "shape": "chain"},
-    }
+    out = chain_advice(chain)
+    if pred.verdict() == "uncertain":
+        out["uncertain"] = uncertain_note(chain)
     tree = pred.best_tree()
     if tree is not None and tree["speedup"] > max(chain["speedup"], 1 + MIN_GAIN):
         out["sglang_tree_to_try"] = {
@@ -248,13 +273,27 @@ def advice(pred: Prediction) -> dict:
     return out
 
 
+def chain_advice(chain: dict) -> dict:
+    """The vLLM and SGLang settings of speculating with a chain row of a `Prediction`."""
+    return {
+        "speculate": True,
+        "vllm": {"num_speculative_tokens": chain["k"], "predicted_speedup": chain["speedup"],
+                 "expected_tokens": chain["expected_tokens"]},
+        "sglang": {"speculative_num_steps": chain["k"], "speculative_eagle_topk": 1,
+                   "speculative_num_draft_tokens": chain["k"] + 1,
+                   "predicted_speedup": chain["speedup"], "shape": "chain"},
+    }
+
+
 def advice_summary(adv: dict) -> str:
     """One line of what `advice` recommends (the terminal, the demo and the model card use it)."""
     if not adv.get("speculate", True):
         return f"no speculation: {adv['reason']}"
     v = adv["vllm"]
-    return (f"vLLM num_speculative_tokens={v['num_speculative_tokens']} (predicted "
+    line = (f"vLLM num_speculative_tokens={v['num_speculative_tokens']} (predicted "
             f"{v['predicted_speedup']:.2f}x); SGLang {sglang_flags(adv['sglang'])}")
+    notes = [adv[key] for key in ("kept_on", "uncertain") if adv.get(key)]
+    return line + "".join(f" [{n}]" for n in notes)
 
 
 def sglang_flags(s: dict) -> str:
@@ -279,24 +318,9 @@ def monotone(values: list[float]) -> list[float]:
     return [m for m, w in blocks for _ in range(int(w))]
 
 
-def median_round_robin(calls: dict, reps: int, device) -> dict:
-    """Median seconds per key, keys interleaved per repetition so load bursts hit all of them."""
-    import statistics
-
-    times = {key: [] for key in calls}
-    for rep in range(reps + 1):  # repetition 0 warms every shape up, untimed
-        for key, call in calls.items():
-            clock = Clock(device)
-            with clock:
-                call()
-            if rep:
-                times[key].append(clock.seconds)
-    return {key: statistics.median(t) for key, t in times.items()}
-
-
-def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, reps: int = 7) -> dict[int, float]:
-    """Median seconds of one cached target forward over n tokens after the prompt, per n (made
-    non-decreasing in n)."""
+def target_forward_timings(target, prompt_ids: list[int], counts=TARGET_COUNTS, reps: int = 7) -> dict:
+    """`Timing` of one cached target forward over n tokens after the prompt, per n (the counts
+    interleaved, eval/timing.py)."""
     import torch
 
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)[None]  # [1, P]
@@ -315,13 +339,23 @@ def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, re
 
     with torch.no_grad():
         target_step(target, ids, 0, cache)
-        med = median_round_robin({n: call(n) for n in counts}, reps, target.device)
-    return dict(zip(counts, monotone([med[n] for n in counts])))
+        return round_robin({n: call(n) for n in counts}, reps, target.device)
 
 
-def time_proposals(target, head, prompt_ids: list[int], ks, reps: int = 7) -> tuple[float, float]:
-    """(intercept, seconds per level) of a least-squares line through the chain proposer's
-    median `propose(k)` seconds (propose is repeatable: it drops its speculative rows)."""
+def monotone_medians(timings: dict) -> dict[int, float]:
+    """Median seconds per count, made non-decreasing in the count."""
+    counts = sorted(timings)
+    return dict(zip(counts, monotone([timings[n].median for n in counts])))
+
+
+def time_target_forwards(target, prompt_ids: list[int], counts=TARGET_COUNTS, reps: int = 7) -> dict[int, float]:
+    """Median seconds of one cached target forward over n tokens after the prompt, per n (made
+    non-decreasing in n)."""
+    return monotone_medians(target_forward_timings(target, prompt_ids, counts, reps))
+
+
+def proposal_timings(target, head, prompt_ids: list[int], ks, reps: int = 7) -> dict:
+    """`Timing` of the chain proposer's `propose(k)` per k (repeatable: it drops its speculative rows)."""
     import torch
 
     proposer = make_proposer(TreeSpec("chain", k=max(ks)), head, target)
@@ -329,11 +363,21 @@ def time_proposals(target, head, prompt_ids: list[int], ks, reps: int = 7) -> tu
     with torch.no_grad():
         out = target_step(target, ids[None], 0, new_cache(target), proposer.layers)
         proposer.start(ids, int(out.logits[0, -1].argmax()), out)
-        med = median_round_robin({k: (lambda k=k: proposer.propose(k)) for k in ks}, reps, target.device)
-    xs, ys = list(med), list(med.values())
+        return round_robin({k: (lambda k=k: proposer.propose(k)) for k in ks}, reps, target.device)
+
+
+def line_fit(points: dict[int, float]) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the least-squares line through {x: y}."""
+    xs, ys = list(points), list(points.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return my - slope * mx, max(slope, 0.0)
+
+
+def time_proposals(target, head, prompt_ids: list[int], ks, reps: int = 7) -> tuple[float, float]:
+    """(intercept, seconds per level) of a least-squares line through the chain proposer's
+    median `propose(k)` seconds."""
+    return line_fit(medians(proposal_timings(target, head, prompt_ids, ks, reps)))
 
 
 def _per_step(stats, what: str) -> float:
@@ -348,13 +392,15 @@ def _loop_overhead(stats) -> float:
 
 def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal: int = 3,
                   max_new_tokens: int = 48, max_nodes: int = 64, reps: int = 7) -> StepCosts:
-    """Target seconds per verified-token count and drafter seconds per level (micro-timed, medians);
-    the drafter's per-step remainder (accept) and the loop overhead from real decodes of `prompts`
-    plainly and with a chain of k_cal."""
+    """Target seconds per verified-token count and drafter seconds per level (micro-timed, medians,
+    interleaved; `spread`: the largest interquartile range / median among them); the drafter's
+    per-step remainder (accept) and the loop overhead from real decodes of `prompts` plainly and with
+    a chain of k_cal, the two interleaved prompt by prompt."""
     if not prompts or k_max < 2:
         raise PredictError("measure_costs needs at least one prompt and k_max >= 2")
-    target_s = time_target_forwards(target, prompts[0], [n for n in TARGET_COUNTS if n <= max_nodes], reps)
-    _, per_level = time_proposals(target, head, prompts[0], range(1, k_max + 1), reps)
+    forwards = target_forward_timings(target, prompts[0], [n for n in TARGET_COUNTS if n <= max_nodes], reps)
+    proposals = proposal_timings(target, head, prompts[0], range(1, k_max + 1), reps)
+    target_s, (_, per_level) = monotone_medians(forwards), line_fit(medians(proposals))
     plain, chain = DecodeStats(), DecodeStats()
     for ids in prompts:
         plain = plain.add(greedy_decode(target, ids, max_new_tokens).stats)
@@ -362,7 +408,8 @@ def measure_costs(target, head, prompts: list[list[int]], k_max: int = 8, k_cal:
         chain = chain.add(decode(target, proposer, ids, max_new_tokens, k_cal).stats)
     fixed = max(_per_step(chain, "proposer_s") - per_level * k_cal, 0.0)
     return StepCosts(target_s=target_s, draft_fixed_s=fixed, draft_per_level_s=per_level,
-                     overhead_s=_loop_overhead(chain), plain_step_s=target_s[1] + _loop_overhead(plain))
+                     overhead_s=_loop_overhead(chain), plain_step_s=target_s[1] + _loop_overhead(plain),
+                     spread=largest_spread(forwards, proposals))
 
 
 def eval_costs(target, head, prompts: list[list[int]], k_max: int = 8,

@@ -285,6 +285,10 @@ def advice_lines(adv: dict) -> list[str]:
     lines += [f"- vLLM: `\"num_speculative_tokens\": {v['num_speculative_tokens']}` in `--speculative-config` "
              f"(predicted {v['predicted_speedup']:.2f}x, {v['expected_tokens']:.2f} tokens per step)",
              f"- SGLang: `{sglang_flags(s)}` (predicted {s['predicted_speedup']:.2f}x)"]
+    lines += [f"- {adv[key][0].upper()}{adv[key][1:]}." for key in ("kept_on", "uncertain") if adv.get(key)]
+    if adv.get("recommended"):
+        lines.append(f"- The serve commands above draft k = {v['num_speculative_tokens']}, this recommendation "
+                     "(`vllm serve DIR` alone drafts the k in the export's own config).")
     tree = adv.get("sglang_tree_to_try")
     if tree:
         lines.append(f"- SGLang tree to try (a rougher prediction, {tree['predicted_speedup']:.2f}x: measure it "
@@ -296,13 +300,34 @@ def concurrency_lines(by: dict | None) -> list[str]:
     """The best k per batch size (k 0: plain decoding) in each engine's own setting."""
     if not by:
         return []
-    each = ", ".join(f"batch {r['batch_size']}: " + (f"k = {r['best_k']} ({r['best_speedup']:.2f}x)" if r["best_k"]
-                                                     else "no speculation") for r in by["rows"])
-    return [f"- By concurrency (predicted from target forwards and drafter steps over B rows timed by eval): {each}",
+    each = ", ".join(f"batch {r['batch_size']}: " + (f"k = {r['best_k']} ({r['best_speedup']:.2f}x{band_mark(r)})"
+                                                     if r["best_k"] else "no speculation") for r in by["rows"])
+    source = by.get("from", "target forwards and drafter steps over B rows timed by eval")
+    return [f"- By concurrency (predicted from {source}): {each}",
             f"  - vLLM: `\"num_speculative_tokens_per_batch_size\": {by['vllm_num_speculative_tokens_per_batch_size']}` "
             "in `--speculative-config` (k 0: no speculation at that size)",
+            *[f"  {note}" for note in band_notes(by["rows"])],
             "  - SGLang and llama.cpp take one draft length per server (`--speculative-num-steps`, "
             "`--spec-draft-n-max`): the k of the concurrency you expect most"]
+
+
+def band_mark(band: dict) -> str:
+    """" measured" for a band kept on by this run's measurement, " ?" for an uncertain one, else ""."""
+    return " measured" if band.get("kept_on") else " ?" if band.get("verdict") == "uncertain" else ""
+
+
+def band_notes(rows: list[dict]) -> list[str]:
+    """One line per band of the schedule that is not a plain prediction: kept on by a measurement of
+    this run, or uncertain (the timings' spread reaches across the gain that decides)."""
+    out = []
+    for b in rows:
+        if b.get("kept_on"):
+            out.append(f"- batch {b['batch_size']}: {b['kept_on']}")
+        elif b.get("verdict") == "uncertain" and "top_speedup" in b:
+            out.append(f"- batch {b['batch_size']}: uncertain, predicted {b['top_speedup']:.2f}x at k={b['top_k']} "
+                       f"({b['speedup_low']:.2f}x to {b['speedup_high']:.2f}x within the spread of the timed costs); "
+                       "speculation kept on: measure it at this concurrency before turning it off")
+    return out
 
 
 def llamacpp_lines(lc: dict) -> list[str]:
@@ -394,7 +419,12 @@ def write_report(out_dir: str | Path, metrics: dict, outputs: list[dict] | None 
 
 
 def with_recommendations(readme: str, adv: dict) -> str:
-    """README text with its recommended-settings section added or replaced."""
+    """README text with its recommended-settings section added or replaced, and its serve commands
+    drafting the settled k (`recommend.with_recommended_k`) when the advice speculates."""
+    from specheads.eval.recommend import recommended_k, with_recommended_k
+
+    k = recommended_k(adv)
+    readme = with_recommended_k(readme, k) if k else readme
     lines = readme.rstrip("\n").split("\n")
     if RECOMMENDED in lines:
         start = lines.index(RECOMMENDED)

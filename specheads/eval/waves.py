@@ -4,7 +4,11 @@ training-free proposer, up to `batch_size` sequences per target forward (`verify
 Decoding goes in waves: turn t of every row of a block is one wave (turn t + 1's prompt holds turn
 t's plain answer, so waves go turn by turn), and each method decodes the whole wave before the next
 method. At batch size 1 a block is one row, so a row's turns follow each other as they always did;
-above 1 a block is every row, so a finished row's place in the batch goes to the next waiting one.
+above 1 a block is BLOCK_BATCHES batches of rows, so a finished row's place in the batch goes to the
+next waiting one of its block. The methods take turns block by block, plain decoding first in one
+block and last in the next: a method timed as one block over every prompt takes whatever load the
+machine had during that block as its own (a GPU shared with training jobs once measured prompt
+lookup 6.6x faster than plain at tau 1.45, bench/results/real_model_gpu.md).
 
 Every request has its own proposer: the drafter's is fresh (probed for calibration records on greedy
 chains), a free proposer's is a fork of the one the eval keeps for its whole run. Suffix decoding's
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from specheads.data.prompts import NoChatTemplate, PromptRow, PromptsError, encode_chat, user_turn
 from specheads.progress import Progress
 from specheads.protocols import SampledProposer
-from specheads.session import Session, run_request
+from specheads.session import WARM_UP_IDS, Session, run_request
 from specheads.verify.calibration import ConfidenceProbe, Record
 from specheads.verify.loop import Request, decode_batch
 from specheads.verify.ngram_proposers import NgramProposer
@@ -66,9 +70,16 @@ def check_batch_size(batch_size: int) -> None:
         raise ValueError(f"--batch-size must be >= 1 (sequences per target forward), got {batch_size}")
 
 
+# rows per block above batch size 1, in batches: the batch stays full for most of a block, and the
+# methods still take turns often enough that a burst of load lands on all of them
+BLOCK_BATCHES = 2
+
+
 def blocks(items: list, batch_size: int) -> list[list]:
-    """What decodes together: one item at a time at batch size 1 (the sequential order), else all."""
-    return [[item] for item in items] if batch_size == 1 else [items] if items else []
+    """What decodes together: one item at a time at batch size 1 (the sequential order), else
+    consecutive blocks of BLOCK_BATCHES * batch_size items."""
+    size = 1 if batch_size == 1 else BLOCK_BATCHES * batch_size
+    return [items[i: i + size] for i in range(0, len(items), size)]
 
 
 def free_proposers(ngram_sizes=(3, 1), history: list | None = None) -> dict:
@@ -141,15 +152,20 @@ def free_requests(session: Session, proposer, prompts: list[list[int]], max_new_
 
 
 def decode_wave(session: Session, free: dict, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                batch_size: int, probe: bool, bar: Progress) -> list[TurnDecodes]:
-    """Every prompt decoded plainly, with the drafter and with each free proposer (method by method;
-    sampled runs with the same seed each; each prompt prefilled once, `verify.prompt_cache`) -> one
-    TurnDecodes per prompt, in order."""
+                batch_size: int, probe: bool, bar: Progress, plain_first: bool = True) -> list[TurnDecodes]:
+    """Every prompt decoded plainly, with the drafter and with each free proposer (method by method,
+    plain decoding first or last; sampled runs with the same seed each; each prompt prefilled once,
+    `verify.prompt_cache`) -> one TurnDecodes per prompt, in order."""
     target, n = session.target, len(prompts)
     reqs, probes = draft_requests(session, prompts, max_new_tokens, sampling, probe)
     kept = PromptCache({i for r in reqs for i in getattr(r.proposer, "layers", ())})  # one prefill per prompt
-    plain = session.decode_many(prompts, max_new_tokens, sampling, batch_size, drafted=False, kept=kept)
-    bar.update(n)
+
+    def plain_pass():
+        out = session.decode_many(prompts, max_new_tokens, sampling, batch_size, drafted=False, kept=kept)
+        bar.update(n)
+        return out
+
+    plain = plain_pass() if plain_first else None
     drafts = decode_batch(target, reqs, batch_size, kept)
     bar.update(n)
     others = {}
@@ -157,6 +173,7 @@ def decode_wave(session: Session, free: dict, prompts: list[list[int]], max_new_
         others[name] = decode_batch(target, free_requests(session, proposer, prompts, max_new_tokens, sampling),
                                     batch_size, kept)
         bar.update(n)
+    plain = plain if plain is not None else plain_pass()
     return [TurnDecodes(ids, plain[i], drafts[i], {name: r[i] for name, r in others.items()},
                         probes[i].records if probes[i] is not None else [])
             for i, ids in enumerate(prompts)]
@@ -197,17 +214,29 @@ def plain_answer(session: Session, tokens: list[int]) -> str:
 
 
 def decode_block(session: Session, free: dict, block: list[RowDecodes], max_new_tokens: int, sampling: Sampling,
-                 batch_size: int, probe: bool, bar: Progress) -> None:
+                 batch_size: int, probe: bool, bar: Progress, plain_first: bool = True) -> None:
     """Every turn of the block's rows, a wave per turn number; each row continues with plain's answer."""
     methods = 2 + len(free)
     for turn in range(max(len(r.row.turns) for r in block)):
         wave = [(r, ids) for r in block if (ids := next_prompt(r, turn, session.target, methods, bar)) is not None]
         if not wave:
             continue
-        decoded = decode_wave(session, free, [ids for _, ids in wave], max_new_tokens, sampling, batch_size, probe, bar)
+        decoded = decode_wave(session, free, [ids for _, ids in wave], max_new_tokens, sampling, batch_size, probe, bar,
+                              plain_first)
         for (r, _), d in zip(wave, decoded):
             r.turns.append(d)
             r.messages.append({"role": "assistant", "content": plain_answer(session, d.plain.tokens)})
+
+
+def warm_up_batched(session: Session, batch_size: int) -> None:
+    """Short untimed batched decodes (plain and the drafter, ragged rows) before the first timed one:
+    `Session.warm_up` runs batch 1 only, and the batched path's first calls (on CUDA: its kernels and
+    memory) would otherwise land in the first block's first method alone."""
+    if batch_size == 1:
+        return
+    prompts = [WARM_UP_IDS[: len(WARM_UP_IDS) - b % 2] for b in range(batch_size)]
+    for drafted in (False, True):
+        session.decode_many(prompts, 4, batch_size=batch_size, drafted=drafted)
 
 
 def evaluate_rows(session: Session, rows: list[PromptRow], max_new_tokens: int, ngram_sizes=(3, 1),
@@ -219,9 +248,10 @@ def evaluate_rows(session: Session, rows: list[PromptRow], max_new_tokens: int, 
     free, probe = free_proposers(ngram_sizes, history), probes_drafts(session, sampling)
     decoded = [RowDecodes(row) for row in rows]
     total = (2 + len(free)) * sum(len(r.turns) for r in rows)
+    warm_up_batched(session, batch_size)
     with Progress(total, "eval", "decodes", quiet=quiet) as bar:
-        for block in blocks(decoded, batch_size):
-            decode_block(session, free, block, max_new_tokens, sampling, batch_size, probe, bar)
+        for i, block in enumerate(blocks(decoded, batch_size)):  # plain first, then last, in turn
+            decode_block(session, free, block, max_new_tokens, sampling, batch_size, probe, bar, i % 2 == 0)
     totals, outputs = Totals(), []
     for r in decoded:
         add_row(session, r, sampling, totals, outputs)

@@ -7,6 +7,7 @@ renames it into place; a refused or invalid export leaves nothing at `out_dir`.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -42,7 +43,9 @@ DISK_FULL_AFTER = ("nothing is lost: an export is built in a temporary folder be
 def export(checkpoint, fmt: str, out_dir: str | Path, num_speculative_tokens: int | None = None,
            verifier: str | None = None, dtype: str | None = None, adapter: str | None = None,
            overwrite: bool = False, target_gguf: bool = True, llama_cpp: LlamaCppChoice | None = None) -> Path:
-    """`write_export`, with a full disk named as such (where, and that nothing is lost)."""
+    """`write_export`, with a full disk named as such (where, and that nothing is lost). `out_dir` is
+    made absolute first: the serve commands and README name it, and must work from any directory."""
+    out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))
     with disk_guard(out_dir, DISK_FULL_AFTER):
         return write_export(checkpoint, fmt, out_dir, num_speculative_tokens, verifier, dtype, adapter, overwrite,
                             target_gguf, llama_cpp)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specheads.export.contract_rules import CONFIG_FILE
+from specheads.export.readme import looks_like_hub_id
 from specheads.protocols import ExportPlan, ExportRequest
 from specheads.target import resolve_target_path
 
@@ -54,11 +55,28 @@ def head_plan(request: ExportRequest, export_tensors, config_json, **fields) -> 
 
 
 def target_folder(ckpt, verifier: str | None, why: str) -> Path:
-    """The local target folder: `verifier` when it is one, else the recipe's target; refused with `why`
-    (what the export takes from the target) when neither names one."""
+    """The local target folder: `verifier` when it is one, else the recipe's target (else a hub-id
+    `verifier`'s); refused with `why` (what the export takes from the target), naming --verifier,
+    when none of them is one. A `verifier` meant as a folder (not shaped org/name) must be one."""
     if verifier and (Path(verifier).expanduser() / CONFIG_FILE).is_file():
         return Path(verifier).expanduser()
+    if verifier and not looks_like_hub_id(verifier):
+        local = Path(verifier).expanduser()
+        state = ("does not exist" if not local.exists() else "is not a folder" if not local.is_dir()
+                 else f"is a folder without {CONFIG_FILE}")
+        raise ExportRefused(f"--verifier {verifier} {state}: {why}; pass the target's local Hugging Face folder "
+                            "(or its hub id) as --verifier")
     path = (ckpt.recipe.get("target") or {}).get("path") or ""
-    if not path:
+    if not path and not verifier:
         raise ExportRefused(f"{why}: pass --verifier TARGET_FOLDER")
-    return resolve_target_path(path)
+    try:
+        return resolve_target_path(path or verifier)
+    except ValueError as err:
+        if not verifier or not path:  # the recipe's target, or (no recipe path) the hub id in --verifier
+            named = f"--verifier {verifier}: " if verifier else ""
+            raise ExportRefused(f"{named}{err}; {why}: pass the target's local folder as --verifier") from None
+        try:  # the recipe's target is not here: the hub id the user named
+            return resolve_target_path(verifier)
+        except ValueError as hub_err:
+            raise ExportRefused(f"--verifier {verifier}: {hub_err}; and the recipe's target.path '{path}' is not "
+                                f"here either. {why}: pass the target's local folder as --verifier") from None

@@ -8,6 +8,7 @@ Commands pass the method explicitly: vLLM only guesses EAGLE-3 from a path conta
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from collections.abc import Callable
@@ -42,7 +43,13 @@ class TargetRef:
 
     @property
     def serve_as(self) -> str:
-        return self.hub_id or self.local or f"/path/to/{self.name or 'target'}"
+        """The hub id, else the local folder (absolute when it is here: a command must work from any
+        directory), else a placeholder."""
+        if self.hub_id:
+            return self.hub_id
+        if self.local and Path(self.local).expanduser().is_dir():
+            return os.path.abspath(Path(self.local).expanduser())
+        return self.local or f"/path/to/{self.name or 'target'}"
 
     @property
     def config_name(self) -> str:
