@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
     p.add_argument("--draft", required=True, help="export folder written by `specheads export`")
-    p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'turns' per row")
+    p.add_argument("--prompts", required=True, help="prompts file: JSON lines or a JSON array (specheads.data.prompts)")
     p.add_argument("--out", required=True, help="folder for batched_eval.json/.md and one eval folder per size")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated; the first is the reference (default 1,8)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="local HF model folder or builtin:tiny")
     p.add_argument("--draft", required=True, help="export folder written by `specheads export`")
-    p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'turns' per row")
+    p.add_argument("--prompts", required=True, help="prompts file: JSON lines or a JSON array (specheads.data.prompts)")
     p.add_argument("--out", required=True, help="folder for verifier.json and verifier.md")
     p.add_argument("--limit", type=int, default=16, help="first N prompts (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64)

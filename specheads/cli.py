@@ -70,7 +70,8 @@ def _eval_parser() -> argparse.ArgumentParser:
         "identical and report tau, per-position acceptance, cost ratio and speed-up."))
     p.add_argument("--target", required=True, help="local HF model folder, hub id (org/name, from the hub cache) or builtin:tiny")
     p.add_argument("--draft", required=True, help="export folder written by `specheads export`, or a hub id (org/name)")
-    p.add_argument("--prompts", help="jsonl with 'prompt' or 'turns' per row (online mode)")
+    p.add_argument("--prompts", help="prompts file (online mode): JSON lines or a JSON array of rows with "
+                   "prompt, turns, messages (first user turn), question, instruction (+input) or text")
     p.add_argument("--offline", action="store_true", help="teacher-forced acceptance on --data, no generation")
     p.add_argument("--data", help="held-out conversations (any training data format) for --offline")
     p.add_argument("--no-predict", action="store_true", help="skip the step-cost measurement, the prediction and the hybrid rows")

@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         "through an OpenAI-compatible server; resumable after a kill."))
     p.add_argument("source", help="dataset file (ShareGPT, OpenAI messages, Alpaca; .json/.jsonl/...)")
     p.add_argument("--out", required=True, help="output JSON-lines file (resumed if it exists)")
-    p.add_argument("--format", default="auto")
+    p.add_argument("--format", default="auto", choices=["auto", "sharegpt", "openai", "messages", "alpaca", "text"],
+                   help="the dataset's row format (default auto: from the first row's keys; a prompts file with "
+                        "prompt / turns / question rows is read as prompts to answer)")
     p.add_argument("--limit", type=int, default=None, help="first N rows only")
     g = p.add_argument_group("backend")
     g.add_argument("--target", default=None, help="local HF model folder or hub id (org/name): generate in this process")

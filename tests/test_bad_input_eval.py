@@ -13,7 +13,7 @@ ROLES = "expected one of system, developer, user, assistant, tool"
 @pytest.fixture
 def work(tmp_path):
     write_prompts(tmp_path)
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt here"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"query": "no prompt here"}\n')
     (tmp_path / "binary.jsonl").write_bytes(BINARY)
     (tmp_path / "latin1.jsonl").write_bytes(LATIN1)
     (tmp_path / "broken.json").write_text("{not json")
@@ -34,7 +34,8 @@ def work(tmp_path):
     (["--prompts", "missing.jsonl"], ["missing.jsonl", "does not exist"]),
     (["--prompts", "binary.jsonl"], ["binary.jsonl", "binary"]),
     (["--prompts", "latin1.jsonl"], ["latin1.jsonl", "not UTF-8"]),
-    (["--prompts", "bad.jsonl"], ["bad.jsonl:2", "'prompt'"]),
+    (["--prompts", "bad.jsonl"], ["bad.jsonl:2: no prompt in this row of the prompts file (JSON lines)",
+                                  "prompt, turns", "found 'query'"]),
     (["--prompts", "surrogate.jsonl"], ["surrogate.jsonl:2: field 'turns[1]': lone surrogate U+D800 at "
                                         "position 1", "remove it or write the character meant"]),
     (["--prompts", "surrogate_prompt.jsonl"], ["surrogate_prompt.jsonl:1: field 'prompt': lone surrogate "

@@ -25,6 +25,7 @@ def work(tmp_path):
     good = {"messages": [{"role": "user", "content": "q"}, ANSWER]}
     write_rows(tmp_path / "wizard.jsonl", good, {"messages": [{"role": "wizard", "content": "q"}, ANSWER]})
     write_rows(tmp_path / "surrogate.jsonl", {"messages": [{"role": "user", "content": "a\ud800b"}, ANSWER]})
+    write_rows(tmp_path / "odd.jsonl", {"query": "q", "lang": "en"})
     write_rows(tmp_path / "sharegpt.jsonl", {"conversations": [{"from": "human", "value": "caf\udce9"},
                                                               {"from": "gpt", "value": "a"}]})
     return tmp_path
@@ -40,6 +41,8 @@ def work(tmp_path):
                                              "surrogate U+D800 at position 1", "remove it"]),
     (["sharegpt.jsonl", "--target", "T"], ["sharegpt.jsonl: row 0 (line 1): field 'conversations[0].value': "
                                             "lone surrogate U+DCE9 at position 3"]),
+    (["odd.jsonl", "--target", "T"], ["cannot detect the data format", "['lang', 'query']",
+                                      "set --format explicitly (one of sharegpt, openai, alpaca, text)"]),
     (["data.jsonl", "--target", "T", "--limit", "0"], ["--limit 0"]),
     (["data.jsonl", "--target", "T", "--concurrency", "0"], ["--concurrency 0"]),
     (["data.jsonl", "--target", "T", "--max-new-tokens", "0"], ["--max-new-tokens"]),

@@ -67,8 +67,9 @@ def test_read_prompts(tmp_path):
     rows = read_prompts(path)
     assert [(r.id, r.turns) for r in rows] == [("1", ["a"]), ("7", ["b", "c"]), ("4", ["d"])]
     assert len(read_prompts(path, limit=2)) == 2
-    path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(PromptsError, match=r"p.jsonl:2: expected"):
+    path.write_text('{"prompt": "a"}\n{"txt": "b"}\n')
+    with pytest.raises(PromptsError, match=r"p.jsonl:2: no prompt in this row of the prompts file \(JSON lines\).*"
+                                           r"found 'txt'"):
         read_prompts(path)
     path.write_text('{"prompt": ""}\n')
     with pytest.raises(PromptsError, match="non-empty"):
@@ -78,3 +79,47 @@ def test_read_prompts(tmp_path):
         read_prompts(path)
     with pytest.raises(PromptsError, match="does not exist"):
         read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_every_prompt_shape_in_a_json_array_or_json_lines(tmp_path):
+    """One reader for every verb: prompt, turns, OpenAI messages (first user turn), question,
+    Alpaca instruction (+ input) and text rows, in a JSON array or in JSON lines."""
+    import json
+
+    rows = [{"prompt": "a"}, {"turns": ["b", "c"]},
+            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "d"},
+                          {"role": "assistant", "content": "x"}, {"role": "user", "content": "later"}]},
+            {"question": "e"}, {"instruction": "f", "input": "g"}, {"instruction": "h", "input": ""}, {"text": "i"}]
+    want = [["a"], ["b", "c"], ["d"], ["e"], ["f\n\ng"], ["h"], ["i"]]
+    array, lines = tmp_path / "p.json", tmp_path / "p.jsonl"
+    array.write_text(json.dumps(rows, indent=1))
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r.turns for r in read_prompts(array)] == want == [r.turns for r in read_prompts(lines)]
+
+
+def test_a_bad_row_names_the_container_and_the_keys_found(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('[{"prompt": "a"}, {"query": "b", "lang": "en"}]')
+    with pytest.raises(PromptsError, match=r"p.json: JSON array item 1: no prompt in this row of the prompts file "
+                                           r"\(a JSON array\).*found 'query', 'lang'"):
+        read_prompts(path)
+    path.write_text('[{"messages": [{"role": "assistant", "content": "x"}]}]')
+    with pytest.raises(PromptsError, match="JSON array item 0: 'messages' holds no user message"):
+        read_prompts(path)
+    path.write_text('["just a string"]')
+    with pytest.raises(PromptsError, match=r"\(a JSON array\) must be a JSON object.*got a str"):
+        read_prompts(path)
+
+
+def test_regenerate_answers_a_json_array_of_prompt_and_question_rows(tmp_path):
+    """regenerate reads the prompts file through the same reader: each user turn, then the answer to write."""
+    import json
+
+    from specheads.data.regenerate_run import read_rows
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([{"prompt": "a", "id": "x"}, {"question": "b", "id": "y"}]))
+    rows = read_rows(path)
+    assert [(r.id, r.messages) for r in rows] == [
+        ("x", [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]),
+        ("y", [{"role": "user", "content": "b"}, {"role": "assistant", "content": ""}])]

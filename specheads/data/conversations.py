@@ -360,8 +360,9 @@ def detect_format(value: Any) -> str | None:
     return None
 
 
-def _resolve_format(rows: list[_Row], fmt: str, path: Path) -> str:
-    """`fmt` itself, or for "auto" the format of the first row whose keys say which it is."""
+def _resolve_format(rows: list[_Row], fmt: str, path: Path, option: str = "data.format") -> str:
+    """`fmt` itself, or for "auto" the format of the first row whose keys say which it is; `option`:
+    what sets the format in the calling command (a recipe's data.format, regenerate's --format)."""
     fmt = FORMAT_ALIASES.get(fmt, fmt)
     if fmt != "auto":
         if fmt not in FORMATS:
@@ -373,13 +374,15 @@ def _resolve_format(rows: list[_Row], fmt: str, path: Path) -> str:
             return found
     keys = sorted(rows[0].value) if rows and isinstance(rows[0].value, dict) else []
     raise DataError(f"{path}: cannot detect the data format: no row has a 'conversations', 'messages', "
-                    f"'instruction' or 'text' field (first row keys: {keys}) — set data.format explicitly")
+                    f"'instruction' or 'text' field (first row keys: {keys}) — set {option} explicitly (one of "
+                    f"{', '.join(FORMATS)})")
 
 
 def read_conversations(
-    source: str | Path, fmt: str = "auto", skip_malformed: bool = False
+    source: str | Path, fmt: str = "auto", skip_malformed: bool = False, format_option: str = "data.format"
 ) -> tuple[list[Conversation], ReadStats]:
-    """Read one local dataset file or save_to_disk folder into conversations, validating every row.
+    """Read one local dataset file or save_to_disk folder into conversations, validating every row
+    (`format_option`: what sets the format in the calling command, named when it cannot be detected).
 
     A malformed row raises `DataError` (file, row, field, fix), or is skipped and counted in the
     returned `ReadStats` when `skip_malformed` is true.
@@ -398,7 +401,7 @@ def read_conversations(
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not rows:
         raise DataError(f"{path}: the file holds no rows — check data.path")
-    stats = ReadStats(format=_resolve_format(rows, fmt, path))
+    stats = ReadStats(format=_resolve_format(rows, fmt, path, format_option))
     convs = []
     for row in rows:
         stats.read += 1

@@ -15,7 +15,7 @@ from pathlib import Path
 from specheads.atomic import write_json
 from specheads.data.conversations import detect_format, read_conversations
 from specheads.data.messages import OPENAI_ROLES, FieldError, check_message, check_strings
-from specheads.data.prompts import read_prompts
+from specheads.data.prompts import PromptsError, prompt_records, read_prompts
 from specheads.data.regenerate_turns import LocalBackend, RegenerateError, RegenOptions, Row, count_turns
 from specheads.data.resume import RowWriter, check_resumable
 from specheads.errors import read_user_text
@@ -58,16 +58,17 @@ def _message_row(row: dict, n: int, path: Path) -> Row:
 
 
 def _prompt_rows(path: Path) -> list[Row] | None:
-    """A prompts file (`prompt` / `turns` rows, data/prompts.py; e.g. `specheads magpie`'s output)
-    as conversations to answer: each user turn followed by an empty assistant turn; else None."""
-    if path.suffix.lower() != ".jsonl" or not path.is_file():
+    """A prompts file (`prompt` / `turns` / `question` rows in JSON lines or a JSON array, read by
+    data/prompts.py; e.g. `specheads magpie`'s output) as conversations to answer: each user turn
+    followed by an empty assistant turn; else None (a dataset read_conversations reads)."""
+    if path.suffix.lower() not in (".json", ".jsonl") or not path.is_file():
         return None
-    lines = (line for line in read_user_text(path, "dataset", RegenerateError).splitlines() if line.strip())
     try:
-        first = json.loads(next(lines, "null"))
-    except json.JSONDecodeError:
+        records = prompt_records(path)[1]
+    except PromptsError:
         return None
-    if not isinstance(first, dict) or detect_format(first) or not {"prompt", "turns"} & set(first):
+    first = records[0][2] if records else None
+    if not isinstance(first, dict) or detect_format(first) or not {"prompt", "turns", "question"} & set(first):
         return None
     return [Row(p.id, [m for t in p.turns for m in ({"role": "user", "content": t}, {"role": "assistant", "content": ""})])
             for p in read_prompts(path)]
@@ -84,7 +85,7 @@ def read_rows(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
     elif prompts is not None:
         rows = prompts
     else:
-        convs, _ = read_conversations(path, fmt)
+        convs, _ = read_conversations(path, fmt, format_option="--format")
         rows = [Row(c.id, [{"role": m.role, "content": m.content} for m in c.messages]) for c in convs]
     rows = rows[:limit] if limit is not None else rows
     seen = set()

@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         "request failed)."))
     p.add_argument("--url", required=True, help="base URL of the speculative server, e.g. http://127.0.0.1:8000")
     p.add_argument("--baseline-url", default=None, help="base URL of the same target served without speculation")
-    p.add_argument("--prompts", required=True, help="jsonl with 'prompt' (or 'turns') per line")
+    p.add_argument("--prompts", required=True, help="prompts file: JSON lines or a JSON array of rows "
+                   "with prompt, turns, messages (first user turn), question, instruction (+input) or text")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)), help="e.g. 1,8,32")
     p.add_argument("--max-tokens", type=int, default=128)
