@@ -6,9 +6,8 @@ the fingerprint policy's override, and --hybrid / --adaptive / --suffix-history 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
-from specheads.mixing import resolve_mixing
+from specheads.mixing import resolve_mixing, with_history
 from specheads.verify.settings import Sampling, SettingsError, TreeSpec, check_acceptance, make_tree_spec
 
 
@@ -89,4 +88,4 @@ def add_mixing_arguments(p: argparse.ArgumentParser) -> None:
 def mixing_from_args(a: argparse.Namespace, draft_dir, spec: TreeSpec | None = None):
     """The parsed --hybrid / --adaptive / --suffix-history -> a checked Mixing for the drafter at `draft_dir`."""
     mixing = resolve_mixing(a.hybrid, a.adaptive, draft_dir, spec is None or spec.kind == "chain")
-    return replace(mixing, history=a.suffix_history) if a.suffix_history else mixing
+    return with_history(mixing, a.suffix_history)

@@ -140,7 +140,7 @@ def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
     check_inputs(draft_dir, prompt, max_new_tokens, sampling, device)
     session = Session.open(target_path, draft_dir, spec, device=device, dtype=dtype,
                            allow_missing_fingerprint=allow_missing_fingerprint, mixing=mixing)
-    print(f"speculation: {session.mixing.label()} ({session.mixing.reason})"
+    print(f"speculation: {session.mixing.describe()}"
           + (f"; {session.free_note}" if session.free_note else ""), file=err)
     ids = encode_prompt(session.target.tokenizer, prompt, chat)
     session.warm_up()

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 from contextlib import contextmanager
 from pathlib import Path
 
 from specheads.errors import first_line, is_network_error, read_user_text
+from specheads.eval.identity import KEY, eval_mismatch, history_warning
 from specheads.eval.predict import advice_summary
 
 METRICS = Path("eval") / "metrics.json"
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 META = "specheads.json"
+log = logging.getLogger(__name__)
 
 
 class PushError(ValueError):
@@ -40,8 +43,21 @@ def read_export(export_dir: str | Path) -> tuple[dict, dict, str]:
     if metrics.get("greedy_equal") is False:
         raise PushError(f"{metrics_path}: speculative output differed from plain greedy decoding "
                         f"(prompts {metrics.get('mismatched_ids')}); fix the export before publishing it")
+    check_measured_weights(metrics, folder, metrics_path)
     readme = read_user_text(folder / "README.md", "README", PushError) if (folder / "README.md").is_file() else ""
     return _read_json(folder / META), metrics, readme
+
+
+def check_measured_weights(metrics: dict, folder: Path, metrics_path: Path) -> None:
+    """Refuse an eval of other weights (e.g. copied from another export), naming both hashes; one that
+    records none (an older specheads) is pushed with a warning."""
+    mismatch = eval_mismatch(metrics, folder, metrics_path)
+    if mismatch is None:
+        return
+    other, why = mismatch
+    if other:
+        raise PushError(f"{why}; the card would publish another drafter's numbers")
+    log.warning("%s", why)
 
 
 def _read_json(path: Path) -> dict:
@@ -84,6 +100,12 @@ def metrics_section(metrics: dict) -> list[str]:
     adv = metrics.get("advice")
     if adv:
         lines += [f"Recommended on that hardware: {advice_summary(adv)}.", ""]
+    weights = (metrics.get(KEY) or {}).get("sha256")
+    if weights:
+        lines += [f"Measured with these weights (sha256 of their checksums: `{weights[:16]}…`).", ""]
+    flag = history_warning(metrics)
+    if flag:
+        lines += [f"> **Warning:** {flag}.", ""]
     return lines
 
 

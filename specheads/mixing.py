@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specheads.eval.identity import eval_mismatch, history_warning
 from specheads.model_ref import resolve_folder
 from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer, loop_k
 from specheads.verify.calibration import Calibration
@@ -57,9 +58,10 @@ class Mixing:
     calibration: Calibration | None = None
     costs: LengthCosts | None = None
     k_max: int | None = None
-    reason: str = "the drafter alone"
+    reason: str = "as asked"
     free_k_max: int | None = None  # the free draft's longest (None: k_max)
     history: str | None = None  # conversations put in suffix decoding's cache first (`--suffix-history`)
+    asked: str = "--hybrid off"  # the flags as given (`asked_text`)
 
     @property
     def active(self) -> bool:
@@ -72,6 +74,12 @@ class Mixing:
         if self.hybrid != "choose":
             return f"adaptive draft length (k <= {self.k_max}, the drafter only)"
         return f"adaptive draft length (k <= {self.k_max}, with the free draft up to {self.free_loop_k()})"
+
+    def describe(self) -> str:
+        """What is served, what was asked and why: the start line of generate, serve and regenerate."""
+        if self.reason == "as asked":
+            return f"{self.label()} (as asked: {self.asked})"
+        return f"{self.label()} (asked: {self.asked}; {self.reason})"
 
     def free_loop_k(self) -> int:
         """The longest draft a step verifies (the decode loop's chain)."""
@@ -100,21 +108,26 @@ def eval_metrics(draft_dir: str | Path) -> tuple[dict | None, Path]:
     return metrics, path
 
 
-def default_setting(metrics: dict | None, path: Path, chain: bool) -> tuple[str, bool, str]:
-    """(--hybrid, --adaptive, why) of `--hybrid auto` (module docstring)."""
+def default_setting(metrics: dict | None, path: Path, chain: bool, rows=tuple(SETTINGS)) -> tuple[str, bool, str]:
+    """(--hybrid, --adaptive, why) of `--hybrid auto` (module docstring): the eval's fastest of `rows`
+    (its advice when that is one of them, else the fastest row it predicts among them)."""
     if not chain:
-        return "off", False, "the drafter alone (a tree draft: hybrid choose and adaptive draft chains)"
+        return "off", False, "a tree draft: hybrid choose and adaptive draft chains"
     ours = ((metrics or {}).get("advice") or {}).get("engines", {}).get("specheads")
     if not ours:
-        return "off", False, (f"the drafter alone (no {path} with the hybrid rows' predictions; "
-                              "`specheads eval --attach` writes it)")
+        return "off", False, f"no {path} with the hybrid rows' predictions; `specheads eval --attach` writes it"
     use = ours.get("use")
     if use not in SETTINGS:
         raise SettingsError(f"{path}: advice.engines.specheads.use '{use}': expected one of {', '.join(SETTINGS)}")
     predicted = ours.get("predicted", {})
+    among = ""
+    if use not in rows:
+        use = max((r for r in rows if isinstance(predicted.get(r), (int, float))), key=predicted.get, default="drafter")
+        among = f" of {', '.join(rows)}"
     mode, adaptive = SETTINGS[use]
-    return mode, adaptive, (f"{path} predicts {use} fastest ({predicted.get(use, 0):.2f}x; the drafter alone "
-                            f"{predicted.get('drafter', 0):.2f}x)")
+    flag = history_warning(metrics)
+    return mode, adaptive, (f"{path} predicts {use} fastest{among} ({predicted.get(use, 0):.2f}x; the drafter alone "
+                            f"{predicted.get('drafter', 0):.2f}x)" + (f"; WARNING: {flag}" if flag else ""))
 
 
 def adaptive_inputs(metrics: dict | None, path: Path) -> tuple[Calibration, LengthCosts, int, int]:
@@ -147,22 +160,73 @@ def check_setting(mode: str, adaptive: bool, chain: bool = True) -> None:
         raise SettingsError("--hybrid choose and --adaptive draft chains: use --tree chain, or --hybrid union for trees")
 
 
+def with_history(mixing: Mixing, history: str | None) -> Mixing:
+    """`mixing` with `--suffix-history` (None: none); said when nothing will read it (no free proposer runs)."""
+    if not history:
+        return mixing
+    if not mixing.active:
+        why = "no --draft" if mixing.reason == "no drafter" else f"{mixing.label()} ({mixing.asked})"
+        log.warning("--suffix-history %s is ignored: only suffix decoding reads it, and %s runs none (it runs "
+                    "with --hybrid choose, union or --adaptive)", history, why)
+        return mixing
+    return replace(mixing, history=history)
+
+
+def asked_text(hybrid: str, adaptive: bool | None) -> str:
+    """The flags as given: `--hybrid X [--adaptive | --no-adaptive]`."""
+    return f"--hybrid {hybrid}" + {None: "", True: " --adaptive", False: " --no-adaptive"}[adaptive]
+
+
+def choose_setting(hybrid: str, adaptive: bool | None, metrics: dict | None, path: Path,
+                   chain: bool) -> tuple[str, bool, str]:
+    """(mode, adaptive, why): an explicit flag is always what is served; `--hybrid auto` and an unset
+    `--adaptive` are decided by the eval among the settings the explicit flags leave."""
+    if hybrid != "auto":
+        if adaptive is None:
+            return hybrid, False, "as asked (an explicit --hybrid: adaptive draft length only with --adaptive)"
+        return hybrid, adaptive, "as asked"
+    if adaptive is None:
+        return default_setting(metrics, path, chain)
+    if adaptive:  # the adaptive row the eval measures drafts with the free draft too
+        return "choose", True, "--adaptive as asked, with the free draft (hybrid choose) as the eval's adaptive row"
+    return default_setting(metrics, path, chain, rows=("drafter", "hybrid", "union"))
+
+
+def matching_eval(metrics: dict | None, path: Path, draft_dir) -> tuple[dict | None, str | None]:
+    """(the eval's metrics when they measured the weights at `draft_dir`, why they were ignored): an
+    eval of other weights is ignored, saying so with both hashes (one that records none is used, warned)."""
+    if metrics is None:
+        return None, None
+    mismatch = eval_mismatch(metrics, draft_dir, path)
+    if mismatch is None:
+        return metrics, None
+    other, why = mismatch
+    if not other:
+        log.warning("%s", why)
+        return metrics, None
+    log.warning("%s; the eval is ignored", why)
+    return None, why
+
+
 def resolve_mixing(hybrid: str = "off", adaptive: bool | None = False, draft_dir: str | Path | None = None,
                    chain: bool = True) -> Mixing:
     """--hybrid / --adaptive (None: as `--hybrid auto` decides) -> a checked Mixing."""
     if hybrid not in HYBRID:
         raise SettingsError(f"--hybrid '{hybrid}': expected one of {', '.join(HYBRID)}")
+    asked = asked_text(hybrid, adaptive)
     if draft_dir is None:
         if hybrid in ("choose", "union") or adaptive:
             raise SettingsError("--hybrid and --adaptive combine a drafter with a free proposer: pass --draft")
-        return Mixing(reason="no drafter")
+        return Mixing(reason="no drafter", asked=asked)
     metrics, path = eval_metrics(draft_dir)
-    auto_mode, auto_adaptive, why = default_setting(metrics, path, chain)
-    mode = auto_mode if hybrid == "auto" else hybrid
-    adapt = auto_adaptive if adaptive is None else adaptive
-    reason = why if (hybrid == "auto" and adaptive is None) else "as asked (--hybrid / --adaptive)"
+    metrics, ignored = matching_eval(metrics, path, path.parent.parent)  # the resolved folder (hub ids)
+    mode, adapt, reason = choose_setting(hybrid, adaptive, metrics, path, chain)
     check_setting(mode, adapt, chain)
+    if ignored and hybrid == "auto" and adaptive is None:
+        reason = f"{path} measured other weights, so it is ignored"
     if not adapt:
-        return Mixing(mode, False, reason=reason)
+        return Mixing(mode, False, reason=reason, asked=asked)
+    if ignored:
+        raise SettingsError(f"--adaptive needs the calibration and step costs of these weights: {ignored}")
     calibration, costs, k_max, free_k_max = adaptive_inputs(metrics, path)
-    return Mixing(mode, True, calibration, costs, k_max, reason, free_k_max)
+    return Mixing(mode, True, calibration, costs, k_max, reason, free_k_max, asked=asked)

@@ -90,7 +90,7 @@ def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBacke
     # a turn ends at the tokenizer's eos only, as in the batched path (generate's eos_token_id)
     session = Session(target, draft, TreeSpec("chain"), eos=[target.tokenizer.eos_token_id],
                       mixing=mixing_from_args(a, a.draft))
-    print(f"[specheads] regenerate: speculation: {session.mixing.label()} ({session.mixing.reason})"
+    print(f"[specheads] regenerate: speculation: {session.mixing.describe()}"
           + (f"; {session.free_note}" if session.free_note else ""), file=sys.stderr, flush=True)
     decoder = SessionDecoder(session, opts, a.batch_size)
     return LocalBackend(session.target, opts, a.batch_size, decoder, draft=str(draft.meta.folder.resolve()))

@@ -121,7 +121,7 @@ class Session:
             _, make_free, self.free_note = mix_free()
             self.free = make_free()
             if self.mixing.history:
-                warm_free(self.free, history_pairs(self.mixing.history, target.tokenizer))
+                warm_free(self.free, history_pairs(self.mixing.history, target.tokenizer, target.context))
 
     @classmethod
     def open(cls, target_path: str, draft_dir: str | Path | None, spec: TreeSpec = TreeSpec("chain"),

@@ -13,6 +13,7 @@ import pytest
 from refusals import refused, write_data
 
 from specheads.cli import main as cli
+from specheads.eval.identity import draft_weights
 from specheads.eval.online import evaluate
 from specheads.generate import run_generate
 from specheads.mixing import SETTINGS, resolve_mixing
@@ -33,13 +34,15 @@ def evaluated_export(tiny_target_dir, random_export_dir, tmp_path_factory):
     return export
 
 
-def fake_eval(folder, use: str, with_costs: bool = True):
-    """An export folder holding only eval/metrics.json whose advice names `use` for specheads."""
+def fake_eval(folder, use: str, with_costs: bool = True, predicted: dict | None = None):
+    """An export folder holding only eval/metrics.json whose advice names `use` for specheads (the
+    weights it records: the folder's, none)."""
     (folder / "eval").mkdir(parents=True)
-    predicted = {"drafter": 1.1, use: 1.4}
+    predicted = {"drafter": 1.1, **(predicted or {}), use: 1.4}
     metrics = {"k": 2, "advice": {"engines": {"specheads": {"use": use, "predicted": predicted}}},
                "speculative": {"acceptance_per_position_conditional": [0.7, 0.5]}, "adaptive": {"k_max": 4},
-               "calibration": {"map": {"bins": [0.1 * b for b in range(10)], "counts": [1] * 10}}}
+               "calibration": {"map": {"bins": [0.1 * b for b in range(10)], "counts": [1] * 10}},
+               "draft_weights": draft_weights(folder)}
     if with_costs:
         metrics["adaptive"]["length_costs"] = {"verify": [1.0, 1.1, 1.2, 1.3, 1.4], "draft": 0.2, "fixed": 0.1}
     (folder / "eval" / "metrics.json").write_text(json.dumps(metrics))
@@ -56,11 +59,40 @@ def test_auto_takes_what_the_eval_predicts_fastest(tmp_path, use):
         assert mixing.calibration(0.95, 1) == pytest.approx(0.9) and mixing.calibration(None, 2) == 0.5
 
 
-def test_explicit_settings_override_and_no_eval_means_the_drafter_alone(tmp_path):
+# (--hybrid, --adaptive) -> what is served, with an eval that advises adaptive (and predicts union
+# the fastest of the settings without adaptive draft length)
+SERVED = {("auto", None): ("choose", True), ("auto", True): ("choose", True), ("auto", False): ("union", False),
+          ("choose", None): ("choose", False), ("choose", True): ("choose", True), ("choose", False): ("choose", False),
+          ("union", None): ("union", False), ("union", False): ("union", False), ("off", None): ("off", False),
+          ("off", True): ("off", True), ("off", False): ("off", False)}
+
+
+@pytest.mark.parametrize("hybrid,adaptive", list(SERVED))
+def test_an_explicit_flag_is_always_what_is_served(tmp_path, hybrid, adaptive):
+    export = fake_eval(tmp_path / "export", "adaptive", predicted={"hybrid": 1.2, "union": 1.3})
+    mixing = resolve_mixing(hybrid, adaptive, export)
+    assert (mixing.hybrid, mixing.adaptive) == SERVED[hybrid, adaptive]
+    line = mixing.describe()
+    flags = f"--hybrid {hybrid}" + {None: "", True: " --adaptive", False: " --no-adaptive"}[adaptive]
+    assert line.startswith(mixing.label() + (" (as asked: " + flags + ")" if mixing.reason == "as asked"
+                                             else " (asked: " + flags + ";")), line
+    assert not mixing.reason.startswith(mixing.label()) and line.count("the drafter alone (") <= 1, line
+    assert ("predicts" in line) == (hybrid == "auto" and adaptive is not True), line
+    if (hybrid, adaptive) == ("auto", False):
+        assert "predicts union fastest of drafter, hybrid, union (1.30x" in line
+
+
+def test_adaptive_over_union_is_refused_only_when_asked(tmp_path):
     export = fake_eval(tmp_path / "export", "adaptive")
-    assert (resolve_mixing("union", False, export).hybrid, resolve_mixing("off", None, export).adaptive) == ("union", True)
+    with pytest.raises(SettingsError, match="--adaptive verifies chains"):
+        resolve_mixing("union", True, export)
+
+
+def test_no_eval_means_the_drafter_alone_said_once(tmp_path):
     alone = resolve_mixing("auto", None, tmp_path)  # no eval/metrics.json
-    assert not alone.active and "the drafter alone" in alone.reason and "specheads eval --attach" in alone.reason
+    assert not alone.active and "specheads eval --attach" in alone.reason
+    assert alone.describe().count("the drafter alone") == 1, alone.describe()
+    export = fake_eval(tmp_path / "export", "adaptive")
     assert not resolve_mixing("auto", None, export, chain=False).active  # a tree: the hybrids draft chains
     assert not resolve_mixing("auto", None, None).active  # no drafter
 
@@ -175,7 +207,7 @@ def test_regenerate_with_a_hybrid_gives_plain_greedy_answers(tiny_target_dir, ev
     assert cli([*common, "--out", str(tmp_path / "plain.jsonl")]) == 0
     assert cli([*common, "--out", str(tmp_path / "mixed.jsonl"), "--draft", str(evaluated_export), *flags]) == 0
     err = capsys.readouterr().err
-    assert f"regenerate: speculation: {label}" in err and "as asked (--hybrid / --adaptive)" in err
+    assert f"regenerate: speculation: {label}" in err and f"(as asked: {' '.join(flags)})" in err
     plain, mixed = ([json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
                     for name in ("plain", "mixed"))
     assert len(mixed) == len(plain) == 5 and sum(r["regenerated"]["turns"] for r in mixed) > 5
@@ -197,7 +229,8 @@ def test_eval_and_generate_take_a_suffix_history_and_eval_the_rows_asked(tmp_pat
                 "--out", str(out), "--max-new-tokens", "12", "--k", "2", "--quiet", "--suffix-history", str(history),
                 "--mix-rows", "adaptive"]) == 0
     m = json.loads((out / "metrics.json").read_text())
-    assert m["suffix_history"] == {"file": "history.jsonl", "answers": 2}
+    assert (m["suffix_history"]["file"], m["suffix_history"]["answers"]) == ("history.jsonl", 2)
+    assert m["suffix_history"]["overlap"]["prompts_in_history"] == 2 and "read high" in m["suffix_history"]["warning"]
     assert m["hybrid"] == {"skipped": "not asked (--mix-rows)"} == m["union"]
     assert m["adaptive"]["greedy_equal"] is True and m["suffix"]["greedy_equal"] is True
     mixing = replace(resolve_mixing("choose", True, evaluated_export), history=str(history))

@@ -204,14 +204,15 @@ def test_concurrent_requests_equal_each_request_alone(server, target):
 def test_models_health_and_errors(server):
     card = json.loads(get(f"{server}/v1/models"))["data"][0]
     assert card["id"] == "tiny" and card["specheads"]["speculation"]["kind"] == "chain"
+    assert "embedding_sketch" not in card["specheads"]["target"] and card["specheads"]["target"]["tokenizer_sha256"]
     assert json.loads(get(f"{server}/health")) == {"status": "ok"}
-    bad = [({"prompt": "x", "n": 2}, "'n'"), ({"prompt": "x", "model": "other"}, "not served"),
-           ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x " * 400}, "context"),
-           ({"prompt": ""}, "prompt")]
-    for body, words in bad:
+    bad = [({"prompt": "x", "n": 2}, "'n'", 400), ({"prompt": "x", "model": "other"}, "does not exist", 404),
+           ({"prompt": "x", "temperature": -1}, "temperature", 400), ({"prompt": "x " * 400}, "context", 400),
+           ({"prompt": ""}, "prompt", 400)]
+    for body, words, status in bad:
         with pytest.raises(urllib.error.HTTPError) as err:
             post(f"{server}/v1/completions", body)
-        assert err.value.code == 400 and words in json.loads(err.value.read())["error"]["message"]
+        assert err.value.code == status and words in json.loads(err.value.read())["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as err:
         get(f"{server}/v1/nothing")
     assert err.value.code == 404

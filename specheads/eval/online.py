@@ -28,10 +28,12 @@ from pathlib import Path
 
 from specheads.atomic import write_text
 from specheads.data.prompts import read_prompts, user_turn
-from specheads.data.suffix_history import history_pairs
+from specheads.data.suffix_history import History, history_overlap, overlap_warning, read_history
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.eval.concurrency import concurrency_advice
 from specheads.eval.engine_costs import add_llamacpp_prediction, read_llamacpp_cost
+from specheads.eval.identity import KEY as WEIGHTS_KEY
+from specheads.eval.identity import draft_weights
 from specheads.eval.mixes import (
     MIXES,
     RowCosts,
@@ -174,10 +176,10 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if batch_size > 1:  # before any decoding: ragged rows need an attention that honours 4-D masks
         check_batch_attention(target.config)
     session.warm_up()
-    history = history_pairs(suffix_history, target.tokenizer) if suffix_history else []
+    history = read_history(suffix_history, target.tokenizer, target.context, quiet) if suffix_history else History()
     t0, machine_at_start = time.perf_counter(), machine()  # the load before this eval adds its own
     totals, outputs = evaluate_rows(session, rows, max_new_tokens, sampling=sampling or Sampling(), quiet=quiet,
-                                    batch_size=batch_size, history=history)
+                                    batch_size=batch_size, history=history.pairs)
     sampled = sampling is not None and not sampling.greedy
     equal = None if sampled else not totals.mismatches
     spec = method_metrics(totals.draft, totals.plain, tree.levels())
@@ -212,6 +214,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
                   "prefill_forwards": totals.plain.prefill_forwards, "wall_s": totals.plain.wall_s,
                   "target_decode_s": totals.plain.target_decode_s},
         "eval_wall_s": time.perf_counter() - t0,
+        WEIGHTS_KEY: draft_weights(session.draft.meta.folder),  # the weights measured (eval/identity.py)
         "provenance": provenance(
             target=target.fingerprint(), target_path=str(target.path), draft=str(draft_dir),
             draft_format=session.draft.meta.format, fingerprint_checked=session.draft.fingerprint_checked,
@@ -219,11 +222,11 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
             dtype=str(target.dtype).replace("torch.", ""), machine=machine_at_start,
         ),
     }
-    if history:  # what suffix decoding knew before the first prompt
-        metrics["suffix_history"] = {"file": Path(suffix_history).name, "answers": len(history)}
+    if suffix_history:  # what suffix decoding knew before the first prompt
+        metrics["suffix_history"] = history_metrics(history, Path(suffix_history).name, outputs, target.tokenizer)
     if predict:
         prompts = [eval_prompt_ids(target.tokenizer, user_turn(r.turns[0])) for r in rows]
-        mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet, tuple(mix_rows), history, concurrency)
+        mix = Mix(max_new_tokens, sampling or Sampling(), batch_size, quiet, tuple(mix_rows), history.pairs, concurrency)
         (predict_chain if tree.kind == "chain" else predict_tree)(metrics, session, totals, outputs, prompts, mix)
     if llamacpp is not None:
         add_llamacpp_prediction(metrics, llamacpp, session.draft.meta.kind, session.draft.meta.format)
@@ -233,6 +236,18 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     if attach:
         attach_to_export(draft_dir, out)
     return metrics
+
+def history_metrics(history: History, file: str, outputs: list[dict], tokenizer) -> dict:
+    """metrics.json "suffix_history": the file, what was kept, and how much of the evaluated prompts and
+    their (plain) answers it already held, with a warning (also on the terminal) when any."""
+    answers = [tokenizer.decode(o["plain_ids"], skip_special_tokens=True) for o in outputs]
+    overlap = history_overlap(history, [o["prompt"] for o in outputs if isinstance(o["prompt"], str)], answers)
+    warning = overlap_warning(overlap, file)
+    if warning:
+        log.warning("%s", warning)
+    return {"file": file, "answers": len(history.pairs), "skipped_too_long": history.skipped,
+            "cut_to_context": history.cut, "overlap": overlap, "warning": warning}
+
 
 @dataclass(frozen=True)
 class Mix:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from specheads.atomic import check_output, write_bytes, write_json, write_text
 from specheads.errors import read_user_text
+from specheads.eval.identity import history_warning
 from specheads.eval.predict import sglang_flags
 from specheads.export.readme import RECOMMENDED
 
@@ -221,10 +222,16 @@ def predicted_text(row: dict) -> str:
     return f"predicted {row.get('predicted_speedup', float('nan')):.2f}x"
 
 
+def caveat_lines(metrics: dict) -> list[str]:
+    """What qualifies every number below: a suffix history that held the evaluated prompts."""
+    flag = history_warning(metrics)
+    return [f"> **Warning:** {flag}.", ""] if flag else []
+
+
 def report_markdown(metrics: dict, plots: dict[str, str], measured: dict[int, float] | None = None) -> str:
     """report.md: the headline numbers, the prediction table, the advice, the plots."""
     spec = metrics.get("speculative") or metrics.get("offline") or {}
-    lines = ["# specheads evaluation", ""]
+    lines = ["# specheads evaluation", "", *caveat_lines(metrics)]
     if "tau" in metrics:
         lines.append(f"- tau {metrics['tau']:.3f} (bonus included; plain decoding = 1.00), draft shape "
                      f"{json.dumps(metrics.get('tree'))}, greedy equal: {metrics.get('greedy_equal')}")

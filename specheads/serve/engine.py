@@ -12,6 +12,7 @@ A request's proposer and text stream are `Guarded`: their failure ends that requ
 
 from __future__ import annotations
 
+import copy
 import secrets
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text
+from specheads.data.text_bound import max_token_chars, min_tokens
 from specheads.protocols import GroupedProposer
 from specheads.session import Session
 from specheads.verify.loop import Request
@@ -62,6 +64,12 @@ class SerialTokenizer:
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
+
+    def copy(self) -> SerialTokenizer:
+        """An independent copy behind a lock of its own (one per thread that tokenises requests, so a
+        long request never waits on, nor holds up, the decode thread's detokenising)."""
+        with self._lock:
+            return SerialTokenizer(copy.deepcopy(self._tok))
 
 
 @dataclass(frozen=True)
@@ -171,16 +179,19 @@ class Engine:
     def __init__(self, session: Session, model_name: str = "specheads"):
         self.session, self.model_name = session, model_name
         self.target, self.head, self.spec, self.eos = session.target, session.head, session.spec, session.eos
-        self.tokenizer = SerialTokenizer(session.target.tokenizer)
+        self.tokenizer = SerialTokenizer(session.target.tokenizer)  # the decode thread's (text streaming)
+        self.token_chars = max_token_chars(session.target.tokenizer)
 
     @property
     def context(self) -> int | None:
         return self.target.context
 
-    def chat_ids(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> list[int]:
-        """The conversation rendered with the target's chat template, ready for the answer."""
+    def chat_ids(self, messages: list[dict], tools=None, template_kwargs: dict | None = None,
+                 tokenizer=None) -> list[int]:
+        """The conversation rendered with the target's chat template, ready for the answer (`tokenizer`:
+        a copy of the target's, e.g. a request thread's own; default the decode thread's)."""
         try:
-            return encode_chat(self.tokenizer, messages, tools, template_kwargs)
+            return encode_chat(tokenizer or self.tokenizer, messages, tools, template_kwargs)
         except NoChatTemplate as err:
             raise RequestError(f"{err}: use /v1/completions", "messages") from None
         except Exception as err:  # noqa: BLE001 - jinja / template errors come from the request
@@ -188,10 +199,10 @@ class Engine:
                                f"{' and tools' if tools else ''}: {type(err).__name__}: {err}",
                                "messages") from None
 
-    def text_ids(self, prompt) -> list[int]:
-        """A completion prompt (text or a list of token ids) -> ids."""
+    def text_ids(self, prompt, tokenizer=None) -> list[int]:
+        """A completion prompt (text or a list of token ids) -> ids (`tokenizer`: as `chat_ids`)."""
         if isinstance(prompt, str):
-            return encode_text(self.tokenizer, prompt)
+            return encode_text(tokenizer or self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
     def budget(self, ids: list[int], params: Params, field: str = "prompt") -> int:
@@ -204,7 +215,21 @@ class Engine:
             raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}: "
                                "shorten it", field)
         room = (ctx - len(ids)) if ctx is not None else 1 << 30
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is not None and params.max_tokens > room:  # as vLLM: refused, not cut
+            raise RequestError(f"'max_tokens' is too large: {params.max_tokens}. This model's context is {ctx} "
+                               f"tokens and the prompt has {len(ids)} ({params.max_tokens} > {ctx} - {len(ids)}): "
+                               f"ask for at most {room}, or leave it out (up to the context)", "max_tokens")
+        return room if params.max_tokens is None else params.max_tokens
+
+    def check_chars(self, chars: int, field: str) -> None:
+        """Refuse a prompt of `chars` characters that cannot fit the context, before tokenising it
+        (data/text_bound.py: at least ceil(chars / token_chars) tokens)."""
+        ctx = self.context
+        least = min_tokens(chars, self.token_chars)
+        if ctx is not None and least >= ctx:
+            raise RequestError(f"the prompt ('{field}') has {chars} characters, so at least {least} tokens (no token of this "
+                               f"model covers more than {self.token_chars} characters), but the model's context is "
+                               f"{ctx}: shorten it", field)
 
     def _sampling(self, params: Params) -> Sampling:
         """Greedy at temperature 0, else seeded sampling (a random seed when none is given)."""

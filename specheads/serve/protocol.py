@@ -123,6 +123,32 @@ def parse_tools(body: dict) -> list[dict] | None:
     return tools
 
 
+def parse_tool_choice(body: dict, tools: list[dict] | None) -> None:
+    """`tool_choice`: null, "none" or (with `tools`) "auto"; what would force a tool call is refused,
+    since this server does not constrain decoding to a call (as it refuses logprobs, n, ...)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    names = [t["function"]["name"] for t in tools or []]
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise RequestError(f"'tool_choice' names the function {_short(name)}, which is not in 'tools' "
+                               f"({', '.join(names) or 'none given'})", "tool_choice")
+        raise RequestError(f"'tool_choice' forcing the function '{name}' is not supported by this server (it "
+                           "does not constrain decoding to a call): use \"auto\" or \"none\"", "tool_choice")
+    if choice == "auto":
+        if not tools:
+            raise RequestError("'tool_choice' \"auto\" needs 'tools': pass the tools, or drop tool_choice",
+                               "tool_choice")
+        return
+    if choice == "required":
+        raise RequestError("'tool_choice' \"required\" is not supported by this server (it does not constrain "
+                           "decoding to a call): use \"auto\" or \"none\"", "tool_choice")
+    raise RequestError(f"'tool_choice' must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ...}}}}, got {_short(choice)}", "tool_choice")
+
+
 def parse_template_kwargs(body: dict) -> dict:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):

@@ -23,13 +23,11 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from specheads.cli_options import (
     add_fingerprint_argument,
@@ -38,9 +36,11 @@ from specheads.cli_options import (
     mixing_from_args,
     spec_from_args,
 )
+from specheads.data.text_bound import text_chars
 from specheads.mixing import Mixing
 from specheads.serve.engine import Cancelled, Engine, Params, RequestError
-from specheads.serve.metrics import CONTENT_TYPE, Metrics
+from specheads.serve.lanes import lane_for, make_lanes
+from specheads.serve.metrics import CONTENT_TYPE, Metrics, ThroughputLog
 from specheads.serve.protocol import (
     Responder,
     error_body,
@@ -49,15 +49,16 @@ from specheads.serve.protocol import (
     parse_params,
     parse_prompt,
     parse_template_kwargs,
+    parse_tool_choice,
     parse_tools,
 )
 from specheads.serve.scheduler import Overloaded, Scheduler
-from specheads.serve.transport import ServeError, bind, protocol_class, url_of
+from specheads.serve.transport import ServeError, bind, protocol_class, read_body, url_of
 from specheads.session import Session
 from specheads.verify.ragged import check_batch_attention
 from specheads.verify.steps import DecodeError
 
-MAX_BODY = 64 << 20
+MAX_BODY_MB = 8.0  # default cap on a request body: see ServeOptions.max_body_mb
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class ServeOptions:
     read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
     log_requests: bool = False
     max_batch: int = 8  # requests decoding together (rows per target forward)
+    # a 128K-token context of text is about 0.5-1.5 MB of JSON (~4 characters a token, 1-3 bytes each):
+    # 8 MB leaves room for tool schemas and escaped text, and bounds what one request makes the server hold
+    max_body_mb: float = MAX_BODY_MB
+    log_interval: float = 10.0  # seconds between throughput / acceptance log lines (0: none)
 
     def __post_init__(self):
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
@@ -78,6 +83,15 @@ class ServeOptions:
         if not 0 < self.read_timeout < math.inf:
             raise ServeError(f"--read-timeout must be a positive number of seconds, "
                              f"got {self.read_timeout!r}")
+        if not 0 < self.max_body_mb < math.inf:
+            raise ServeError(f"--max-body-mb must be a positive number of megabytes, got {self.max_body_mb!r}")
+        if not 0 <= self.log_interval < math.inf:
+            raise ServeError(f"--log-interval must be a number of seconds >= 0 (0: no log line), "
+                             f"got {self.log_interval!r}")
+
+    @property
+    def max_body(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
 
 
 def log(message: str) -> None:
@@ -87,7 +101,8 @@ def log(message: str) -> None:
 
 def model_card(engine: Engine, draft: str | None) -> dict:
     """The /v1/models entry; `specheads` carries what regeneration records as provenance."""
-    extra = {"target": engine.target.fingerprint(), "draft": draft,
+    fingerprint = {k: v for k, v in engine.target.fingerprint().items() if k != "embedding_sketch"}  # 32x5 floats
+    extra = {"target": fingerprint, "draft": draft,
              "speculation": engine.spec.describe() if engine.head is not None else None}
     return {"id": engine.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "specheads", "root": str(engine.target.path),
@@ -108,41 +123,6 @@ def error_response(err: RequestError):
     return JSONResponse(error_body(str(err), err.status, err.param), err.status, headers=headers)
 
 
-async def read_json(request: Request, timeout: float) -> dict:
-    """The request body as a JSON object, within `timeout` seconds and MAX_BODY bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and int(declared) > MAX_BODY:
-        raise RequestError(f"Content-Length {declared}: this server accepts bodies of at most "
-                           f"{MAX_BODY} bytes", "Content-Length", 413)
-
-    async def read() -> bytes:
-        parts, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY:
-                raise RequestError(f"the body exceeds {MAX_BODY} bytes", "body", 413)
-            parts.append(chunk)
-        return b"".join(parts)
-
-    try:
-        raw = await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:
-        raise RequestError(f"the request body did not arrive within {timeout:g} s (read timeout): "
-                           "send the whole body, with a Content-Length that matches it",
-                           "body", 408) from None
-    except ClientDisconnect:
-        raise RequestError("the client disconnected while sending the body", "body") from None
-    if not raw.strip():
-        raise RequestError("the request needs a JSON object as its body", "body")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise RequestError(f"the body is not valid JSON: {err}", "body") from None
-    if not isinstance(body, dict):
-        raise RequestError(f"the body must be a JSON object, got a {type(body).__name__}", "body")
-    return body
-
-
 def check_batching(engine: Engine, max_batch: int) -> None:
     """Refuse --max-batch > 1 on a target whose attention kernel cannot decode ragged rows."""
     if max_batch > 1:
@@ -161,24 +141,28 @@ class Service:
         self.card = model_card(engine, draft)
         check_batching(engine, options.max_batch)
         self.scheduler = Scheduler(engine, self.metrics, options.max_queue, options.max_batch)
-        # tokenizing (chat templates) off the event loop, beside the decode thread
-        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specheads-prepare")
+        # tokenizing (chat templates) off the event loop and the decode thread (serve/lanes.py)
+        self.lanes = make_lanes(engine)
+        self.throughput = ThroughputLog(self.metrics, options.log_interval, log)
 
-    def prepare(self, body: dict, chat: bool) -> tuple[list[int], Params]:
+    def prepare(self, body: dict, chat: bool, tokenizer) -> tuple[list[int], Params]:
         """Body -> (prompt ids, Params), refusing what the engine cannot serve (before any
-        response is started)."""
+        response is started; a prompt that cannot fit the context before it is tokenised)."""
         engine = self.engine
         model = body.get("model")
         if model is not None and model != engine.model_name:
-            raise RequestError(f"model '{model}' is not served here; this server serves "
-                               f"'{engine.model_name}'", "model")
+            raise RequestError(f"The model '{model}' does not exist: this server serves "
+                               f"'{engine.model_name}'", "model", 404)
         params = parse_params(body)
         if chat:
-            field = "messages"
-            ids = engine.chat_ids(parse_messages(body), parse_tools(body), parse_template_kwargs(body))
+            field, messages, tools = "messages", parse_messages(body), parse_tools(body)
+            parse_tool_choice(body, tools)
+            engine.check_chars(text_chars(messages), field)
+            ids = engine.chat_ids(messages, tools, parse_template_kwargs(body), tokenizer)
         else:
-            field = "prompt"
-            ids = engine.text_ids(parse_prompt(body))
+            field, prompt = "prompt", parse_prompt(body)
+            engine.check_chars(len(prompt) if isinstance(prompt, str) else 0, field)
+            ids = engine.text_ids(prompt, tokenizer)
         vocab = engine.target.vocab_size
         if max(ids, default=0) >= vocab or min(ids, default=0) < 0:
             raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}", field)
@@ -188,9 +172,15 @@ class Service:
     async def complete(self, request: Request, chat: bool):
         """POST /v1/(chat/)completions."""
         try:
-            body = await read_json(request, self.options.read_timeout)
+            body, size = await read_body(request, self.options.read_timeout, self.options.max_body)
+            stream, with_usage = body.get("stream"), include_usage(body)
             loop = asyncio.get_running_loop()
-            ids, params = await loop.run_in_executor(self.prepare_pool, self.prepare, body, chat)
+            lane = lane_for(self.lanes, size)
+            try:
+                ids, params = await loop.run_in_executor(lane.pool, lane.run, self.prepare, body, chat)
+            finally:
+                del body  # a large body's memory goes back before the answer
+                lane.done(loop)
             self.scheduler.admit()
         except RequestError as err:
             return error_response(err)
@@ -198,14 +188,14 @@ class Service:
             log(f"internal error preparing {request.url.path}: {type(err).__name__}: {err}")
             return JSONResponse(error_body(f"{type(err).__name__}: {err}", 500), 500)
         responder = Responder(chat, self.engine.model_name)
-        if body.get("stream"):
+        if stream:
             # queued here, not in the generator: a client gone before the first byte never runs
             # the generator, and its place in the queue must still be given back
             texts: asyncio.Queue = asyncio.Queue()
             future, cancel = self.scheduler.submit(
                 ids, params, lambda text: loop.call_soon_threadsafe(texts.put_nowait, text))
             future.add_done_callback(lambda _f: texts.put_nowait(None))  # after every text delta
-            return StreamingResponse(self.events(responder, texts, future, cancel, include_usage(body)),
+            return StreamingResponse(self.events(responder, texts, future, cancel, with_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         future, _ = self.scheduler.submit(ids, params)
         try:
@@ -238,8 +228,10 @@ class Service:
             cancel.set()  # a client that went away frees the decoder at its next step
 
     def close(self) -> None:
+        self.throughput.close()
         self.scheduler.close()
-        self.prepare_pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self.lanes.values():
+            lane.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_app(engine: Engine, draft: str | None = None, options: ServeOptions = ServeOptions()):
@@ -317,7 +309,7 @@ def load_engine(target_path: str, draft: str | None, spec, device: str, dtype: s
     session = Session.open(target_path, draft, spec, device=device, dtype=dtype,
                            allow_missing_fingerprint=allow_missing_fingerprint, mixing=mixing)
     if draft:
-        print(f"specheads serve: speculation: {session.mixing.label()} ({session.mixing.reason})"
+        print(f"specheads serve: speculation: {session.mixing.describe()}"
               + (f"; {session.free_note}" if session.free_note else ""), flush=True)
     return Engine(session, model_name or session.target.path.name)
 
@@ -359,9 +351,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-timeout", type=float, default=ServeOptions.read_timeout,
                    help="seconds a request's headers, and then its body, may take to arrive "
                         "(default %(default)s)")
+    p.add_argument("--max-body-mb", type=float, default=ServeOptions.max_body_mb,
+                   help="largest request body in megabytes; larger ones get 413. A 128K-token context of text is "
+                        "about 0.5-1.5 MB of JSON, so the default leaves room for tool schemas and escaped text while "
+                        "bounding what one request makes the server hold (default %(default)s)")
+    p.add_argument("--log-interval", type=float, default=ServeOptions.log_interval,
+                   help="seconds between log lines of throughput and draft acceptance (as vLLM's), written only "
+                        "when requests ran or finished; 0: none (default %(default)s)")
     p.add_argument("--log-requests", action="store_true")
     a = p.parse_args(argv)
-    options = ServeOptions(a.max_queue, a.read_timeout, a.log_requests, a.max_batch)
+    options = ServeOptions(a.max_queue, a.read_timeout, a.log_requests, a.max_batch, a.max_body_mb, a.log_interval)
     spec = spec_from_args(a)
     mixing = mixing_from_args(a, a.draft, spec)
     sock = bind(a.host, a.port)  # before the target loads: a port in use fails at once

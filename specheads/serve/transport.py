@@ -2,18 +2,22 @@
 (a port in use fails in a second, naming the port), and uvicorn's h11 protocol with two changes:
 malformed HTTP (e.g. a non-integer Content-Length) is answered with an OpenAI-shaped JSON 4xx
 instead of plain text, and a request whose headers never complete gets a 408 after the read
-timeout instead of holding its connection forever.
+timeout instead of holding its connection forever; a body is read within the read timeout and
+`--max-body-mb` (`read_body`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import socket
 import sys
 
+from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from specheads.serve.engine import RequestError
 from specheads.serve.protocol import error_body
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large",
@@ -120,3 +124,38 @@ class JsonErrorsH11(H11Protocol):
 def protocol_class(header_timeout: float) -> type[JsonErrorsH11]:
     """The protocol class uvicorn instantiates per connection, with this header timeout."""
     return type("SpecheadsH11", (JsonErrorsH11,), {"header_timeout": float(header_timeout)})
+
+
+async def read_body(request: Request, timeout: float, max_body: int) -> tuple[dict, int]:
+    """(the request body as a JSON object, its size in bytes), within `timeout` seconds and `max_body` bytes."""
+    declared = request.headers.get("content-length")
+    cap = f"at most {max_body} bytes (--max-body-mb)"
+    if declared is not None and int(declared) > max_body:
+        raise RequestError(f"Content-Length {declared}: this server accepts bodies of {cap}", "Content-Length", 413)
+
+    async def read() -> bytes:
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise RequestError(f"the body exceeds {cap}", "body", 413)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        raw = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(f"the request body did not arrive within {timeout:g} s (read timeout): "
+                           "send the whole body, with a Content-Length that matches it",
+                           "body", 408) from None
+    except ClientDisconnect:
+        raise RequestError("the client disconnected while sending the body", "body") from None
+    if not raw.strip():
+        raise RequestError("the request needs a JSON object as its body", "body")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(f"the body is not valid JSON: {err}", "body") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got a {type(body).__name__}", "body")
+    return body, len(raw)
