@@ -11,6 +11,7 @@ import shutil
 import time
 
 import pytest
+from refusals import refused
 
 from specheads.data.suffix_history import History, history_overlap, read_history
 from specheads.eval.identity import draft_weights, short
@@ -122,3 +123,15 @@ def test_a_huge_one_line_history_is_bounded_by_the_context(tiny_target_dir, tmp_
     assert time.monotonic() - t0 < 20
     assert history.skipped == 1 and history.cut == 1 and len(history.pairs) == 1 and len(history.pairs[0][1]) <= 256
     assert "suffix history huge.jsonl" in capsys.readouterr().err  # progress
+
+
+def test_a_training_checkpoint_as_draft_names_the_export_command(exports, tiny_target_dir, tmp_path):
+    """`--draft` at what `specheads train` wrote (a checkpoint, or its run folder): not the loader contract's
+    placeholder, but what it is and the `specheads export` command that makes an export of it."""
+    _, b = exports
+    run = b.parent / "run"
+    checkpoint = next(p for p in run.iterdir() if p.name.startswith("checkpoint-"))
+    for folder in (checkpoint, run):
+        text = refused(["generate", "--target", tiny_target_dir, "--draft", folder, "--prompt", "hi"],
+                       ["training", f"specheads export {folder} --format vllm --out"], tmp_path, watch=(folder,))
+        assert "'?'" not in text and "loader contract" not in text

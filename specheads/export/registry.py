@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specheads.engine_facts import GGUF_FORMAT, REFUSED
 from specheads.export import dflash, draft, dspark, eagle1, eagle3, gguf, medusa, medusa2, mtp
+from specheads.export.checkpoint import HEAD_FILE, RUN_FILE, runs_inside
 from specheads.export.contract_rules import META_FILE
 from specheads.export.folder import verify_export
 from specheads.export.foreign import load_foreign, read_foreign_meta
@@ -55,8 +56,23 @@ def loader_for(kind: str, folder: str | Path):
 
 def read_export_meta(folder: str | Path) -> ExportMeta:
     """What an export folder says about itself: its specheads.json, or (another trainer's folder)
-    the EAGLE-3 format its config.json is written in."""
-    return read_record_meta(folder) or read_foreign_meta(Path(folder))
+    the EAGLE-3 format its config.json is written in; a training checkpoint is refused by name."""
+    meta = read_record_meta(folder)
+    if meta is None:
+        refuse_training_output(Path(folder))
+        meta = read_foreign_meta(Path(folder))
+    return meta
+
+
+def refuse_training_output(folder: Path) -> None:
+    """A training checkpoint or run folder (`specheads train` wrote it) is not an export: say so, and the
+    `specheads export` command that makes one from it."""
+    if (folder / HEAD_FILE).is_file() or (folder / "latest").is_file() or (folder / RUN_FILE).is_file() \
+            or runs_inside(folder):
+        what = "a training checkpoint" if (folder / HEAD_FILE).is_file() else "a training run folder"
+        raise ExportRefused(f"{folder} is {what} (`specheads train` wrote it), not an export: the verifier, eval and "
+                            f"serve load exports. Export it first: `specheads export {folder} --format vllm --out "
+                            f"{folder}-export`, then pass that folder")
 
 
 def validate(folder: str | Path, fmt: str, kind: str | None = None, expected=None) -> None:
