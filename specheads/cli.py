@@ -242,7 +242,7 @@ VERBS = {
     "train": (_train, "train a drafter from a YAML recipe"),
     "capture": (_capture, "store the frozen target's features for offline training"),
     "vocab-stats": (_vocab_stats, "count supervised tokens once for the draft vocabulary"),
-    "export": (_export, "export a checkpoint for vLLM or SGLang"),
+    "export": (_export, "export a checkpoint for vLLM, SGLang or llama.cpp (GGUF)"),
     "eval": (_eval, "measure acceptance on prompts with the built-in verifier"),
     "generate": (_generate, "stream one prompt's answer with a draft; compare with plain decoding"),
     "tiny-target": (_tiny_target, "build the embedded tiny target"),
@@ -263,12 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     debug = False
     while argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
+    if argv[:1] in (["--version"], ["-V"]):
+        from specheads import __version__
+
+        print(f"specheads {__version__}")
+        return 0
     if argv and argv[0] not in VERBS and argv[0] not in ("-h", "--help"):
         print(f"specheads: unknown verb '{argv[0]}'", file=sys.stderr)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in VERBS:
         lines = "\n".join(f"  {name:<12} {help_}" for name, (_, help_) in VERBS.items())
-        print(f"usage: specheads [--debug] <verb> [args]\n\nverbs:\n{lines}\n\n"
-              f"--debug (or {DEBUG_ENV}=1) shows the Python traceback of a failure")
+        print(f"usage: specheads [--debug] [--version] <verb> [args]\n\nverbs:\n{lines}\n\n"
+              f"--debug (or {DEBUG_ENV}=1) shows the Python traceback of a failure; --version prints the version; "
+              "`specheads <verb> --help` shows a verb's options and their defaults")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     fn, _ = VERBS[argv[0]]
     return run_verb(argv[0], fn, argv[1:], debug)

@@ -142,8 +142,9 @@ def _chain(err: BaseException):
 
 def explain(err: BaseException) -> tuple[str, int]:
     """(one-line message, exit code) for an exception that reached the CLI boundary."""
-    if isinstance(err, KeyboardInterrupt):
-        return "interrupted", 130
+    if isinstance(err, KeyboardInterrupt):  # a command may add what a rerun does (train: the checkpoint)
+        notes = "; ".join(getattr(err, "__notes__", None) or [])
+        return f"interrupted{f': {notes}' if notes else ''}", 130
     torch = sys.modules.get("torch")  # not imported: not a torch error (and no seconds spent importing it)
     oom = torch is not None and isinstance(err, torch.OutOfMemoryError)
     if oom or (isinstance(err, RuntimeError) and "out of memory" in str(err).lower()):
@@ -181,5 +182,6 @@ def run_verb(verb: str, fn, argv: list[str], debug: bool = False) -> int:
         if debug_enabled(debug):
             raise
         message, rc = explain(err)
-        print(f"specheads {verb}: error: {message}", file=sys.stderr)
+        own_line = "\n" if isinstance(err, KeyboardInterrupt) else ""  # not glued onto a progress bar's line
+        print(f"{own_line}specheads {verb}: error: {message}", file=sys.stderr)
         return rc

@@ -577,6 +577,14 @@ def run_training(recipe: Recipe, accelerator, resume: ResumePlan) -> Path:
     return latest_checkpoint(out_dir)
 
 
+def resume_note(t: TrainConfig) -> str:
+    """What rerunning the same train command does after an interruption."""
+    ckpt = latest_checkpoint(t.output_dir)
+    if ckpt is None:
+        return f"no checkpoint was written in {t.output_dir} yet: the same command starts again from step 0"
+    return f"the same command resumes from {ckpt}" + ("" if t.resume else " (with train.resume=true)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specheads train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -589,7 +597,11 @@ def main(argv: list[str] | None = None) -> int:
                              "checkpoints. Without it a resume refuses any change that affects the weights")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
-    ckpt = train(recipe, new_phase=args.new_phase)
+    try:
+        ckpt = train(recipe, new_phase=args.new_phase)
+    except KeyboardInterrupt as err:  # Ctrl-C: say where the same command resumes from
+        err.add_note(resume_note(recipe.train))
+        raise
     print(f"[specheads] checkpoint: {ckpt}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # DeepSpeed ranks otherwise hang at exit

@@ -1,0 +1,48 @@
+"""The CLI follows the conventions users know from vLLM and friends: --version, help with defaults,
+Ctrl-C on its own line naming what a rerun does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from refusals import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "demo" / "eagle3.yaml"
+
+
+def test_version_and_top_level_help(tmp_path):
+    from specheads import __version__
+
+    r = cli(["--version"], tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"specheads {__version__}"
+    r = cli(["--help"], tmp_path)
+    assert r.returncode == 0 and "GGUF" in r.stdout and "--version" in r.stdout
+
+
+def test_ctrl_c_names_the_checkpoint_a_rerun_resumes_from(tiny_target_dir, demo_data_dir, tmp_path):
+    out = tmp_path / "run"
+    over = {"target.path": tiny_target_dir, "data.train": f"[{demo_data_dir / 'train.jsonl'}]", "data.max_length": 96,
+            "head.draft_vocab_size": 256, "head.ttt_steps": 2, "train.output_dir": out, "train.batch_size": 4,
+            "train.max_steps": 100000, "train.save_every": 2, "train.log_every": 1, "train.progress": "true"}
+    cmd = [sys.executable, "-m", "specheads", "train", str(RECIPE), *(f"{k}={v}" for k, v in over.items())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 600
+    try:
+        while not (out / "latest").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    line = next((ln for ln in err.splitlines() if "error: interrupted" in ln), "")
+    assert line.startswith("specheads train: error: interrupted: the same command resumes from "), err[-3000:]
+    assert str(out / "checkpoint-") in line and "Traceback" not in err
