@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -144,9 +145,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(err))
         raise ConfigError(errors[0])
     if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str) and item_tp is str:
+            value = [value]  # one item for a list of strings: data.train=/path.jsonl
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        (item_tp,) = typing.get_args(tp) or (Any,)
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -180,8 +183,10 @@ def from_dict(cls: type, data: Any, where: str = "recipe") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), names, n=1)
+        guess = f" Did you mean '{where}.{close[0]}'?" if close else ""
         raise ConfigError(
-            f"{where}: unknown key '{where}.{unknown[0]}'. Valid keys: {', '.join(names)}"
+            f"{where}: unknown key '{where}.{unknown[0]}'.{guess} Valid keys: {', '.join(names)}"
         )
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
     obj = cls(**kwargs)

@@ -46,3 +46,13 @@ def test_unknown_key_in_yaml_file(tmp_path):
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(ConfigError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_one_path_for_data_train_and_a_guess_for_a_misspelt_key():
+    assert load_recipe(RECIPE, ["data.train=/data/train.jsonl"]).data.train == ["/data/train.jsonl"]
+    with pytest.raises(ConfigError, match=r"unknown key 'recipe\.train\.max_step'\. Did you mean 'recipe\.train\.max_steps'\?"):
+        load_recipe(RECIPE, ["train.max_step=3"])
+    with pytest.raises(ConfigError, match=r"Did you mean 'head\.ttt_steps'\?"):
+        load_recipe(RECIPE, ["head.ttt_stepz=3"])
+    with pytest.raises(ConfigError, match=r"head\.aux_layers: expected a list"):  # only strings stand for a list
+        load_recipe(RECIPE, ["head.aux_layers=3"])
