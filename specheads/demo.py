@@ -156,6 +156,7 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
                        str(run / "eval"), max_new_tokens=max_new_tokens, limit=limit, attach=True,
                        concurrency=concurrency)
     attach_to_export(exports["sglang"], run / "eval")  # its README's serve commands draft the same k
+    write_text(run / "concurrency" / "concurrency.md", concurrency_markdown(settled(concurrency, metrics)))
     timings["eval_s"] = time.time() - t1
     parity = demo_parity(target, ckpt, run / "eval")
     timings["total_s"] = time.time() - t0
@@ -177,10 +178,18 @@ def demo_concurrency(target_dir: Path, export_dir: Path, prompts_file: Path, out
     prompts = [eval_prompt_ids(session.target.tokenizer, user_turn(r.turns[0])) for r in read_prompts(prompts_file, n)]
     session.warm_up()
     table = concurrency_table(session, prompts, CONCURRENCY["max_new_tokens"], CONCURRENCY["batch_sizes"])
-    write_json(out / "concurrency.json", table)
-    # the schedule to serve with is the eval's one recommendation (eval/metrics.json advice.recommended)
-    write_text(out / "concurrency.md", concurrency_markdown(table, schedule=False))
+    write_json(out / "concurrency.json", table)  # its .md follows the eval's recommendation (`settled`)
     return table
+
+
+def settled(table: dict, metrics: dict) -> dict:
+    """The concurrency table with its best k per batch size and vLLM's schedule as the eval settled them
+    into the run's one recommendation (eval/recommend.py: batch 1's band is the headline k)."""
+    by = (metrics.get("advice") or {}).get("by_concurrency")
+    if not by:
+        return table
+    return {**table, "best_k": by["rows"],
+            "vllm_num_speculative_tokens_per_batch_size": by["vllm_num_speculative_tokens_per_batch_size"]}
 
 
 def demo_parity(target_dir: Path, ckpt: Path, eval_dir: Path) -> dict:
@@ -243,7 +252,8 @@ def print_summary(summary: dict) -> None:
     if conc:
         console.print(f"speed-up by concurrency ({conc['rows'][0]['prompts']} held-out prompts, {conc['max_new_tokens']} new "
                       "tokens, greedy, our verifier, continuous batching):")
-        console.print(concurrency_markdown(conc, schedule=False), soft_wrap=True, markup=False, highlight=False)
+        console.print(concurrency_markdown(settled(conc, m), schedule=False), soft_wrap=True, markup=False,
+                      highlight=False)
     if adv:
         for line in recommendation_lines(adv):
             console.print(line, soft_wrap=True, markup=False, highlight=False)

@@ -287,3 +287,22 @@ def test_eval_methods_take_turns_in_blocks_above_batch_one():
     assert blocks(list(range(3)), 1) == [[0], [1], [2]] and blocks([], 8) == []
     assert [len(b) for b in blocks(list(range(70)), 16)] == [32, 32, 6] and BLOCK_BATCHES == 2
     assert sum(blocks(list(range(70)), 16), []) == list(range(70))  # in order, every row once
+
+
+def test_the_demo_table_shows_the_settled_k_per_batch_size():
+    """The demo's concurrency table prints the best k per batch size as the eval settled it (batch 1's
+    band is the headline k), not the table's own second opinion."""
+    from specheads.demo import settled
+    from specheads.eval.concurrency import markdown
+
+    row = {"batch_size": 1, "prompts": 2, "tokens": 10, "plain_tok_s": 10.0, "spec_tok_s": 12.0, "plain_s": 1.0,
+           "spec_s": 0.8, "measured_speedup": 1.25, "measured_speedup_wall": 1.2, "measured_rounds": [1.2, 1.3],
+           "predicted_speedup": 1.2, "within_10pct": True, "greedy_equal": 2}
+    table = {"k": 3, "rounds": 2, "rows": [row], "vllm_num_speculative_tokens_per_batch_size": [[1, 1, 4]],
+             "best_k": [{"batch_size": 1, "best_k": 4, "best_speedup": 1.3}], "costs": {}}
+    metrics = {"advice": {"by_concurrency": {"rows": [{"batch_size": 1, "best_k": 5, "best_speedup": 1.35}],
+                                             "vllm_num_speculative_tokens_per_batch_size": [[1, 1, 5]]}}}
+    text = markdown(settled(table, metrics))
+    assert "| 5 (1.35x) |" in text and "[[1, 1, 5]]" in text and "[[1, 1, 4]]" not in text
+    assert "1.25x (1.20-1.30x)" in text and "2 interleaved rounds" in text
+    assert settled(table, {"advice": None}) is table
