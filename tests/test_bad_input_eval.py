@@ -65,3 +65,21 @@ def test_bad_offline_data_is_named_before_the_target_loads(work, tiny_target_dir
             "--draft", str(random_export_dir), "--out", "out"]
     refused(args, ["wizard.jsonl: row 1 (line 2): field 'messages[0].role': unknown role 'wizard'; "
                    f"{ROLES}"], work, watch=(random_export_dir,), output=work / "out")
+
+
+@pytest.mark.parametrize("verb,history,needle", [
+    ("eval", "missing.jsonl", "missing.jsonl: no such file or folder — check --suffix-history"),
+    ("eval", "empty.jsonl", "empty.jsonl: the file holds no rows — check --suffix-history"),
+    ("eval", "binary.jsonl", "not UTF-8 text (invalid byte at offset 128) — convert it to UTF-8 or check that "
+                             "--suffix-history names the right file"),
+    ("eval", "prompts.jsonl", "these rows are prompts without answers, and --suffix-history needs conversations "
+                              "with answers: have the target write them with `specheads regenerate prompts.jsonl"),
+])
+def test_a_bad_suffix_history_names_the_flag(work, tiny_target_dir, random_export_dir, verb, history, needle):
+    """Not the recipe keys (data.path, data.format) that eval does not have (serve reads the file
+    through the same data.suffix_history.read_history)."""
+    (work / "empty.jsonl").write_text("")
+    args = ["--target", str(tiny_target_dir), "--draft", str(random_export_dir), "--suffix-history", history]
+    args += ["--prompts", "prompts.jsonl", "--out", "out"]
+    text = refused([verb, *args], [needle], work, watch=(tiny_target_dir, random_export_dir), output=work / "out")
+    assert "data.path" not in text and "data.format" not in text and "data.train" not in text

@@ -26,6 +26,7 @@ def work(tmp_path):
     write_rows(tmp_path / "wizard.jsonl", good, {"messages": [{"role": "wizard", "content": "q"}, ANSWER]})
     write_rows(tmp_path / "surrogate.jsonl", {"messages": [{"role": "user", "content": "a\ud800b"}, ANSWER]})
     write_rows(tmp_path / "odd.jsonl", {"query": "q", "lang": "en"})
+    (tmp_path / "empty.jsonl").write_text("")
     write_rows(tmp_path / "sharegpt.jsonl", {"conversations": [{"from": "human", "value": "caf\udce9"},
                                                               {"from": "gpt", "value": "a"}]})
     return tmp_path
@@ -43,6 +44,7 @@ def work(tmp_path):
                                             "lone surrogate U+DCE9 at position 3"]),
     (["odd.jsonl", "--target", "T"], ["cannot detect the data format", "['lang', 'query']",
                                       "set --format explicitly (one of sharegpt, openai, alpaca, text)"]),
+    (["empty.jsonl", "--target", "T"], ["empty.jsonl: the file holds no rows — check the SOURCE argument"]),
     (["data.jsonl", "--target", "T", "--limit", "0"], ["--limit 0"]),
     (["data.jsonl", "--target", "T", "--concurrency", "0"], ["--concurrency 0"]),
     (["data.jsonl", "--target", "T", "--max-new-tokens", "0"], ["--max-new-tokens"]),

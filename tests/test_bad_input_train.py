@@ -68,3 +68,18 @@ def test_debug_flag_shows_the_traceback(work):
     assert r.returncode != 0 and "Traceback" in r.stderr and "train.max_steps" in r.stderr
     r = cli(["train", "recipe.yaml", *base, "train.max_steps=0"], cwd, SPECHEADS_DEBUG="1")
     assert "Traceback" in r.stderr
+
+
+def test_prompt_only_rows_point_to_regenerate(work):
+    """A prompts file (questions, no answers) as training data: the message says to have the target
+    answer it with `specheads regenerate`, not only to set data.format."""
+    from refusals import write_prompts
+
+    cwd, base, target = work
+    write_prompts(cwd)
+    text = refused(["train", "recipe.yaml", *base, "data.train=[prompts.jsonl]", "train.max_steps=1"],
+                   ["prompts.jsonl: cannot detect the data format", "first row keys: ['prompt']",
+                    "these rows are prompts without answers, and data.train needs conversations with answers: "
+                    "have the target write them with `specheads regenerate prompts.jsonl --out ANSWERS.jsonl"],
+                   cwd, watch=(target,), output=cwd / "run")
+    assert "data.path" not in text and not (cwd / "run").exists()

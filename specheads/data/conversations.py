@@ -158,15 +158,16 @@ _READERS: dict[str, Callable[[Path], Iterator[_Row]]] = {
 }
 
 
-def _reader_for(path: Path) -> Callable[[Path], Iterator[_Row]]:
-    """Pick the row reader from the file suffix, or the saved-dataset reader for a folder."""
+def _reader_for(path: Path, option: str = "data.train") -> Callable[[Path], Iterator[_Row]]:
+    """Pick the row reader from the file suffix, or the saved-dataset reader for a folder; `option`:
+    what names the file in the calling command (a recipe's data.train, --suffix-history, ...)."""
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder — check data.path")
+        raise DataError(f"{path}: no such file or folder — check {option}")
     if path.is_dir():
         if any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
             return _rows_from_saved_dataset
         raise DataError(f"{path}: a folder must be written by datasets' save_to_disk; "
-                        f"otherwise point data.path at a {'/'.join(_READERS)} file")
+                        f"otherwise point {option} at a {'/'.join(_READERS)} file")
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"{path}: unsupported file type '{path.suffix}'; use one of {', '.join(_READERS)} "
@@ -360,9 +361,26 @@ def detect_format(value: Any) -> str | None:
     return None
 
 
-def _resolve_format(rows: list[_Row], fmt: str, path: Path, option: str = "data.format") -> str:
+PROMPT_ONLY_KEYS = {"prompt", "turns", "question"}  # rows of a prompts file: questions, no answers yet
+
+
+def _undetected_hint(keys: list[str], path: Path, option: str | None, source_option: str) -> str:
+    """What to do with rows whose format is not detected: prompts want answers first (regenerate),
+    anything else names the format option of the command (or, without one, the formats it reads)."""
+    if PROMPT_ONLY_KEYS & set(keys):
+        return (f"these rows are prompts without answers, and {source_option} needs conversations with answers: "
+                f"have the target write them with `specheads regenerate {path} --out ANSWERS.jsonl --target "
+                "TARGET` and pass ANSWERS.jsonl")
+    if option is None:
+        return f"{source_option} reads conversations in one of these formats: {', '.join(FORMATS)}"
+    return f"set {option} explicitly (one of {', '.join(FORMATS)})"
+
+
+def _resolve_format(rows: list[_Row], fmt: str, path: Path, option: str | None = "data.format",
+                    source_option: str = "data.train") -> str:
     """`fmt` itself, or for "auto" the format of the first row whose keys say which it is; `option`:
-    what sets the format in the calling command (a recipe's data.format, regenerate's --format)."""
+    what sets the format in the calling command (a recipe's data.format, regenerate's --format; None:
+    nothing does), `source_option`: what names the file."""
     fmt = FORMAT_ALIASES.get(fmt, fmt)
     if fmt != "auto":
         if fmt not in FORMATS:
@@ -374,34 +392,36 @@ def _resolve_format(rows: list[_Row], fmt: str, path: Path, option: str = "data.
             return found
     keys = sorted(rows[0].value) if rows and isinstance(rows[0].value, dict) else []
     raise DataError(f"{path}: cannot detect the data format: no row has a 'conversations', 'messages', "
-                    f"'instruction' or 'text' field (first row keys: {keys}) — set {option} explicitly (one of "
-                    f"{', '.join(FORMATS)})")
+                    f"'instruction' or 'text' field (first row keys: {keys}) — "
+                    f"{_undetected_hint(keys, path, option, source_option)}")
 
 
 def read_conversations(
-    source: str | Path, fmt: str = "auto", skip_malformed: bool = False, format_option: str = "data.format"
+    source: str | Path, fmt: str = "auto", skip_malformed: bool = False, format_option: str | None = "data.format",
+    source_option: str = "data.train",
 ) -> tuple[list[Conversation], ReadStats]:
     """Read one local dataset file or save_to_disk folder into conversations, validating every row
-    (`format_option`: what sets the format in the calling command, named when it cannot be detected).
+    (`format_option`: what sets the format in the calling command, named when it cannot be detected,
+    None where no option does; `source_option`: what names the file, e.g. --suffix-history).
 
     A malformed row raises `DataError` (file, row, field, fix), or is skipped and counted in the
     returned `ReadStats` when `skip_malformed` is true.
     """
     path = Path(source)
-    reader = _reader_for(path)
+    reader = _reader_for(path, source_option)
     try:
         rows = list(reader(path))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {e.start}) — convert it to "
-                        "UTF-8 or check that data.train names the right file") from None
+                        f"UTF-8 or check that {source_option} names the right file") from None
     except (OSError, ValueError) as e:
         if isinstance(e, DataError):
             raise
         raise DataError(f"{path}: cannot read it as {path.suffix or 'a dataset'} ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not rows:
-        raise DataError(f"{path}: the file holds no rows — check data.path")
-    stats = ReadStats(format=_resolve_format(rows, fmt, path, format_option))
+        raise DataError(f"{path}: the file holds no rows — check {source_option}")
+    stats = ReadStats(format=_resolve_format(rows, fmt, path, format_option, source_option))
     convs = []
     for row in rows:
         stats.read += 1

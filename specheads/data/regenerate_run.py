@@ -85,7 +85,7 @@ def read_rows(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
     elif prompts is not None:
         rows = prompts
     else:
-        convs, _ = read_conversations(path, fmt, format_option="--format")
+        convs, _ = read_conversations(path, fmt, format_option="--format", source_option="the SOURCE argument")
         rows = [Row(c.id, [{"role": m.role, "content": m.content} for m in c.messages]) for c in convs]
     rows = rows[:limit] if limit is not None else rows
     seen = set()

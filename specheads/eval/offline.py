@@ -118,7 +118,7 @@ def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: 
     """`specheads eval --offline`: teacher-forced acceptance of an export on held-out
     conversations, the simulated tau of chains and trees, metrics.json + report + plots."""
     check_report_folder(out_dir)
-    convs, _ = read_conversations(data_file)  # a bad file fails before the target loads
+    convs, _ = read_conversations(data_file, format_option=None, source_option="--data")  # fails before the target loads
     target = Target.load(target_path, dtype=dtype, device=device)
     draft = load_draft(draft_dir, target, allow_missing_fingerprint)
     head, checked = draft.head, draft.fingerprint_checked
