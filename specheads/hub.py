@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
+import shlex
 from contextlib import contextmanager
 from pathlib import Path
+
+import yaml
 
 from specheads.errors import first_line, is_network_error, read_user_text
 from specheads.eval.identity import KEY, eval_mismatch, history_warning
@@ -72,10 +76,10 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
-def front_matter(meta: dict) -> str:
-    """The card's YAML header: license, tags, the base model when it is a hub id."""
-    hub_id = (meta.get("verifier") or {}).get("hub_id")
-    lines = ["---", "library_name: specheads", "license: apache-2.0", "tags:", "- speculative-decoding",
+def front_matter(meta: dict, license_id: str, base_model: str | None = None) -> str:
+    """The card's YAML header: license (the target's), tags, the base model when it is a hub id."""
+    hub_id = base_model or (meta.get("verifier") or {}).get("hub_id")
+    lines = ["---", "library_name: specheads", f"license: {license_id}", "tags:", "- speculative-decoding",
              f"- {meta.get('kind', 'draft')}", f"- {meta.get('engine', {}).get('name', meta.get('format', 'engine'))}"]
     if hub_id:
         lines += [f"base_model: {hub_id}", "base_model_relation: adapter"]
@@ -124,11 +128,123 @@ def provenance_section(meta: dict) -> list[str]:
                else f"embedding sketch of {len(target.get('embedding_sketch') or [])} rows"), ""]
 
 
-def model_card(export_dir: str | Path) -> str:
-    """The generated README.md of the hub repository."""
+def model_card(export_dir: str | Path, repo_id: str | None = None, license_id: str | None = None,
+               base_model: str | None = None) -> str:
+    """The generated README.md of the hub repository `repo_id`: its serve commands name the repository
+    (and `base_model`, the target's hub id, when given); the licence is `license_id`, else the target's."""
     meta, metrics, readme = read_export(export_dir)
+    targets = served_targets(meta)
+    license_id = license_id or target_license(meta, targets, base_model)
+    readme = card_readme(readme, meta, Path(export_dir), repo_id, base_model, targets) if repo_id else readme
     body = readme.strip("\n") + "\n\n" if readme else ""
-    return front_matter(meta) + "\n" + body + "\n".join(metrics_section(metrics) + provenance_section(meta))
+    return (front_matter(meta, license_id, base_model) + "\n" + body
+            + "\n".join(metrics_section(metrics) + provenance_section(meta)))
+
+
+# --- the card's serve commands, title and licence ------------------------------------------------------
+def _command_tokens(meta: dict) -> list[list[str]]:
+    """The export's serve commands (specheads.json), split as a shell would; a JSON spec's "model" added."""
+    out = []
+    for cmd in meta.get("serve_commands") or []:
+        try:
+            tokens = shlex.split(cmd)
+        except ValueError:
+            continue
+        specs = [json.loads(t) for t in tokens if t.startswith("{") and _is_json(t)]
+        out.append(tokens + [str(sp["model"]) for sp in specs if isinstance(sp, dict) and sp.get("model")])
+    return out
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def served_targets(meta: dict) -> list[str]:
+    """The target as the serve commands name it (`vllm serve X`, `--model-path X`): a local path or a
+    placeholder; hub ids left out (they already work anywhere)."""
+    hub = (meta.get("verifier") or {}).get("hub_id")
+    found = []
+    for tokens in _command_tokens(meta):
+        for flag in ("serve", "--model-path"):
+            if flag in tokens[:-1]:
+                tok = tokens[tokens.index(flag) + 1]
+                if tok != hub and tok not in found:
+                    found.append(tok)
+    return found
+
+
+def _export_strings(meta: dict, export_dir: Path) -> list[str]:
+    """How the serve commands name the export folder (a relative or absolute path of `export_dir`)."""
+    here = export_dir.resolve()
+    return sorted({t for tokens in _command_tokens(meta) for t in tokens
+                   if not t.startswith("-") and "/" in t and _same_dir(t, here)}, key=len, reverse=True)
+
+
+def _same_dir(text: str, folder: Path) -> bool:
+    try:
+        return Path(text).expanduser().resolve() == folder
+    except (OSError, ValueError):
+        return False
+
+
+def card_readme(readme: str, meta: dict, export_dir: Path, repo_id: str, base_model: str | None,
+                targets: list[str]) -> str:
+    """The export's README for the hub: the export folder named by `repo_id` in the serve commands, the
+    target by `base_model` (else its absolute path), the title naming the repository."""
+    for folder in _export_strings(meta, export_dir):
+        readme = readme.replace(folder, repo_id)
+    for target in targets:
+        local = Path(target).expanduser()
+        where = base_model or (os.path.abspath(local) if local.is_dir() else None)
+        if where and where != target:
+            readme = re.sub(rf"(?<![\w./-]){re.escape(target)}(?![\w./-])", where, readme)
+    lines = readme.split("\n")
+    if lines and lines[0].startswith("# "):  # the export's title names the target folder: the repository first
+        lines[0:1] = [f"# {repo_id}", "", lines[0][2:].strip() + "."]
+    return "\n".join(lines)
+
+
+def target_license(meta: dict, targets: list[str], base_model: str | None) -> str:
+    """The target's licence: the `license:` of its model card (a local folder the serve commands name,
+    or the hub id's card in the cache); else a PushError asking for --license."""
+    hub_id = base_model or (meta.get("verifier") or {}).get("hub_id")
+    cards = [Path(t).expanduser() / "README.md" for t in targets] + ([_cached_card(hub_id)] if hub_id else [])
+    for card in cards:
+        found = card_license(card) if card is not None else None
+        if found:
+            return found
+    name = hub_id or (meta.get("verifier") or {}).get("name") or "the target"
+    looked = ", ".join(str(c) for c in cards if c is not None) or "no model card of the target was found"
+    raise PushError(f"the licence of {name} is unknown (no `license:` in its model card; looked at: {looked}); "
+                    "pass --license ID with the target's licence (e.g. apache-2.0, llama3.1, gemma, other): the "
+                    "drafter is trained on its outputs and published beside it")
+
+
+def card_license(readme: Path) -> str | None:
+    """`license:` of a model card's YAML front matter, None when it has none."""
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    match = re.match(r"---\s*\n(.*?)\n---\s*\n", text, re.S)
+    try:
+        data = yaml.safe_load(match.group(1)) if match else None
+    except yaml.YAMLError:
+        return None
+    value = data.get("license") if isinstance(data, dict) else None
+    return str(value) if value else None
+
+
+def _cached_card(hub_id: str) -> Path | None:
+    """The hub id's README.md from the hub cache (never downloaded here)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(hub_id, "README.md")
+    return Path(found) if isinstance(found, str) else None
 
 
 def upload_plan(export_dir: str | Path) -> list[tuple[str, Path | None]]:
@@ -161,13 +277,16 @@ def hub_errors(repo_id: str, endpoint: str):
 
 
 def push(export_dir: str | Path, repo_id: str, private: bool = False, dry_run: bool = False,
-         endpoint: str | None = None, out=print) -> str | None:
+         endpoint: str | None = None, out=print, license_id: str | None = None,
+         base_model: str | None = None) -> str | None:
     """Create the repo (if needed) and commit the export with its card; returns the commit URL."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     if not REPO_ID.match(repo_id):
         raise PushError(f"--repo '{repo_id}': expected a hub id such as org/name-eagle3")
-    card = model_card(export_dir)
+    if base_model and not REPO_ID.match(base_model):
+        raise PushError(f"--base-model '{base_model}': expected the target's hub id, such as org/name")
+    card = model_card(export_dir, repo_id, license_id, base_model)
     plan = upload_plan(export_dir)
     out(f"{'would push' if dry_run else 'pushing'} {export_dir} -> {repo_id} ({'private' if private else 'public'})")
     for path, local in plan:
@@ -192,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--dry-run", action="store_true", help="print the files and the model card; upload nothing")
     p.add_argument("--endpoint", default=None, help="hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+    p.add_argument("--license", default=None, metavar="ID",
+                   help="the card's licence (default: the target's, from its model card's `license:`; refused "
+                        "when unknown)")
+    p.add_argument("--base-model", default=None, metavar="ORG/NAME",
+                   help="the target's hub id, for the card's base_model and serve commands (default: the one the "
+                        "export records; else the target's local path, made absolute)")
     a = p.parse_args(argv)
-    push(a.export_dir, a.repo, a.private, a.dry_run, a.endpoint)
+    push(a.export_dir, a.repo, a.private, a.dry_run, a.endpoint, license_id=a.license, base_model=a.base_model)
     return 0

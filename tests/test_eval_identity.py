@@ -86,7 +86,7 @@ def test_a_history_holding_the_evaluated_prompts_is_flagged_everywhere(exports, 
     assert history["overlap"]["prompts_in_history"] == len(PROMPTS) and "read high" in history["warning"]
     assert "**Warning:**" in (a / "eval" / "report.md").read_text()
     lines = []
-    push(a, "org/x", dry_run=True, out=lines.append)
+    push(a, "org/x", dry_run=True, out=lines.append, license_id="apache-2.0")
     card = "\n".join(lines)
     assert "**Warning:**" in card and "holds 3 of the 3 evaluated prompts" in card
     assert "Measured with these weights" in card

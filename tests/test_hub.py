@@ -44,8 +44,8 @@ def _export(tmp_path, metrics=True, equal=True):
 
 
 def test_card_carries_provenance_metrics_and_serve_commands(tmp_path):
-    card = model_card(_export(tmp_path))
-    assert card.startswith("---\nlibrary_name: specheads")
+    card = model_card(_export(tmp_path), license_id="apache-2.0")
+    assert card.startswith("---\nlibrary_name: specheads\nlicense: apache-2.0\n")
     assert "base_model: org/target" in card and "vllm serve org/target" in card
     assert "| 2.250 | 0.61 / 0.41 / 0.27 | 1.21x | 1.460 |" in card
     assert "checkpoint `checkpoint-000300` (step 300), git 0123456789ab" in card
@@ -69,7 +69,7 @@ def _cli(args, env_extra):
 
 def test_dry_run_prints_the_plan_and_never_the_token(tmp_path):
     d = _export(tmp_path)
-    r = _cli([str(d), "--repo", "org/draft", "--dry-run"], {})
+    r = _cli([str(d), "--repo", "org/draft", "--dry-run", "--license", "apache-2.0"], {})
     assert r.returncode == 0, r.stderr
     assert "would push" in r.stdout and "model.safetensors (64 bytes)" in r.stdout
     assert "eval/metrics.json" in r.stdout and "--- model card ---" in r.stdout
@@ -124,7 +124,8 @@ def test_upload_to_a_local_hub_double(tmp_path):
     try:
         d = _export(tmp_path)
         endpoint = f"http://127.0.0.1:{server.server_port}"
-        r = _cli([str(d), "--repo", "org/draft", "--private", "--endpoint", endpoint], {"HF_DEBUG": "1"})
+        r = _cli([str(d), "--repo", "org/draft", "--private", "--endpoint", endpoint, "--license", "apache-2.0"],
+                 {"HF_DEBUG": "1"})
     finally:
         server.shutdown()
     assert r.returncode == 0, r.stderr[-2000:]
@@ -133,5 +134,44 @@ def test_upload_to_a_local_hub_double(tmp_path):
     assert _HubDouble.calls[0] == "/api/repos/create" and _HubDouble.calls[-1].endswith("/commit/main")
     assert set(_HubDouble.files) == {"README.md", "specheads.json", "model.safetensors", "eval/metrics.json"}
     assert _HubDouble.files["model.safetensors"] == b"\x00" * 64
-    assert _HubDouble.files["README.md"].decode() == model_card(d)
+    assert _HubDouble.files["README.md"].decode() == model_card(d, "org/draft", "apache-2.0")
     assert f"pushed: {endpoint}/org/draft/commit/" in r.stdout
+
+
+def _local_target_export(tmp_path, license_line: str):
+    """An export (as `specheads export runs/demo ... --out runs/demo/export/vllm` leaves it, run from
+    tmp_path) of a drafter for a local target folder whose model card says `license_line`."""
+    target = tmp_path / "runs" / "demo" / "target"
+    target.mkdir(parents=True)
+    (target / "README.md").write_text(f"---\n{license_line}\nlanguage: en\n---\n# tiny\n")
+    d = _export(tmp_path)
+    export = tmp_path / "runs" / "demo" / "export" / "vllm"
+    export.parent.mkdir(parents=True)
+    d.rename(export)
+    cmd = ("vllm serve runs/demo/target --speculative-config "
+           "'{\"method\":\"eagle3\",\"model\":\"runs/demo/export/vllm\",\"num_speculative_tokens\":3}'")
+    meta = json.loads((export / "specheads.json").read_text())
+    meta.update(serve_commands=[cmd], verifier={"name": "target", "hub_id": None})
+    (export / "specheads.json").write_text(json.dumps(meta))
+    (export / "README.md").write_text(f"# EAGLE-3 draft for `target` (vLLM 0.33)\n\n## Serve\n\n```bash\n{cmd}\n```\n")
+    return export, target
+
+
+def test_the_card_takes_the_targets_licence_and_serves_from_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    export, target = _local_target_export(tmp_path, "license: llama3.1")
+    card = model_card("runs/demo/export/vllm", "org/tiny-eagle3")
+    assert "\nlicense: llama3.1\n" in card and "apache-2.0" not in card
+    assert "\n# org/tiny-eagle3\n" in card and "\n# EAGLE-3 draft" not in card
+    assert f"vllm serve {target} --speculative-config" in card and '"model":"org/tiny-eagle3"' in card
+    assert "runs/demo/export/vllm" not in card and "serve runs/demo/target" not in card
+    hub = model_card("runs/demo/export/vllm", "org/tiny-eagle3", base_model="acme/tiny")
+    assert "vllm serve acme/tiny --speculative-config" in hub and "base_model: acme/tiny" in hub
+
+
+def test_an_unknown_licence_is_asked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _local_target_export(tmp_path, "language: en")
+    with pytest.raises(PushError, match=r"licence of target is unknown.*pass --license ID"):
+        model_card("runs/demo/export/vllm", "org/tiny-eagle3")
+    assert "\nlicense: other\n" in model_card("runs/demo/export/vllm", "org/tiny-eagle3", license_id="other")

@@ -191,7 +191,7 @@ def test_model_card_never_recommends_a_slowdown(tmp_path):
     metrics = {"greedy_equal": True, "tau": 1.4, "num_prompts": 2, "prediction": pred.to_dict(),
                "advice": advice(pred), "speculative": {"acceptance_per_position": [0.4]}}
     (folder / "eval" / "metrics.json").write_text(json.dumps(metrics))
-    card = model_card(folder)
+    card = model_card(folder, license_id="apache-2.0")
     assert "no speculation" in card and "0.79x" in card and "num_speculative_tokens=" not in card
 
 
