@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from specheads.errors import DEBUG_ENV, run_verb
+from specheads.hf_compat import quiet_deepspeed
 
 
 def _train(argv: list[str]) -> int:
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
               "`specheads <verb> --help` shows a verb's options and their defaults")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     fn, _ = VERBS[argv[0]]
+    quiet_deepspeed()  # its CPU notice, logged whenever transformers first imports it
     return run_verb(argv[0], fn, argv[1:], debug)
 
 

@@ -33,7 +33,7 @@ class RunLog:
             accelerator.init_trackers(self.t.project, config=_flat(to_dict(recipe)),
                                       init_kwargs={"wandb": {"dir": str(out_dir)}})
         self.bar = None
-        if self.main and self.t.progress:
+        if self.main and self.t.progress and sys.stderr.isatty():  # a log file gets the lines, not \r bars
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=self.t.max_steps, initial=start, desc="train", unit="step",

@@ -15,7 +15,7 @@ from torch import nn
 
 from specheads.attention import register as register_gqa_sdpa
 from specheads.builtin.tiny_target import BUILD_INFO, PRESETS, cache_path, cached_tiny_target
-from specheads.hf_compat import cache_kwargs
+from specheads.hf_compat import cache_kwargs, quiet_loading
 from specheads.model_ref import resolve_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,6 +124,7 @@ class Target:
         if dtype not in DTYPES:
             raise TargetError(f"target.dtype '{dtype}': expected one of {', '.join(DTYPES)}")
         where = resolve_device(device)  # before the slow load
+        quiet_loading()
         try:
             tok = AutoTokenizer.from_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(

@@ -610,5 +610,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # torchrun / accelerate launch: the same error boundary as the CLI
     from specheads.errors import run_verb
+    from specheads.hf_compat import quiet_deepspeed
 
+    quiet_deepspeed()
     sys.exit(run_verb("train", main, sys.argv[1:]))

@@ -46,3 +46,14 @@ def test_ctrl_c_names_the_checkpoint_a_rerun_resumes_from(tiny_target_dir, demo_
     line = next((ln for ln in err.splitlines() if "error: interrupted" in ln), "")
     assert line.startswith("specheads train: error: interrupted: the same command resumes from "), err[-3000:]
     assert str(out / "checkpoint-") in line and "Traceback" not in err
+    assert "\r" not in err and "Setting accelerator to CPU" not in err  # a log gets lines, not a bar's redraws
+
+
+def test_no_library_noise_where_we_load(tiny_target_dir, random_export_dir, tmp_path):
+    """transformers' 'Loading weights' bar and DeepSpeed's CPU notice do not reach the user; nothing in
+    a log is redrawn with carriage returns."""
+    r = cli(["generate", "--target", tiny_target_dir, "--draft", random_export_dir, "--prompt", "def f(x):",
+             "--max-new-tokens", "4", "--device", "cpu"], tmp_path, SPECHEADS_QUIET="0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "Loading weights" not in out and "Setting accelerator to CPU" not in out and "\r" not in out, out[-3000:]

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specheads.atomic import atomic_dir, remove_stale
 from specheads.builtin import stdlib
+from specheads.hf_compat import quiet_loading
+from specheads.progress import Progress
 
 BUILDER_VERSION = "stdlib-llama-v4"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -194,8 +195,8 @@ def train_model(model, data: TokenData, preset: Preset, pad_id: int, progress: b
     opt = make_optimizer(model, preset)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, preset))
     model.train()
-    tail, bar = [], tqdm(range(preset.steps), desc="tiny target", disable=not progress)
-    for step in bar:
+    tail, bar = [], Progress(preset.steps, "tiny target", "steps", quiet=not progress)  # a log gets lines, not \r
+    for step in range(preset.steps):
         input_ids, labels = sample_batch(data, preset, gen, pad_id)
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
@@ -205,7 +206,8 @@ def train_model(model, data: TokenData, preset: Preset, pad_id: int, progress: b
         opt.zero_grad(set_to_none=True)
         if step >= preset.steps * 0.9:
             tail.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.update()
+    bar.close()
     model.eval()
     return sum(tail) / max(1, len(tail))
 
@@ -268,6 +270,7 @@ def save_folder(folder: Path, model, tokenizer, info: dict) -> None:
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, do_sample=False)
+    quiet_loading()  # no 'Writing model shards' bar
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder, save_jinja_files=False)
     (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

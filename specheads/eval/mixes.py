@@ -257,7 +257,8 @@ def evaluate_mixes(session: Session, turns: list[Turn], max_new_tokens: int, cos
     calibrations = cross_fitted(records, cond) if records else {}
     lengths = LengthCosts.from_step_costs(costs, loop_k(k_max, free_k_max))
     plain, tallies = MixTally(), {name: MixTally() for name in names}  # plain: this pass's own baseline
-    with Progress(len(turns) * (1 + len(names)), "eval: hybrid rows", "decodes", quiet=quiet) as bar:
+    with Progress(len(turns) * (1 + len(names)), f"eval: hybrid rows ({len(turns)} prompt turns x {1 + len(names)} "
+                  "methods)", "decodes", quiet=quiet) as bar:
         for block in blocks(turns, batch_size):
             for result in session.decode_many([t.ids for t in block], max_new_tokens, sampling, batch_size,
                                               drafted=False):

@@ -249,7 +249,8 @@ def evaluate_rows(session: Session, rows: list[PromptRow], max_new_tokens: int, 
     decoded = [RowDecodes(row) for row in rows]
     total = (2 + len(free)) * sum(len(r.turns) for r in rows)
     warm_up_batched(session, batch_size)
-    with Progress(total, "eval", "decodes", quiet=quiet) as bar:
+    turns = sum(len(r.turns) for r in rows)
+    with Progress(total, f"eval ({turns} prompt turns x {2 + len(free)} methods)", "decodes", quiet=quiet) as bar:
         for i, block in enumerate(blocks(decoded, batch_size)):  # plain first, then last, in turn
             decode_block(session, free, block, max_new_tokens, sampling, batch_size, probe, bar, i % 2 == 0)
     totals, outputs = Totals(), []
