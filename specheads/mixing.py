@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specheads.data.suffix_history import answered_turns
 from specheads.eval.identity import eval_mismatch, history_warning
 from specheads.model_ref import resolve_folder
 from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer, loop_k
@@ -165,9 +166,10 @@ def with_history(mixing: Mixing, history: str | None) -> Mixing:
     if not history:
         return mixing
     if not mixing.active:
+        answered_turns(history)  # a broken file is still named, ignored or not
         why = "no --draft" if mixing.reason == "no drafter" else f"{mixing.label()} ({mixing.asked})"
-        log.warning("--suffix-history %s is ignored: only suffix decoding reads it, and %s runs none (it runs "
-                    "with --hybrid choose, union or --adaptive)", history, why)
+        log.warning("--suffix-history %s is ignored: only suffix decoding reads it, which runs beside a --draft with "
+                    "--hybrid choose, union or --adaptive; here: %s", history, why)
         return mixing
     return replace(mixing, history=history)
 

@@ -60,6 +60,26 @@ def test_bad_eval_input_is_named(work, tiny_target_dir, random_export_dir, extra
     assert not (work / "out").exists()
 
 
+@pytest.mark.parametrize("extra,needles", [
+    (["--mix-rows", "adaptive", "--no-predict"], ["--mix-rows adaptive asks for hybrid rows", "--no-predict"]),
+    (["--mix-rows", "adaptive", "--tree", "eagle2"], ["--mix-rows adaptive", "not run with a tree draft",
+                                                      "--tree chain"]),
+])
+def test_hybrid_rows_asked_that_cannot_run_are_refused(work, tiny_target_dir, random_export_dir, extra, needles):
+    """Not dropped with no word on the terminal (report.md alone saying why), before the target loads."""
+    args = ["--target", str(tiny_target_dir), "--draft", str(random_export_dir), "--prompts", "prompts.jsonl",
+            "--out", "out", *extra]
+    refused(["eval", *args], needles, work, watch=(tiny_target_dir, random_export_dir), output=work / "out")
+    assert not (work / "out").exists()
+
+
+def test_some_rows_a_tree_cannot_run_are_warned_about(caplog):
+    from specheads.eval.mixes import check_asked_rows
+
+    check_asked_rows(("union", "adaptive"), True, chain=False)
+    assert "--mix-rows adaptive: not run with a tree draft" in caplog.text and "union" not in caplog.text.split(":")[0]
+
+
 def test_bad_offline_data_is_named_before_the_target_loads(work, tiny_target_dir, random_export_dir):
     args = ["eval", "--offline", "--data", "wizard.jsonl", "--target", "no_target",
             "--draft", str(random_export_dir), "--out", "out"]

@@ -104,10 +104,15 @@ def test_overlap_counts_prompts_and_answers():
 
 @pytest.mark.parametrize("mixing,words", [(Mixing(reason="no drafter"), "no --draft"),
                                           (Mixing(asked="--hybrid off --no-adaptive"), "--hybrid off --no-adaptive")])
-def test_a_history_nothing_reads_is_said_to_be_ignored(caplog, mixing, words):
+def test_a_history_nothing_reads_is_said_to_be_ignored(caplog, tmp_path, mixing, words):
+    path = tmp_path / "hist.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}))
     with caplog.at_level(logging.WARNING):
-        assert with_history(mixing, "hist.jsonl").history is None
-    assert "--suffix-history hist.jsonl is ignored" in caplog.text and words in caplog.text
+        assert with_history(mixing, str(path)).history is None
+    assert f"--suffix-history {path} is ignored" in caplog.text and words in caplog.text
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}))
+    with pytest.raises(ValueError, match="no assistant"):  # ignored or not, a broken file is named
+        with_history(mixing, str(path))
 
 
 def test_a_huge_one_line_history_is_bounded_by_the_context(tiny_target_dir, tmp_path, capsys):

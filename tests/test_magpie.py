@@ -175,6 +175,21 @@ def test_a_killed_run_resumes_to_the_same_file(target, tmp_path):
         run_magpie(target, cut, MagpieOptions(**{**asdict(SMALL), "temperature": 0.5}), PERMISSIVE, quiet=True)
 
 
+@pytest.mark.parametrize("system,max_new,needles", [
+    ("word " * 2000, 6, ["--system prompt of 10000 characters", "but the target's context is 256", "shorten --system"]),
+    (None, 300, ["--max-new-tokens 300 more exceed the target's context of 256", "--max-new-tokens 2"]),
+])
+def test_a_pre_query_that_leaves_no_room_is_refused_with_the_numbers(target, tmp_path, system, max_new, needles):
+    """A system prompt longer than the context (or a sample that cannot fit after it) is refused before
+    any sampling, naming the token counts, and nothing is written."""
+    opts = MagpieOptions(**{**asdict(SMALL), "system": system, "max_new_tokens": max_new})
+    with pytest.raises(MagpieError) as err:
+        run_magpie(target, tmp_path / "out.jsonl", opts, PERMISSIVE, quiet=True)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_file_not_ours_is_refused_untouched(target, tmp_path):
     out = tmp_path / "mine.jsonl"
     out.write_text('{"prompt": "my own"}\n')

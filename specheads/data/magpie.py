@@ -328,12 +328,27 @@ def write_prompts(out: Path, kept: list[tuple[int, str]], seed: int) -> None:
             f.write(json.dumps({"id": f"magpie-s{seed}-{i:06d}", "prompt": text}, ensure_ascii=False) + "\n")
 
 
+def check_fits(pre: PreQuery, opts: MagpieOptions, context: int | None) -> None:
+    """Refuse, before sampling, a pre-query (the system prompt inside) that leaves no room in the context
+    for --max-new-tokens, naming the numbers."""
+    if context is None or len(pre.ids) + opts.max_new_tokens <= context:
+        return
+    system = f"with the --system prompt of {len(opts.system)} characters " if opts.system else ""
+    if len(pre.ids) >= context:
+        raise MagpieError(f"the prompt every sample starts from {system}is {len(pre.ids)} tokens, but the target's "
+                          f"context is {context}: shorten --system")
+    raise MagpieError(f"the prompt every sample starts from {system}is {len(pre.ids)} tokens and --max-new-tokens "
+                      f"{opts.max_new_tokens} more exceed the target's context of {context}: pass --max-new-tokens "
+                      f"{context - len(pre.ids)} or less" + (", or shorten --system" if opts.system else ""))
+
+
 def run_magpie(target, out: str | Path, opts: MagpieOptions, filters: FilterOptions = FilterOptions(),
                quiet: bool = False) -> Counts:
     """Generate `opts.n` samples (resuming what OUT.samples.jsonl holds), clean them and write OUT
     and OUT.meta.json; raises MagpieError (after writing the meta) when nothing was kept."""
     out = Path(out)
     pre = pre_query(target.tokenizer, opts.system, model_eos_ids(target.model))
+    check_fits(pre, opts, target.context)
     meta = {"magpie": asdict(opts), "target": target.fingerprint(), "path": str(target.path),
             "pre_query": pre.text, "stop_ids": pre.stop_ids, "stop_text": pre.stop_text}
     check_output(out, meta)

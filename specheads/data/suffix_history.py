@@ -48,13 +48,19 @@ def _turns(path: str | Path) -> list[tuple[list[dict], str]]:
     return turns
 
 
-def read_history(path: str | Path, tokenizer, context: int | None = None, quiet: bool = False,
-                 keep: int = VLLM_SUFFIX_DEFAULTS["max_cached_requests"]) -> History:
-    """The newest `keep` assistant turns of `path`, bounded by `context` (module docstring)."""
+def answered_turns(path: str | Path) -> list[tuple[list[dict], str]]:
+    """`_turns`, refusing a file without any answer (also what checks a history nothing will read)."""
     turns = _turns(path)
     if not turns:
         raise DataError(f"{path}: no assistant answer to put in suffix decoding's cache; pass conversations "
                         "with answers (e.g. the output of `specheads regenerate`)")
+    return turns
+
+
+def read_history(path: str | Path, tokenizer, context: int | None = None, quiet: bool = False,
+                 keep: int = VLLM_SUFFIX_DEFAULTS["max_cached_requests"]) -> History:
+    """The newest `keep` assistant turns of `path`, bounded by `context` (module docstring)."""
+    turns = answered_turns(path)
     limit = max_token_chars(tokenizer) * context if context else None
     out = History()
     progress = Progress(len(turns[-keep:]), f"suffix history {Path(path).name}", "answers", quiet, every_s=5.0)

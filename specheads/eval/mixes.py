@@ -217,6 +217,26 @@ def mix_rows(chain: bool) -> tuple[tuple[str, ...], dict[str, str]]:
     return tuple(rows), skipped
 
 
+def check_asked_rows(asked: tuple[str, ...], predict: bool, chain: bool) -> None:
+    """Rows narrowed with --mix-rows that will not run are said before decoding: refused when none of
+    them can (--no-predict decodes no hybrid row; a tree draft builds no chain row), else a warning
+    on the terminal for each one skipped (report.md says why too)."""
+    unknown = [r for r in asked if r not in MIXES]
+    if unknown:
+        raise ValueError(f"--mix-rows {','.join(unknown)}: expected rows from {', '.join(MIXES)}")
+    if set(asked) == set(MIXES):
+        return  # the default: every row the draft shape allows
+    if not predict:
+        raise ValueError(f"--mix-rows {','.join(asked)} asks for hybrid rows, but --no-predict decodes none: "
+                         "drop --no-predict to decode them, or --mix-rows")
+    _, skipped = mix_rows(chain)
+    dropped = [r for r in asked if r in skipped]
+    if dropped and len(dropped) == len(asked):
+        raise ValueError(f"--mix-rows {','.join(asked)}: {skipped[dropped[0]]}")
+    for row in dropped:
+        log.warning("--mix-rows %s: %s (the other rows asked run)", row, skipped[row])
+
+
 def mix_proposer(name: str, session: Session, free, calibration: Calibration, costs: LengthCosts, k_max: int,
                  sampled: bool = False, free_k_max: int | None = None):
     """A fresh proposer of a row over the session's drafter (the free proposer is the row's, kept across

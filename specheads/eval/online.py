@@ -37,6 +37,7 @@ from specheads.eval.identity import draft_weights
 from specheads.eval.mixes import (
     MIXES,
     RowCosts,
+    check_asked_rows,
     engine_advice,
     evaluate_mixes,
     free_step_seconds,
@@ -162,9 +163,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
     check_batch_size(batch_size)
     check_acceptance(sampling or Sampling())
     check_report_folder(out_dir)
-    unknown = [r for r in mix_rows if r not in MIXES]
-    if unknown:
-        raise ValueError(f"--mix-rows {','.join(unknown)}: expected rows from {', '.join(MIXES)}")
+    check_asked_rows(tuple(mix_rows), predict, tree is None or tree.kind == "chain")
     rows = read_prompts(prompts_file, limit)
     # broken inputs fail before decoding
     verifier, bench = read_json(verifier_json, "--verifier-json"), read_json(bench_json, "--bench-json")
