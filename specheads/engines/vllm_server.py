@@ -232,12 +232,13 @@ def spec_counters(before: list, after: list) -> dict | None:
 
 
 # vLLM's log lines that say why it stopped, most specific first
-_ERROR_MARKERS = ("ValueError: ", "NotImplementedError: ", "RuntimeError: ", "KeyError: ", "AssertionError",
-                  "pydantic_core._pydantic_core.ValidationError", "Value error, ", "TypeError: ")
+_ERROR_MARKERS = ("Value error, ", "ValueError: ", "NotImplementedError: ", "RuntimeError: ", "KeyError: ",
+                  "AssertionError", "TypeError: ", "pydantic_core._pydantic_core.ValidationError")
 
 
 def first_error(log: str) -> str | None:
-    """vLLM's own words for why it stopped: the first line carrying an exception, prefix removed."""
+    """vLLM's own words for why it stopped: the first line carrying an exception, prefix removed (a pydantic
+    error's "Value error, ..." line, which says what, before its "1 validation error" header)."""
     lines = log.splitlines()
     for marker in _ERROR_MARKERS:
         for line in lines:
