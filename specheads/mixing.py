@@ -185,7 +185,7 @@ def choose_setting(hybrid: str, adaptive: bool | None, metrics: dict | None, pat
     `--adaptive` are decided by the eval among the settings the explicit flags leave."""
     if hybrid != "auto":
         if adaptive is None:
-            return hybrid, False, "as asked (an explicit --hybrid: adaptive draft length only with --adaptive)"
+            return hybrid, False, "adaptive draft length only with --adaptive"
         return hybrid, adaptive, "as asked"
     if adaptive is None:
         return default_setting(metrics, path, chain)

@@ -163,6 +163,36 @@ def test_serve_with_a_hybrid_answers_plain_greedy(tiny_target_dir, evaluated_exp
         assert metrics[PREFIX + 'drafts_total{engine="0",model_name="mixed"}'] > 0
 
 
+@pytest.mark.parametrize("flags,line", [
+    (["--hybrid", "union"], "speculation: union (asked: --hybrid union; adaptive draft length only with --adaptive)"),
+    (["--hybrid", "off"], "speculation: the drafter alone (asked: --hybrid off; adaptive draft length only with"),
+    ([], "speculation: adaptive draft length (k <= "),
+])
+def test_serve_serves_the_explicit_flag_over_the_evals_advice(tiny_target_dir, evaluated_export, tmp_path, flags,
+                                                              line):
+    """A real `specheads serve` whose attached eval advises adaptive: --hybrid union starts (no refusal of an
+    --adaptive never passed) and serves union, --hybrid off the drafter alone; the line says it once."""
+    from servers import launch
+
+    export = shutil.copytree(evaluated_export, tmp_path / "export")
+    metrics = json.loads((export / "eval" / "metrics.json").read_text())
+    metrics["advice"]["engines"]["specheads"]["use"] = "adaptive"
+    (export / "eval" / "metrics.json").write_text(json.dumps(metrics))
+    proc = launch(["--target", str(tiny_target_dir), "--draft", str(export), "--device", "cpu", *flags])
+    try:
+        out = []
+        for text in proc.stdout:
+            out.append(text)
+            if "listening on" in text:
+                break
+        start = next((t for t in out if "speculation:" in t), "")
+        assert line in start and start.count("the drafter alone") <= 1 and "(asked: --hybrid auto;" in (
+            start if not flags else "(asked: --hybrid auto;"), "".join(out) + proc.stderr.read() * (proc.poll() is not None)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_the_eval_keeps_the_free_drafts_length_for_adaptive(evaluated_export):
     """eval's adaptive row lets free drafts run to COST_K, prices them (one cost per length), and
     `--adaptive` reads it back: the loop verifies that long with the free draft, k_max without it."""
