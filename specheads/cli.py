@@ -18,18 +18,23 @@ def _train(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from specheads.export import CLI_FORMATS, export
+    from specheads.cli_options import HelpFormatter
+    from specheads.engine_facts import EXPORT_FORMATS
 
-    p = argparse.ArgumentParser(prog="specheads export", description="Export a trained head for an engine.")
-    p.add_argument("checkpoint", help="training output_dir or a checkpoint-NNNNNN folder")
-    p.add_argument("--format", required=True, choices=CLI_FORMATS,
+    p = argparse.ArgumentParser(prog="specheads export", formatter_class=HelpFormatter, description=(
+        "Export a trained head for an engine: vLLM, SGLang, or llama.cpp (gguf)."))
+    p.add_argument("checkpoint", help="training output_dir, one of its checkpoint-NNNNNN folders, or a run folder "
+                   "holding one training output_dir (runs/demo)")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS,
                    help="the export formats of engine_facts.FORMATS (each kind accepts some of them), and gguf: "
                         "llama.cpp's sidecar, made by its own converter from one of them")
     p.add_argument("--out", required=True, help="export folder (written atomically); an existing folder is "
                    "replaced only when it is an earlier export")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export even if that drops its eval attachments or added files")
-    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="the draft length k the engine config and serve commands name (default: the head's "
+                        "trained draft steps)")
     p.add_argument("--verifier", default=None, help="hub id of the target, for the speculators config (gguf: "
                    "the target's local HF folder, when the recipe's is elsewhere)")
     p.add_argument("--no-target-gguf", action="store_true",
@@ -45,7 +50,7 @@ def _export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.num_speculative_tokens is not None and a.num_speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens {a.num_speculative_tokens}: must be >= 1")
-    from specheads.export import read_export_meta
+    from specheads.export import export, read_export_meta
     from specheads.export.llamacpp_tool import LlamaCppChoice
 
     out = export(a.checkpoint, a.format, a.out, num_speculative_tokens=a.num_speculative_tokens,
@@ -60,13 +65,14 @@ def _export(argv: list[str]) -> int:
 def _eval_parser() -> argparse.ArgumentParser:
     from specheads.cli_options import (
         SUFFIX_HISTORY_HELP,
+        HelpFormatter,
         add_fingerprint_argument,
+        add_quiet_argument,
         add_sampling_arguments,
         add_tree_arguments,
     )
-    from specheads.eval.mixes import MIXES
 
-    p = argparse.ArgumentParser(prog="specheads eval", description=(
+    p = argparse.ArgumentParser(prog="specheads eval", formatter_class=HelpFormatter, description=(
         "Decode prompts with the target alone and with an exported draft; check the outputs are "
         "identical and report tau, per-position acceptance, cost ratio and speed-up."))
     p.add_argument("--target", required=True, help="local HF model folder, hub id (org/name, from the hub cache) or builtin:tiny")
@@ -81,20 +87,22 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--llamacpp-cost", help="bench/llamacpp.py --cost's JSON: predict the drafter in llama.cpp from "
                    "llama.cpp's own measured costs and advise its k (or no speculation)")
     p.add_argument("--suffix-history", metavar="FILE", help=SUFFIX_HISTORY_HELP)
-    p.add_argument("--mix-rows", default=",".join(MIXES),
-                   help=f"which hybrid rows to decode, comma-separated from {', '.join(MIXES)} (default: all)")
+    p.add_argument("--mix-rows", default=None,
+                   help="which hybrid rows of the table to decode, comma-separated (hybrid, union, adaptive; "
+                        "default: all)")
     p.add_argument("--attach", action="store_true",
                    help="also copy metrics, report and plots into the export and its README (for push)")
     p.add_argument("--out", required=True, help="folder for metrics.json and outputs.jsonl")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt turn")
     p.add_argument("--batch-size", type=int, default=1,
                    help="sequences per target forward (default 1); tau and outputs do not change, measured "
                         "speed-ups compare speculative and plain decoding at this batch size")
     add_tree_arguments(p)
     add_sampling_arguments(p)
     add_fingerprint_argument(p)
-    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--limit", "--num-prompts", dest="limit", type=int, default=None,
+                   help="first N prompts only (default: all)")
+    add_quiet_argument(p)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the target's dtype (default: bfloat16 on a GPU, float32 elsewhere)")
@@ -131,6 +139,7 @@ def _eval_offline(a: argparse.Namespace) -> int:
 def _eval_online(a: argparse.Namespace) -> int:
     """`eval`: decode the prompts plainly and speculatively; exit 1 when the outputs differ."""
     from specheads.cli_options import sampling_from_args, spec_from_args
+    from specheads.eval.mixes import MIXES
     from specheads.eval.online import evaluate
     from specheads.eval.predict import advice_summary
 
@@ -141,7 +150,7 @@ def _eval_online(a: argparse.Namespace) -> int:
                  verifier_json=a.verifier_json, bench_json=a.bench_json, attach=a.attach, quiet=a.quiet,
                  dtype=a.dtype, device=a.device, allow_missing_fingerprint=a.allow_missing_fingerprint,
                  batch_size=a.batch_size, llamacpp_cost=a.llamacpp_cost, suffix_history=a.suffix_history,
-                 mix_rows=tuple(r.strip() for r in a.mix_rows.split(",") if r.strip()))
+                 mix_rows=MIXES if a.mix_rows is None else tuple(r.strip() for r in a.mix_rows.split(",") if r.strip()))
     d = m["speculative"]
     label = f"k={m['k']}" if m["tree"]["kind"] == "chain" else f"tree={m['tree']['kind']} k={m['k']}"
     free = ", ".join(f"{key} {m[key]['tau']:.3f}" for key in ("ngram", "suffix") if key in m)
@@ -164,13 +173,16 @@ def _generate(argv: list[str]) -> int:
 
 
 def _tiny_target(argv: list[str]) -> int:
-    from specheads.builtin.tiny_target import build_tiny_target, cached_tiny_target
+    from specheads.cli_options import HelpFormatter
 
-    p = argparse.ArgumentParser(prog="specheads tiny-target",
+    p = argparse.ArgumentParser(prog="specheads tiny-target", formatter_class=HelpFormatter,
                                 description="Build the embedded tiny target (a HF folder) from the Python standard library.")
     p.add_argument("--out", default=None, help="folder to write; default: the user cache (printed)")
-    p.add_argument("--preset", default="default", choices=["default", "test"])
+    p.add_argument("--preset", default="default", choices=["default", "test"],
+                   help="'default' is the demo's target; 'test' a smaller one the tests build in seconds")
     a = p.parse_args(argv)
+    from specheads.builtin.tiny_target import build_tiny_target, cached_tiny_target
+
     path = build_tiny_target(a.out, preset=a.preset) if a.out else cached_tiny_target(a.preset)
     print(path)
     return 0

@@ -1,14 +1,39 @@
 """Command-line options shared by `specheads generate`, `eval` and `serve` (and bench/verifier.py):
 the draft tree flags and the sampling flags, parsed into verify.settings' TreeSpec and Sampling,
-the fingerprint policy's override, and --hybrid / --adaptive / --suffix-history (specheads/mixing.py).
+the fingerprint policy's override, and --hybrid / --adaptive / --suffix-history (specheads/mixing.py);
+and the help formatter every verb uses (defaults shown). Light on purpose: the modules that turn the
+flags into settings (torch underneath) are imported where they are used, so `--help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+from typing import TYPE_CHECKING
 
-from specheads.mixing import resolve_mixing, with_history
-from specheads.verify.settings import Sampling, SettingsError, TreeSpec, check_acceptance, make_tree_spec
+if TYPE_CHECKING:
+    from specheads.verify.settings import Sampling, TreeSpec
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every verb's --help: each option's default appended unless its help already says it or there is
+    none to show (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        said = re.search(r"\(default|default:|%\(default", text, re.IGNORECASE)  # the help names it already
+        if said or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """HelpFormatter for a description laid out in lines of its own."""
+
+
+def add_quiet_argument(p) -> None:
+    """--quiet (alias --no-progress, bench's old spelling): no progress on stderr."""
+    p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress on stderr")
 
 
 def add_tree_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +49,8 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(a: argparse.Namespace) -> TreeSpec:
+    from specheads.verify.settings import make_tree_spec
+
     return make_tree_spec(a.tree, a.k, a.depth, a.top_k, a.total_tokens)
 
 
@@ -45,6 +72,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(a: argparse.Namespace) -> Sampling:
     """The parsed sampling flags -> a checked Sampling (thresholds only with typical)."""
+    from specheads.verify.settings import Sampling, SettingsError, check_acceptance
+
     given = [f for f, v in (("--typical-epsilon", a.typical_epsilon),
                             ("--typical-delta", a.typical_delta)) if v is not None]
     if given and a.acceptance != "typical":
@@ -87,5 +116,7 @@ def add_mixing_arguments(p: argparse.ArgumentParser) -> None:
 
 def mixing_from_args(a: argparse.Namespace, draft_dir, spec: TreeSpec | None = None):
     """The parsed --hybrid / --adaptive / --suffix-history -> a checked Mixing for the drafter at `draft_dir`."""
+    from specheads.mixing import resolve_mixing, with_history
+
     mixing = resolve_mixing(a.hybrid, a.adaptive, draft_dir, spec is None or spec.kind == "chain")
     return with_history(mixing, a.suffix_history)

@@ -18,6 +18,7 @@ from pathlib import Path
 from specheads.atomic import OutputRefused, check_output, write_json, write_text
 from specheads.builtin.stdlib import MAX_PROMPT_CHARS, write_demo_data
 from specheads.builtin.tiny_target import cached_tiny_target, is_tiny_target
+from specheads.cli_options import RawHelpFormatter
 from specheads.config import check_recipe_inputs, load_recipe
 from specheads.data.conversations import read_conversations
 from specheads.data.prompts import read_prompts, user_turn
@@ -282,13 +283,12 @@ def recommendation_lines(adv: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="specheads demo", description=__doc__, formatter_class=RawHelpFormatter)
     p.add_argument("--run", default=os.environ.get("RUN", "runs/demo"), help="run folder (default runs/demo)")
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the EAGLE-3 recipe the demo trains with")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens decoded per held-out prompt (default: the preset's, 96 / test 16)")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", "--num-prompts", dest="limit", type=int, default=None,
                    help="evaluate only the first N prompts (default: the preset's, all / test 3)")
     p.add_argument("--preset", default="default", choices=list(PRESETS),
                    help="default: the embedded target and the full demo (minutes); test: a smaller target, 12 "

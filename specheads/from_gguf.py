@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import OutputRefused, atomic_dir, describe_contents, is_empty_dir
+from specheads.cli_options import HelpFormatter
 
 CHECK_TEXT = "The quick brown fox jumps over the lazy dog. def f(x):\n    return x + 1"
 
@@ -211,7 +212,7 @@ def _record_source(folder: Path, file: Path, name: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="specheads target from-gguf",
+    p = argparse.ArgumentParser(prog="specheads target from-gguf", formatter_class=HelpFormatter,
                                 description="Convert a GGUF chat model into a HF folder (fp32, chat template kept).")
     p.add_argument("file", help="the .gguf file")
     p.add_argument("--out", required=True, help="folder to write (atomically)")

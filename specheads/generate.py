@@ -25,6 +25,7 @@ import sys
 import time
 
 from specheads.cli_options import (
+    HelpFormatter,
     add_fingerprint_argument,
     add_mixing_arguments,
     add_sampling_arguments,
@@ -160,7 +161,7 @@ def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads generate", description=(
+    p = argparse.ArgumentParser(prog="specheads generate", formatter_class=HelpFormatter, description=(
         "Generate from one prompt with an exported draft (greedy unless --temperature > 0), "
         "streaming the text; then decode it plainly and report tau, per-position acceptance "
         "and tokens/s of both."))
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", required=True, help="export folder written by `specheads export`, or a hub id (org/name)")
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat)")
     add_tree_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render the prompt with the chat template (default) or feed it raw")
     add_sampling_arguments(p)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from specheads.cli_options import HelpFormatter
 from specheads.errors import first_line, is_network_error, read_user_text
 from specheads.eval.identity import KEY, eval_mismatch, history_warning
 from specheads.eval.predict import advice_summary
@@ -305,7 +306,7 @@ def push(export_dir: str | Path, repo_id: str, private: bool = False, dry_run: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads push", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="specheads push", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("export_dir", help="a folder written by `specheads export` and measured by `specheads eval --attach`")
     p.add_argument("--repo", required=True, help="hub repository id, e.g. org/name-eagle3")
     p.add_argument("--private", action="store_true", help="create the repository private")

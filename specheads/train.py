@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import OutputRefused, write_text
+from specheads.cli_options import RawHelpFormatter
 from specheads.config import Recipe, TrainConfig, check_recipe_inputs, load_recipe, to_dict
 from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
@@ -577,6 +578,19 @@ def run_training(recipe: Recipe, accelerator, resume: ResumePlan) -> Path:
     return latest_checkpoint(out_dir)
 
 
+TRAIN_HELP = """Train a drafter on a frozen target from a YAML recipe (recipes/), with dotted key=value overrides.
+
+  specheads train recipes/demo/eagle3.yaml data.train=data/train.jsonl train.output_dir=runs/x
+  specheads train RECIPE 'data.train=[a.jsonl,b.jsonl]' train.max_steps=500 train.lr=1e-3
+  torchrun --nproc_per_node 2 -m specheads.train RECIPE ...          (several processes: DDP)
+  accelerate launch --config_file recipes/accelerate/ddp.yaml -m specheads.train RECIPE ...
+
+Rerunning the same command resumes from the latest checkpoint in train.output_dir. A resume that
+changes what the weights depend on (lr, data, head.*, batch size, ...) is refused unless
+--new-phase. An unknown key is refused with the valid ones; recipes/ and the README list them.
+"""
+
+
 def resume_note(t: TrainConfig) -> str:
     """What rerunning the same train command does after an interruption."""
     ckpt = latest_checkpoint(t.output_dir)
@@ -586,8 +600,7 @@ def resume_note(t: TrainConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specheads train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="specheads train", description=TRAIN_HELP, formatter_class=RawHelpFormatter)
     parser.add_argument("recipe", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
     parser.add_argument(NEW_PHASE_FLAG, action="store_true", dest="new_phase",

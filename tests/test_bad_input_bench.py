@@ -40,7 +40,7 @@ CASES = {
     "concurrency_words": (["--url", URL, "--concurrency", "a,b"], 1, "--concurrency 'a,b'"),
     "concurrency_zero": (["--url", URL, "--concurrency", "0,8"], 1, "--concurrency"),
     "concurrency_empty_item": (["--url", URL, "--concurrency", "1,,8"], 1, "--concurrency '1,,8'"),
-    "max_tokens_zero": (["--url", URL, "--max-tokens", "0"], 1, "--max-tokens must be >= 1"),
+    "max_tokens_zero": (["--url", URL, "--max-tokens", "0"], 1, "--max-new-tokens must be >= 1"),
     "max_tokens_text": (["--url", URL, "--max-tokens", "many"], 2, "--max-tokens"),
     "num_prompts_zero": (["--url", URL, "--num-prompts", "0"], 1, "--num-prompts must be >= 1"),
     "match_sample_negative": (["--url", URL, "--match-sample", "-1"], 1, "--match-sample must be >= 0"),

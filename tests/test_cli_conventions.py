@@ -57,3 +57,30 @@ def test_no_library_noise_where_we_load(tiny_target_dir, random_export_dir, tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "Loading weights" not in out and "Setting accelerator to CPU" not in out and "\r" not in out, out[-3000:]
+
+
+VERBS_WITH_OPTIONS = ["train", "capture", "vocab-stats", "export", "eval", "generate", "tiny-target", "demo", "push",
+                      "serve", "bench", "regenerate", "magpie"]
+
+
+def test_every_verbs_help_shows_its_defaults_and_train_speaks_to_users(tmp_path):
+    for verb in VERBS_WITH_OPTIONS:
+        r = cli([verb, "--help"], tmp_path)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (verb, r.stderr[-2000:])
+    gen = cli(["generate", "--help"], tmp_path).stdout
+    assert "tokens to generate (default: 128)" in " ".join(gen.split())
+    train = cli(["train", "--help"], tmp_path).stdout
+    assert "the only module that builds an Accelerator" not in train and "resumes from the latest checkpoint" in train
+
+
+def test_one_spelling_everywhere_with_the_old_ones_kept():
+    from specheads.cli import _eval_parser
+    from specheads.engine_facts import EXPORT_FORMATS
+    from specheads.export import CLI_FORMATS
+
+    base = ["--target", "T", "--draft", "D", "--out", "o"]
+    a = _eval_parser().parse_args([*base, "--num-prompts", "3", "--no-progress"])
+    assert a.limit == 3 and a.quiet is True
+    a = _eval_parser().parse_args([*base, "--limit", "2", "--quiet"])
+    assert a.limit == 2 and a.quiet is True
+    assert set(EXPORT_FORMATS) == set(CLI_FORMATS)  # export's --format choices, known without importing export

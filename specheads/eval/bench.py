@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.atomic import check_output, write_json, write_text
+from specheads.cli_options import HelpFormatter
 from specheads.engine_facts import VLLM_SPEC_METRICS
 
 DEFAULT_CONCURRENCY = (1, 8, 32)
@@ -394,7 +395,7 @@ def check_options(url: str, baseline_url: str | None, concurrency, max_tokens: i
     levels = sorted({int(c) for c in concurrency})
     if not levels or levels[0] < 1:
         raise BenchError(f"--concurrency needs integers >= 1, got {list(concurrency)}")
-    for flag, value, low in (("--max-tokens", max_tokens, 1), ("--num-prompts", limit, 1),
+    for flag, value, low in (("--max-new-tokens", max_tokens, 1), ("--num-prompts", limit, 1),
                              ("--match-sample", match_sample, 0)):
         if value is not None and value < low:
             raise BenchError(f"{flag} must be >= {low}, got {value}")
@@ -472,7 +473,7 @@ def failure_lines(report: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads bench", description=(
+    p = argparse.ArgumentParser(prog="specheads bench", formatter_class=HelpFormatter, description=(
         "Load-test an OpenAI-compatible server (vLLM, SGLang, specheads serve) with speculation, and "
         "optionally a baseline server without it: TTFT, TPOT, tokens/s, latency percentiles, "
         "acceptance from /metrics, and a greedy-match check (exit 1 if the answers differ or any "
@@ -483,14 +484,17 @@ def main(argv: list[str] | None = None) -> int:
                    "with prompt, turns, messages (first user turn), question, instruction (+input) or text")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)), help="e.g. 1,8,32")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_tokens", type=int, default=128,
+                   help="tokens per request (max_tokens in the request body)")
+    p.add_argument("--num-prompts", "--limit", dest="num_prompts", type=int, default=None,
+                   help="use the first N prompts (default: all)")
     p.add_argument("--match-sample", type=int, default=16, help="prompts compared greedily (needs --baseline-url)")
-    p.add_argument("--api", default="chat", choices=["chat", "completions"])
+    p.add_argument("--api", default="chat", choices=["chat", "completions"],
+                   help="/v1/chat/completions (prompts through the chat template) or /v1/completions (raw text)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (needed for the greedy-match check)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--quiet", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr")
     a = p.parse_args(argv)
     try:
         levels = [int(c) for c in a.concurrency.split(",")]
