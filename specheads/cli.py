@@ -159,6 +159,9 @@ def _eval_online(a: argparse.Namespace) -> int:
           f"{f' (both at batch {a.batch_size})' if a.batch_size > 1 else ''} "
           f"greedy_equal={m['greedy_equal']}{'' if m['lossless'] else ' LOSSY (typical acceptance)'}"
           f" -> {Path(a.out) / 'metrics.json'}")
+    from specheads.eval.table import print_results  # the table the demo prints, for every eval
+
+    print_results(m, f"specheads eval: {m.get('num_prompts', '?')} prompts, {label}", f"drafter ({a.draft})")
     if m.get("draft_warning"):
         print(m["draft_warning"], file=sys.stderr)
     if m.get("advice"):

@@ -28,7 +28,9 @@ from specheads.eval.concurrency import markdown as concurrency_markdown
 from specheads.eval.offline import check_parity
 from specheads.eval.online import eval_prompt_ids, evaluate
 from specheads.eval.predict import advice_summary
-from specheads.eval.report import FREE_NAMES, MIX_NAMES, advice_line, attach_to_export
+from specheads.eval.report import advice_line, attach_to_export
+from specheads.eval.table import results_table
+from specheads.eval.table import table_rows as eval_table_rows
 from specheads.export import export
 from specheads.export.checkpoint import Checkpoint
 from specheads.session import Session
@@ -210,29 +212,18 @@ def serve_commands(export_dir: Path) -> list[str]:
 
 
 def table_rows(m: dict) -> dict[str, tuple[str, dict]]:
-    """The demo table's rows from eval metrics: key -> (label, the row's metrics), in table order."""
-    rows = {"speculative": ("EAGLE-3 (from the vLLM export)", m["speculative"])}
-    rows.update({key: (label, m[key]) for key, label in FREE_NAMES.items() if m.get(key)})
-    rows.update({key: (label.format(free=m[key]["free"]), m[key]) for key, label in MIX_NAMES.items() if m.get(key)})
-    return rows
+    """The demo table's rows from eval metrics (eval/table.py): key -> (label, the row's metrics)."""
+    return eval_table_rows(m, "EAGLE-3 (from the vLLM export)")
 
 
 def print_summary(summary: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     m = summary["metrics"]
     spec, ngram = m["speculative"], m["ngram"]
-    table = Table(title=f"specheads demo: {m.get('num_prompts', '?')} held-out prompts, greedy, k={m.get('k')}")
-    for col in ("proposer", "tau", "acceptance per position", "predicted speedup", "measured speedup",
-                "greedy equal"):
-        table.add_column(col)
-    for name, r in table_rows(m).values():
-        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        table.add_row(name, f"{r['tau']:.3f}", acc, f"{r.get('predicted_speedup', float('nan')):.2f}x",
-                      f"{r.get('measured_speedup', float('nan')):.2f}x", str(r.get("greedy_equal")))
     console = Console(width=140)
-    console.print(table)
+    console.print(results_table(m, f"specheads demo: {m.get('num_prompts', '?')} held-out prompts, greedy, "
+                                   f"k={m.get('k')}", "EAGLE-3 (from the vLLM export)"))
     ratio = spec["tau"] / ngram["tau"] if ngram["tau"] else float("nan")
     c_spec, c_ngram = spec.get("cost_ratio_c", float("nan")), ngram.get("cost_ratio_c", float("nan"))
     console.print(f"EAGLE-3 tau / n-gram tau = {ratio:.2f}; draft/target cost ratio c = "

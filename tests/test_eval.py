@@ -42,7 +42,11 @@ def test_eval_writes_metrics_and_outputs(target_dir, export_dir, prompts_file, t
         "draft_per_token_ms": 0.7}}))
     rc = cli(["eval", "--target", str(target_dir), "--draft", str(export_dir), "--prompts",
               str(prompts_file), "--out", str(out), "--max-new-tokens", "12", "--k", "2", "--llamacpp-cost", str(cost)])
-    assert rc == 0 and "tau=" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert rc == 0 and "tau=" in printed
+    # the demo's table, every row: the drafter, the free proposers, the hybrid rows
+    assert "specheads eval: 3 prompts, k=2" in printed and "n-gram (prompt lookup)" in printed
+    assert "acceptance per position" in printed and "hybrid choose" in printed
     m = json.loads((out / "metrics.json").read_text())
     assert m["greedy_equal"] is True and m["mismatched_ids"] == [] and m["k"] == 2
     assert m["num_prompts"] == 3 and m["num_turns"] == 3
