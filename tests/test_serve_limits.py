@@ -118,3 +118,44 @@ def test_the_default_body_cap_is_stated_in_the_help():
     out = subprocess.run([sys.executable, "-m", "specheads", "serve", "--help"], capture_output=True, text=True,
                          timeout=120).stdout
     assert "--max-body-mb" in out and "default 8.0" in " ".join(out.split()) and "--log-interval" in out
+
+
+@pytest.fixture(scope="module")
+def long_context_server(tiny_target_dir, tmp_path_factory):
+    """The tiny target with a context of 1M tokens: a 4 MB prompt passes the character bound, so it is
+    tokenised (seconds) before its token count refuses it."""
+    import shutil
+
+    folder = shutil.copytree(tiny_target_dir, tmp_path_factory.mktemp("long") / "tiny")
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 1 << 20
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = launch(["--target", str(folder), "--device", "cpu", "--log-interval", "0"])
+    url = wait_listening(proc)
+    yield url, proc
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_a_request_tokenised_for_seconds_does_not_hold_up_a_small_one(long_context_server):
+    """The large body tokenises on its own lane (thread and tokenizer): small requests sent meanwhile are
+    answered within a second; after it, the server's memory is back near where it was."""
+    url, proc = long_context_server
+    assert post(url, json.dumps(SMALL).encode())[0] == 200
+    before = rss_mb(proc.pid)
+    big = json.dumps({"messages": [{"role": "user", "content": "word another thing " * 230_000}]}).encode()
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(big=post(url, big)))
+    sender.start()
+    time.sleep(1.0)  # the large one is being tokenised
+    waits = []
+    while sender.is_alive() and len(waits) < 5:
+        t0 = time.monotonic()
+        assert post(url, json.dumps(SMALL).encode())[0] == 200
+        waits.append(time.monotonic() - t0)
+    sender.join(180)
+    code, err = result["big"]
+    assert code == 400 and "tokens but the model's context is 1048576" in err["error"]["message"], err
+    assert waits and max(waits) < 1.5, waits  # it was still tokenising while they were answered
+    time.sleep(0.5)
+    assert rss_mb(proc.pid) < before + 150, (before, rss_mb(proc.pid))
