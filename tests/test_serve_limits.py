@@ -159,3 +159,21 @@ def test_a_request_tokenised_for_seconds_does_not_hold_up_a_small_one(long_conte
     assert waits and max(waits) < 1.5, waits  # it was still tokenising while they were answered
     time.sleep(0.5)
     assert rss_mb(proc.pid) < before + 150, (before, rss_mb(proc.pid))
+
+
+def test_large_requests_past_the_lanes_places_get_503(tiny_target_dir):
+    from specheads.serve.engine import Engine
+    from specheads.serve.lanes import MAX_LARGE_PENDING, SMALL_PROMPT_CHARS, lane_for, make_lanes
+    from specheads.serve.scheduler import Overloaded
+    from specheads.session import Session
+
+    lanes = make_lanes(Engine(Session.open(str(tiny_target_dir), None, device="cpu")))
+    large, small = lane_for(lanes, SMALL_PROMPT_CHARS + 1), lane_for(lanes, 100)
+    for _ in range(MAX_LARGE_PENDING):
+        large.enter()
+    with pytest.raises(Overloaded, match="large requests") as err:
+        large.enter()
+    assert err.value.status == 503 and err.value.retry_after > 0
+    small.enter()  # small requests keep their own places
+    for lane in lanes.values():
+        lane.pool.shutdown()

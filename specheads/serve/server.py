@@ -177,6 +177,7 @@ class Service:
             stream, with_usage = body.get("stream"), include_usage(body)
             loop = asyncio.get_running_loop()
             lane = lane_for(self.lanes, size)
+            lane.enter()
             try:
                 ids, params = await loop.run_in_executor(lane.pool, lane.run, self.prepare, body, chat)
             finally:
