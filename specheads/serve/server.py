@@ -10,6 +10,12 @@ rows per target forward, joining and leaving at step boundaries), so the event l
 FIFO (`--max-queue`); past it they get 503 with Retry-After. Every client error is a 4xx JSON error
 in OpenAI's shape naming the field (`param`); bodies and headers that do not arrive within
 `--read-timeout` get a 408. A streaming client that goes away leaves the batch at the next step.
+
+One client cannot stall the others: bodies are capped (`--max-body-mb`, default 8), a prompt that
+cannot fit the context is refused from its characters before it is tokenised (data/text_bound.py),
+and prompts are tokenised on lanes of their own (serve/lanes.py: large bodies apart from small ones,
+neither on the event loop nor the decode thread). Every `--log-interval` seconds after traffic, one
+log line gives throughput and draft acceptance (serve/metrics.py).
 """
 
 from __future__ import annotations
