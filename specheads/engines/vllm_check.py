@@ -4,7 +4,7 @@
 PASS when every speculative output equals vLLM's plain output token for token (fp32, greedy), vLLM
 drafted, and, with `compare_ours`, vLLM's accepted tokens per position (from `/metrics`) are within
 ACCEPTANCE_TOLERANCE of our verifier's on the same prompt ids and k. `fault_check` serves a copy of
-the export with one fault (FAULTS: a shuffled d2t, the aux layer ids reversed, a dropped norm) and
+the export with one fault (FAULTS: a shuffled d2t, the aux layer ids of other layers, a dropped norm) and
 reports it caught when vLLM refuses the copy, its outputs differ, or its acceptance falls below
 FAULT_DROP of the clean export's, as vLLM measured it.
 """
@@ -22,7 +22,11 @@ from specheads.engines.llamacpp_check import first_difference, ours
 from specheads.engines.llamacpp_server import load_average, prompt_ids
 
 ACCEPTANCE_TOLERANCE = 0.05  # |vLLM - ours| / ours, accepted per drafted token and per position
-FAULT_DROP = 0.8  # a fault is caught when vLLM's accepted / drafted falls below this share of the clean one
+# a fault is caught when vLLM's accepted / drafted falls below this share of the clean export's: more than
+# the tolerance the clean export is held to against our verifier (greedy decoding is deterministic; the
+# demo's clean export measured 0.677 in vLLM against 0.678 ours). Measured on the demo: a shuffled d2t
+# 0.000, norm_before_fc dropped 0.043, the aux layer ids of layers 0-2 instead of 2, 4, 5 0.617 (0.91x)
+FAULT_DROP = 1 - ACCEPTANCE_TOLERANCE
 # positions with fewer drafts reaching them than this are compared in the total only (a rate of 1 of 3 is noise)
 MIN_POSITION_DRAFTS = 20
 
@@ -142,15 +146,17 @@ def _shuffled_d2t(folder: Path) -> bool:
     return True
 
 
-def _layer_ids_reversed(folder: Path) -> bool:
-    """The aux layer ids in reverse order: each tapped state reaches the fc slot of another layer. (One
-    lower, SGLang's numbering in a speculators config, was measured too: on the demo target vLLM's
-    acceptance did not move, 0.685 against 0.677 clean, so only the static config check can catch it.)"""
+def _layer_ids_lowest(folder: Path) -> bool:
+    """The aux layer ids replaced by the target's first layers (0, 1, 2, ...): a config written for another
+    target. Two milder faults were measured on the demo and move nothing vLLM measures, so only the static
+    config check can catch them: the ids one lower (SGLang's numbering; acceptance 0.685 against 0.677
+    clean) and the ids in reverse order (0.677 both: vLLM taps the layers in layer order, whatever order
+    the config lists them in)."""
     cfg = _config(folder)
     key = next((k for k in ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids") if cfg.get(k)), None)
-    if key is None or len(set(cfg[key])) < 2:
+    if key is None or list(cfg[key]) == list(range(len(cfg[key]))):
         return False
-    cfg[key] = list(reversed(cfg[key]))
+    cfg[key] = list(range(len(cfg[key])))
     _write_config(folder, cfg)
     return True
 
@@ -167,7 +173,7 @@ def _dropped_norm(folder: Path) -> bool:
 
 FAULTS: dict[str, Callable[[Path], bool]] = {
     "shuffled-d2t": _shuffled_d2t,
-    "layer-ids-reversed": _layer_ids_reversed,
+    "layer-ids-lowest": _layer_ids_lowest,
     "dropped-norm": _dropped_norm,
 }
 
