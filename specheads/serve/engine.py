@@ -69,7 +69,10 @@ class SerialTokenizer:
         """An independent copy behind a lock of its own (one per thread that tokenises requests, so a
         long request never waits on, nor holds up, the decode thread's detokenising)."""
         with self._lock:
-            return SerialTokenizer(copy.deepcopy(self._tok))
+            try:
+                return SerialTokenizer(copy.deepcopy(self._tok))
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared, behind this lock
+                return self
 
 
 @dataclass(frozen=True)
