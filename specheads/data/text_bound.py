@@ -23,5 +23,7 @@ def min_tokens(chars: int, token_chars: int) -> int:
 
 
 def text_chars(messages: list[dict]) -> int:
-    """Characters of a conversation's string contents (what the rendered prompt holds at least)."""
+    """Characters of a conversation's string contents: what the rendered prompt holds, save for text a
+    template drops (e.g. earlier turns' reasoning); the bound's slack (the longest entry against the ~4
+    characters an average token covers) leaves such conversations far inside it."""
     return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
