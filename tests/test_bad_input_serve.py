@@ -122,6 +122,8 @@ CASES = {
                                      "model 'gpt\\ud800' does not exist"),
     "max_tokens_beyond_context": (post(COMPLETIONS, {"prompt": "x", "max_tokens": 100000}), 400, "max_tokens",
                                   "too large: 100000"),
+    "max_completion_tokens_beyond_context": (post(CHAT, {"messages": MSG, "max_completion_tokens": 300}), 400,
+                                             "max_completion_tokens", "too large: 300"),
     "prompt_chars_cannot_fit": (post(COMPLETIONS, {"prompt": "x" * 200_000}), 400, "prompt", "at least"),
     "messages_chars_cannot_fit": (post(CHAT, {"messages": [{"role": "user", "content": "x" * 200_000}]}), 400,
                                   "messages", "at least"),

@@ -208,9 +208,9 @@ class Engine:
             return encode_text(tokenizer or self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
-    def budget(self, ids: list[int], params: Params, field: str = "prompt") -> int:
-        """New tokens this request may generate; refuses a prompt that leaves no room
-        (`field` names the request field the prompt came from)."""
+    def budget(self, ids: list[int], params: Params, field: str = "prompt", limit_field: str = "max_tokens") -> int:
+        """New tokens this request may generate; refuses a prompt that leaves no room, or a limit past the
+        context (`field` / `limit_field` name the request fields the prompt and the limit came from)."""
         if not ids:
             raise RequestError("the prompt is empty", field)
         ctx = self.context
@@ -219,9 +219,9 @@ class Engine:
                                "shorten it", field)
         room = (ctx - len(ids)) if ctx is not None else 1 << 30
         if params.max_tokens is not None and params.max_tokens > room:  # as vLLM: refused, not cut
-            raise RequestError(f"'max_tokens' is too large: {params.max_tokens}. This model's context is {ctx} "
+            raise RequestError(f"'{limit_field}' is too large: {params.max_tokens}. This model's context is {ctx} "
                                f"tokens and the prompt has {len(ids)} ({params.max_tokens} > {ctx} - {len(ids)}): "
-                               f"ask for at most {room}, or leave it out (up to the context)", "max_tokens")
+                               f"ask for at most {room}, or leave it out (up to the context)", limit_field)
         return room if params.max_tokens is None else params.max_tokens
 
     def check_chars(self, chars: int, field: str) -> None:

@@ -173,7 +173,8 @@ class Service:
         vocab = engine.target.vocab_size
         if max(ids, default=0) >= vocab or min(ids, default=0) < 0:
             raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}", field)
-        engine.budget(ids, params, field)
+        engine.budget(ids, params, field, "max_completion_tokens" if body.get("max_completion_tokens") is not None
+                      else "max_tokens")
         return ids, params
 
     async def complete(self, request: Request, chat: bool):
