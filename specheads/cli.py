@@ -195,6 +195,9 @@ def _target(argv: list[str]) -> int:
     if not argv or argv[0] != "from-gguf":
         print("usage: specheads target from-gguf FILE.gguf --out DIR [--name HUB_ID]")
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from specheads.cli_parsers import from_gguf_parser
+
+    from_gguf_parser().parse_args(argv[1:])  # --help and usage errors before the module (and torch) loads
     from specheads.from_gguf import main
 
     return main(argv[1:])
@@ -294,7 +297,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     fn, _ = VERBS[argv[0]]
     quiet_deepspeed()  # its CPU notice, logged whenever transformers first imports it
-    return run_verb(argv[0], fn, argv[1:], debug)
+    return run_verb(argv[0], checked_first(argv[0], fn), argv[1:], debug)
+
+
+LIGHT_PARSERS = {"train": "train_parser", "capture": "capture_parser", "vocab-stats": "vocab_stats_parser",
+                 "generate": "generate_parser", "demo": "demo_parser", "push": "push_parser",
+                 "regenerate": "regenerate_parser", "magpie": "magpie_parser"}
+
+
+def checked_first(verb: str, fn):
+    """`fn`, with the verb's arguments parsed first by its parser in cli_parsers (no torch import): --help
+    and a usage error answer at once, before the verb's module (and torch) loads."""
+    name = LIGHT_PARSERS.get(verb)
+    if name is None:
+        return fn
+
+    def run(argv: list[str]) -> int:
+        from specheads import cli_parsers
+
+        getattr(cli_parsers, name)().parse_args(argv)
+        return fn(argv)
+
+    return run
 
 
 if __name__ == "__main__":

@@ -7,18 +7,16 @@ and a finished checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.atomic import OutputRefused, check_output, write_json, write_text
 from specheads.builtin.stdlib import MAX_PROMPT_CHARS, write_demo_data
 from specheads.builtin.tiny_target import cached_tiny_target, is_tiny_target
-from specheads.cli_options import RawHelpFormatter
+from specheads.cli_parsers import DEFAULT_RECIPE, DEMO_PRESETS, demo_parser
 from specheads.config import check_recipe_inputs, load_recipe
 from specheads.data.conversations import read_conversations
 from specheads.data.prompts import read_prompts, user_turn
@@ -37,29 +35,7 @@ from specheads.session import Session
 from specheads.target import Target
 from specheads.train import train
 
-DEFAULT_RECIPE = Path("recipes/demo/eagle3.yaml")
 CONCURRENCY = {"prompts": 32, "max_new_tokens": 64, "batch_sizes": (1, 8, 32)}
-
-
-@dataclass(frozen=True)
-class DemoPreset:
-    """A --preset's settings: the embedded target's preset and the demo's sizes; a flag given on the
-    command line wins, and recipe overrides given there come after `overrides` (so they win too)."""
-
-    regenerate: int = 2000
-    module_limit: int | None = None
-    limit: int | None = None
-    max_new_tokens: int = 96
-    overrides: tuple[str, ...] = ()
-
-
-PRESETS = {
-    "default": DemoPreset(),
-    # the 'test' target's context is 256 tokens: every length here fits it, and each stage takes seconds
-    "test": DemoPreset(regenerate=12, module_limit=60, limit=3, max_new_tokens=16,
-                       overrides=("data.max_length=128", "head.draft_vocab_size=256", "train.batch_size=4",
-                                  "train.max_steps=8", "train.save_every=8", "train.log_every=4")),
-}
 
 
 def link_target(run: Path, target: Path) -> Path:
@@ -274,24 +250,9 @@ def recommendation_lines(adv: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads demo", description=__doc__, formatter_class=RawHelpFormatter)
-    p.add_argument("--run", default=os.environ.get("RUN", "runs/demo"), help="run folder (default runs/demo)")
-    p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the EAGLE-3 recipe the demo trains with")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens decoded per held-out prompt (default: the preset's, 96 / test 16)")
-    p.add_argument("--limit", "--num-prompts", dest="limit", type=int, default=None,
-                   help="evaluate only the first N prompts (default: the preset's, all / test 3)")
-    p.add_argument("--preset", default="default", choices=list(PRESETS),
-                   help="default: the embedded target and the full demo (minutes); test: a smaller target, 12 "
-                        "regenerated prompts and 8 training steps, a smoke run in seconds")
-    p.add_argument("--module-limit", type=int, default=None,
-                   help="use only the first N stdlib modules for data (default: the preset's, all / test 60)")
-    p.add_argument("--regenerate", type=int, default=None,
-                   help="answer N train prompts with the target itself and train on those (0 = original "
-                        "answers; default: the preset's, 2000 / test 12)")
-    p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=50 (after the preset's)")
+    p = demo_parser()
     a = p.parse_args(argv)
-    pre = PRESETS[a.preset]
+    pre = DEMO_PRESETS[a.preset]
     summary = run_demo(Path(a.run), Path(a.recipe), _given_or(a.max_new_tokens, pre.max_new_tokens),
                        _given_or(a.limit, pre.limit), [*pre.overrides, *a.overrides], a.preset,
                        _given_or(a.module_limit, pre.module_limit), _given_or(a.regenerate, pre.regenerate))

@@ -9,7 +9,6 @@ reloaded and its logits compared with the GGUF-loaded model's before the atomic 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import struct
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import OutputRefused, atomic_dir, describe_contents, is_empty_dir
-from specheads.cli_options import HelpFormatter
+from specheads.cli_parsers import from_gguf_parser
 
 CHECK_TEXT = "The quick brown fox jumps over the lazy dog. def f(x):\n    return x + 1"
 
@@ -212,12 +211,7 @@ def _record_source(folder: Path, file: Path, name: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="specheads target from-gguf", formatter_class=HelpFormatter,
-                                description="Convert a GGUF chat model into a HF folder (fp32, chat template kept).")
-    p.add_argument("file", help="the .gguf file")
-    p.add_argument("--out", required=True, help="folder to write (atomically)")
-    p.add_argument("--name", default=None,
-                   help="the model's hub id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), recorded for exports")
+    p = from_gguf_parser()
     a = p.parse_args(argv)
     print(convert(a.file, a.out, name=a.name))
     return 0

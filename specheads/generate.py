@@ -20,20 +20,15 @@ instead: faster, but LOSSY, and the summary says so.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from specheads.cli_options import (
-    HelpFormatter,
-    add_fingerprint_argument,
-    add_mixing_arguments,
-    add_sampling_arguments,
-    add_tree_arguments,
     mixing_from_args,
     sampling_from_args,
     spec_from_args,
 )
+from specheads.cli_parsers import generate_parser
 from specheads.data.messages import FieldError, check_text
 from specheads.data.prompts import NoChatTemplate, encode_chat, encode_text, user_turn
 from specheads.metrics import broken_draft_warning
@@ -161,23 +156,7 @@ def run_generate(target_path: str, draft_dir: str, prompt: str, spec: TreeSpec,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads generate", formatter_class=HelpFormatter, description=(
-        "Generate from one prompt with an exported draft (greedy unless --temperature > 0), "
-        "streaming the text; then decode it plainly and report tau, per-position acceptance "
-        "and tokens/s of both."))
-    p.add_argument("--target", required=True, help="local HF model folder, hub id (org/name, from the hub cache) or builtin:tiny")
-    p.add_argument("--draft", required=True, help="export folder written by `specheads export`, or a hub id (org/name)")
-    p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat)")
-    add_tree_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="render the prompt with the chat template (default) or feed it raw")
-    add_sampling_arguments(p)
-    add_mixing_arguments(p)
-    add_fingerprint_argument(p)
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on a GPU, float32 on a CPU")
+    p = generate_parser()
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     spec = spec_from_args(a)

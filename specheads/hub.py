@@ -9,7 +9,6 @@ HF_TOKEN or the cached `hf auth login`; it is never printed or written anywhere.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from specheads.cli_options import HelpFormatter
+from specheads.cli_parsers import push_parser
 from specheads.errors import first_line, is_network_error, read_user_text
 from specheads.eval.identity import KEY, eval_mismatch, history_warning
 from specheads.eval.predict import advice_summary
@@ -306,18 +305,7 @@ def push(export_dir: str | Path, repo_id: str, private: bool = False, dry_run: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads push", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("export_dir", help="a folder written by `specheads export` and measured by `specheads eval --attach`")
-    p.add_argument("--repo", required=True, help="hub repository id, e.g. org/name-eagle3")
-    p.add_argument("--private", action="store_true", help="create the repository private")
-    p.add_argument("--dry-run", action="store_true", help="print the files and the model card; upload nothing")
-    p.add_argument("--endpoint", default=None, help="hub endpoint (default: HF_ENDPOINT or huggingface.co)")
-    p.add_argument("--license", default=None, metavar="ID",
-                   help="the card's licence (default: the target's, from its model card's `license:`; refused "
-                        "when unknown)")
-    p.add_argument("--base-model", default=None, metavar="ORG/NAME",
-                   help="the target's hub id, for the card's base_model and serve commands (default: the one the "
-                        "export records; else the target's local path, made absolute)")
+    p = push_parser()
     a = p.parse_args(argv)
     push(a.export_dir, a.repo, a.private, a.dry_run, a.endpoint, license_id=a.license, base_model=a.base_model)
     return 0

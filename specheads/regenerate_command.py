@@ -16,12 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specheads.cli_options import (
-    HelpFormatter,
-    add_fingerprint_argument,
-    add_mixing_arguments,
-    add_quiet_argument,
     mixing_from_args,
 )
+from specheads.cli_parsers import regenerate_parser
 from specheads.data.openai_client import Endpoint
 from specheads.data.regenerate_run import read_rows, run_regenerate
 from specheads.data.regenerate_turns import LocalBackend, OpenAIBackend, RegenerateError, RegenOptions, prompt_seed
@@ -103,46 +100,7 @@ def speculative_backend(a: argparse.Namespace, opts: RegenOptions) -> LocalBacke
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads regenerate", formatter_class=HelpFormatter, description=(
-        "Rewrite the assistant turns of a dataset with the target (turn by turn), locally or "
-        "through an OpenAI-compatible server; resumable after a kill."))
-    p.add_argument("source", help="dataset file (ShareGPT, OpenAI messages, Alpaca; .json/.jsonl/...)")
-    p.add_argument("--out", required=True, help="output JSON-lines file (resumed if it exists)")
-    p.add_argument("--format", default="auto", choices=["auto", "sharegpt", "openai", "messages", "alpaca", "text"],
-                   help="the dataset's row format (default auto: from the first row's keys; a prompts file with "
-                        "prompt / turns / question rows is read as prompts to answer)")
-    p.add_argument("--limit", type=int, default=None, help="first N rows only")
-    g = p.add_argument_group("backend")
-    g.add_argument("--target", default=None, help="local HF model folder or hub id (org/name): generate in this process")
-    g.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
-    g.add_argument("--model", default=None, help="served model name (default: the first listed)")
-    g.add_argument("--api-key", default=None, help="the server's API key (default: none sent)")
-    g.add_argument("--concurrency", type=int, default=8, help="conversations in flight (endpoint)")
-    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request (endpoint)")
-    g.add_argument("--retries", type=int, default=4, help="retries per request (endpoint)")
-    g.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubling")
-    g.add_argument("--batch-size", type=int, default=16,
-                   help="prompts per target forward (local; plain generate, or speculative with --draft)")
-    g.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ... (local)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="the target's dtype (default: bfloat16 on a GPU, float32 elsewhere)")
-    g.add_argument("--draft", default=None,
-                   help="an export folder of the target's drafter: decode speculatively, --batch-size "
-                        "prompts at a time (greedy: the same answers as plain decoding; sampled: the same "
-                        "distribution, each answer seeded from --seed and its prompt)")
-    add_fingerprint_argument(g)
-    add_mixing_arguments(g)
-    s = p.add_argument_group("sampling and content")
-    s.add_argument("--max-new-tokens", type=int, default=512, help="longest new answer, in tokens")
-    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    s.add_argument("--seed", type=int, default=0, help="sampling seed (each answer's seed also depends on its prompt)")
-    s.add_argument("--thinking", default="keep", choices=["keep", "drop"],
-                   help="keep or drop <think> blocks / the server's reasoning in new answers")
-    add_quiet_argument(p)
-    s.add_argument("--tools", default="keep", choices=["keep", "skip"],
-                   help="keep: tool results and tool-calling turns stay, text answers are "
-                        "regenerated; skip: leave rows with tool messages out")
+    p = regenerate_parser()
     a = p.parse_args(argv)
     check_options(a)
     opts = RegenOptions(a.max_new_tokens, a.temperature, a.top_p, a.seed, a.thinking, a.tools)

@@ -19,7 +19,6 @@ to resume.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import OutputRefused, write_text
-from specheads.cli_options import RawHelpFormatter
+from specheads.cli_parsers import train_parser
 from specheads.config import Recipe, TrainConfig, check_recipe_inputs, load_recipe, to_dict
 from specheads.data.features import feature_source
 from specheads.data.samples import prepare_samples, split_samples
@@ -578,19 +577,6 @@ def run_training(recipe: Recipe, accelerator, resume: ResumePlan) -> Path:
     return latest_checkpoint(out_dir)
 
 
-TRAIN_HELP = """Train a drafter on a frozen target from a YAML recipe (recipes/), with dotted key=value overrides.
-
-  specheads train recipes/demo/eagle3.yaml data.train=data/train.jsonl train.output_dir=runs/x
-  specheads train RECIPE 'data.train=[a.jsonl,b.jsonl]' train.max_steps=500 train.lr=1e-3
-  torchrun --nproc_per_node 2 -m specheads.train RECIPE ...          (several processes: DDP)
-  accelerate launch --config_file recipes/accelerate/ddp.yaml -m specheads.train RECIPE ...
-
-Rerunning the same command resumes from the latest checkpoint in train.output_dir. A resume that
-changes what the weights depend on (lr, data, head.*, batch size, ...) is refused unless
---new-phase. An unknown key is refused with the valid ones; recipes/ and the README list them.
-"""
-
-
 def resume_note(t: TrainConfig) -> str:
     """What rerunning the same train command does after an interruption."""
     ckpt = latest_checkpoint(t.output_dir)
@@ -600,14 +586,7 @@ def resume_note(t: TrainConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specheads train", description=TRAIN_HELP, formatter_class=RawHelpFormatter)
-    parser.add_argument("recipe", help="YAML recipe (see recipes/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
-    parser.add_argument(NEW_PHASE_FLAG, action="store_true", dest="new_phase",
-                        help="resume with a changed recipe (lr, data, head.*, batch size, schedule, a longer "
-                             "cosine/wsd run, ...): a new phase from the latest checkpoint's weights, with a fresh "
-                             "optimizer and learning-rate schedule up to train.max_steps, recorded in the "
-                             "checkpoints. Without it a resume refuses any change that affects the weights")
+    parser = train_parser()
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     try:

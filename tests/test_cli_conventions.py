@@ -73,6 +73,20 @@ def test_every_verbs_help_shows_its_defaults_and_train_speaks_to_users(tmp_path)
     assert "the only module that builds an Accelerator" not in train and "resumes from the latest checkpoint" in train
 
 
+def test_help_loads_no_torch(tmp_path):
+    """--help answers before any module that loads torch or transformers is imported (under a second)."""
+    probe = ("import sys, time\nfrom specheads.cli import main\nt0 = time.perf_counter()\n"
+             "try:\n    main(sys.argv[1:] + ['--help'])\nexcept SystemExit:\n    pass\n"
+             "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+             "print('HEAVY', heavy, time.perf_counter() - t0, file=sys.stderr)\n")
+    for verb in [*(v for v in VERBS_WITH_OPTIONS if v != "serve"), "target from-gguf"]:  # serve: not yet
+        r = subprocess.run([sys.executable, "-c", probe, *verb.split()], capture_output=True, text=True,
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+        line = next(ln for ln in r.stderr.splitlines() if ln.startswith("HEAVY"))
+        assert line.startswith("HEAVY []"), (verb, line)
+        assert float(line.split()[-1]) < 1.0, (verb, line)
+
+
 def test_one_spelling_everywhere_with_the_old_ones_kept():
     from specheads.cli import _eval_parser
     from specheads.engine_facts import EXPORT_FORMATS
@@ -84,3 +98,7 @@ def test_one_spelling_everywhere_with_the_old_ones_kept():
     a = _eval_parser().parse_args([*base, "--limit", "2", "--quiet"])
     assert a.limit == 2 and a.quiet is True
     assert set(EXPORT_FORMATS) == set(CLI_FORMATS)  # export's --format choices, known without importing export
+    from specheads.cli_parsers import STORAGE_DTYPES
+    from specheads.data.feature_cache import STORAGE
+
+    assert STORAGE_DTYPES == tuple(STORAGE)  # capture --dtype, known without importing torch

@@ -15,7 +15,6 @@ The format and the reader training uses (`feature_source`) live in specheads/dat
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import check_output, remove_stale, save_safetensors, write_json
-from specheads.cli_options import RawHelpFormatter, add_quiet_argument
+from specheads.cli_parsers import capture_parser
 from specheads.config import check_recipe_inputs, load_recipe
 from specheads.data.feature_cache import (
     FORMAT,
@@ -314,15 +313,7 @@ def _write_manifest(folder: Path, plan: dict, expected: Counter, estimate: int, 
 
 def main(argv: list[str] | None = None) -> int:
     """`specheads capture`: parse arguments, load the recipe, check it, capture."""
-    p = argparse.ArgumentParser(prog="specheads capture", description=__doc__, formatter_class=RawHelpFormatter)
-    p.add_argument("recipe", help="the training recipe (its target, data and head decide what is stored)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
-    p.add_argument("--out", default=None, help="capture folder (default: the recipe's data.features)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(STORAGE),
-                   help="storage dtype; int8 = per-row absmax with a float32 scale (lossy)")
-    p.add_argument("--shard-mb", type=float, default=1024.0, help="approximate shard size in MiB")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per target forward")
-    add_quiet_argument(p)
+    p = capture_parser()
     a = p.parse_args(argv)
     if not a.shard_mb > 0 or a.shard_mb == float("inf"):
         raise FeatureCacheError(f"--shard-mb {a.shard_mb}: must be a positive size in MiB, e.g. 1024")

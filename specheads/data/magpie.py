@@ -15,7 +15,6 @@ batch, and a rerun with other filter options re-cleans without generating) and O
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specheads.atomic import atomic_file, write_json
-from specheads.cli_options import HelpFormatter, add_quiet_argument
+from specheads.cli_parsers import magpie_parser
 from specheads.data.messages import lone_surrogate
 from specheads.data.regenerate_turns import RegenOptions, generate_batch
 from specheads.data.resume import RowWriter, check_resumable
@@ -371,29 +370,7 @@ def summary(counts: Counts) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`specheads magpie`: options -> a loaded target -> run_magpie -> the counts."""
-    p = argparse.ArgumentParser(prog="specheads magpie", formatter_class=HelpFormatter, description=(
-        "Magpie: let the target write user prompts (its chat template up to a user turn's opening, sampled), "
-        "clean and deduplicate them, and write a prompts file for `specheads regenerate`."))
-    p.add_argument("--target", required=True, help="local HF chat model folder or hub id (its tokenizer needs a chat template)")
-    p.add_argument("--out", required=True, help="prompts JSON-lines file ({id, prompt} rows); resumed if it exists")
-    p.add_argument("--n", type=int, default=1000, help="samples to generate (kept <= n after cleaning)")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per generate call")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="longest prompt, in tokens")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the prompts")
-    p.add_argument("--top-p", type=float, default=0.99, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--system", default=None, help="system prompt before the user turn (default: the template's own)")
-    p.add_argument("--min-chars", type=int, default=12, help="drop shorter prompts")
-    p.add_argument("--max-chars", type=int, default=2000, help="drop longer prompts")
-    p.add_argument("--keep-truncated", action="store_true", help="keep prompts cut at --max-new-tokens")
-    p.add_argument("--near-prefix-words", type=int, default=4,
-                   help="near-duplicates are looked for among prompts opening with these many equal words")
-    p.add_argument("--near-jaccard", type=float, default=0.7,
-                   help="word-trigram Jaccard similarity at which a prompt is a near-duplicate of a kept one")
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, ...")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="the target's dtype (default: bfloat16 on a GPU, float32 elsewhere)")
-    add_quiet_argument(p)
+    p = magpie_parser()
     a = p.parse_args(argv)
     opts = MagpieOptions(a.n, a.batch_size, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.system)
     filters = FilterOptions(a.min_chars, a.max_chars, a.keep_truncated, a.near_prefix_words, a.near_jaccard)

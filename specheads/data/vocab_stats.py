@@ -10,7 +10,6 @@ them with `data.vocab_stats: FILE` to build the reduced draft vocabulary without
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specheads.atomic import save_safetensors
-from specheads.cli_options import RawHelpFormatter
+from specheads.cli_parsers import vocab_stats_parser
 from specheads.config import check_recipe_inputs, load_recipe
 from specheads.data.samples import read_recipe_conversations, split_samples
 from specheads.data.tokenize import tokenize_conversation
@@ -158,11 +157,7 @@ def vocab_stats(recipe, out: str | Path, workers: int = 1, report=print) -> Path
 
 def main(argv: list[str] | None = None) -> int:
     """`specheads vocab-stats`: parse arguments, load the recipe, check it, count."""
-    p = argparse.ArgumentParser(prog="specheads vocab-stats", description=__doc__, formatter_class=RawHelpFormatter)
-    p.add_argument("recipe", help="the training recipe (its target tokenizer and data are used)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.train=a.jsonl")
-    p.add_argument("--out", default=None, help="file to write (default: the recipe's data.vocab_stats)")
-    p.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    p = vocab_stats_parser()
     a = p.parse_args(argv)
     if a.workers < 1:
         raise VocabStatsError(f"--workers {a.workers}: must be >= 1 (tokenising processes)")
