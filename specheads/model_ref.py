@@ -22,11 +22,6 @@ class ModelRefError(ValueError):
     """A model name that is neither a local folder nor a hub id we can get (the message says how)."""
 
 
-def is_hub_id(name: str) -> bool:
-    """`org/name` (optionally `@revision`) that is not an existing local path."""
-    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
-
-
 def offline() -> bool:
     return os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
