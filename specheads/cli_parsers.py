@@ -248,3 +248,43 @@ def from_gguf_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None,
                    help="the model's hub id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), recorded for exports")
     return p
+
+
+# serve's admission defaults (serve/server.py ServeOptions, whose module loads torch; a test keeps them equal)
+SERVE_DEFAULTS = {"max_batch": 8, "max_queue": 256, "read_timeout": 30.0, "max_body_mb": 8.0, "log_interval": 10.0}
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`specheads serve`'s options."""
+    p = argparse.ArgumentParser(prog="specheads serve", formatter_class=HelpFormatter, description=(
+        "Serve the target (with an exported draft, or plainly) behind an OpenAI-compatible API "
+        "with Prometheus /metrics using vLLM's speculative-decoding metric names."))
+    p.add_argument("--target", required=True, help="local HF model folder, hub id (org/name, from the hub cache) or builtin:tiny")
+    p.add_argument("--draft", default=None, help="export folder from `specheads export` or a hub id (org/name) (default: none)")
+    add_tree_arguments(p)
+    add_mixing_arguments(p)
+    add_fingerprint_argument(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    p.add_argument("--served-model-name", default=None, help="default: the target folder's name")
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype (default: bfloat16 on a GPU, float32 elsewhere)")
+    p.add_argument("--max-batch", type=int, default=SERVE_DEFAULTS["max_batch"],
+                   help="requests decoding together, joining at step boundaries (rows per target "
+                        "forward; 1: one at a time) (default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=SERVE_DEFAULTS["max_queue"],
+                   help="requests that may wait behind the --max-batch decoding; more get 503 with "
+                        "Retry-After (default %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=SERVE_DEFAULTS["read_timeout"],
+                   help="seconds a request's headers, and then its body, may take to arrive "
+                        "(default %(default)s)")
+    p.add_argument("--max-body-mb", type=float, default=SERVE_DEFAULTS["max_body_mb"],
+                   help="largest request body in megabytes; larger ones get 413. A 128K-token context of text is "
+                        "about 0.5-1.5 MB of JSON, so the default leaves room for tool schemas and escaped text while "
+                        "bounding what one request makes the server hold (default %(default)s)")
+    p.add_argument("--log-interval", type=float, default=SERVE_DEFAULTS["log_interval"],
+                   help="seconds between log lines of throughput and draft acceptance (as vLLM's), written only "
+                        "when requests ran or finished; 0: none (default %(default)s)")
+    p.add_argument("--log-requests", action="store_true", help="one line per request on stderr")
+    return p

@@ -79,7 +79,7 @@ def test_help_loads_no_torch(tmp_path):
              "try:\n    main(sys.argv[1:] + ['--help'])\nexcept SystemExit:\n    pass\n"
              "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
              "print('HEAVY', heavy, time.perf_counter() - t0, file=sys.stderr)\n")
-    for verb in [*(v for v in VERBS_WITH_OPTIONS if v != "serve"), "target from-gguf"]:  # serve: not yet
+    for verb in [*VERBS_WITH_OPTIONS, "target from-gguf"]:
         r = subprocess.run([sys.executable, "-c", probe, *verb.split()], capture_output=True, text=True,
                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
         line = next(ln for ln in r.stderr.splitlines() if ln.startswith("HEAVY"))
@@ -102,3 +102,9 @@ def test_one_spelling_everywhere_with_the_old_ones_kept():
     from specheads.data.feature_cache import STORAGE
 
     assert STORAGE_DTYPES == tuple(STORAGE)  # capture --dtype, known without importing torch
+    from specheads.cli_parsers import serve_parser
+    from specheads.serve.server import ServeOptions
+
+    a, defaults = serve_parser().parse_args(["--target", "T"]), ServeOptions()
+    assert all(getattr(a, key) == getattr(defaults, key) for key in ("max_batch", "max_queue", "read_timeout",
+                                                                      "max_body_mb", "log_interval"))
