@@ -51,6 +51,7 @@ class DemoPreset:
     command line wins, and recipe overrides given there come after `overrides` (so they win too)."""
 
     regenerate: int = 2000
+    regenerate_tokens: int = 128  # longest regenerated answer
     module_limit: int | None = None
     limit: int | None = None
     max_new_tokens: int = 96
@@ -60,7 +61,7 @@ class DemoPreset:
 DEMO_PRESETS = {
     "default": DemoPreset(),
     # the 'test' target's context is 256 tokens: every length here fits it, and each stage takes seconds
-    "test": DemoPreset(regenerate=12, module_limit=60, limit=3, max_new_tokens=16,
+    "test": DemoPreset(regenerate=12, regenerate_tokens=64, module_limit=60, limit=3, max_new_tokens=16,
                        overrides=("data.max_length=128", "head.draft_vocab_size=256", "train.batch_size=4",
                                   "train.max_steps=8", "train.save_every=8", "train.log_every=4")),
 }

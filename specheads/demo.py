@@ -98,7 +98,7 @@ def is_demo_run(run: Path) -> bool:
 
 def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int = 96,
              limit: int | None = None, overrides: list[str] = (), preset: str = "default",
-             module_limit: int | None = None, regenerate: int = 2000) -> dict:
+             module_limit: int | None = None, regenerate: int = 2000, regenerate_tokens: int = 128) -> dict:
     """Run every stage; returns the summary written to RUN/demo_summary.json."""
     check_output(run, is_demo_run, "a demo run folder", "choose another --run, or move or remove it yourself")
     run.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def run_demo(run: Path, recipe_path: Path = DEFAULT_RECIPE, max_new_tokens: int 
     # the recipe (its max_length against the target's context included) is checked before the slow regeneration
     check_recipe_inputs(demo_recipe(recipe_path, run, train_file, list(overrides)), memory=False)
     if regenerate:
-        train_file = regenerated_data(run, target, regenerate)
+        train_file = regenerated_data(run, target, regenerate, regenerate_tokens)
     timings["data_s"] = time.time() - t0 - timings["target_s"]
     t1 = time.time()
     stage("training the EAGLE-3 drafter")
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     pre = DEMO_PRESETS[a.preset]
     summary = run_demo(Path(a.run), Path(a.recipe), _given_or(a.max_new_tokens, pre.max_new_tokens),
                        _given_or(a.limit, pre.limit), [*pre.overrides, *a.overrides], a.preset,
-                       _given_or(a.module_limit, pre.module_limit), _given_or(a.regenerate, pre.regenerate))
+                       _given_or(a.module_limit, pre.module_limit), _given_or(a.regenerate, pre.regenerate),
+                       pre.regenerate_tokens)
     print_summary(summary)
     m = summary["metrics"]
     conc_equal = all(r["greedy_equal"] == r["prompts"] for r in summary["concurrency"]["rows"])
