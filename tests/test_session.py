@@ -115,6 +115,7 @@ def test_every_verb_refuses_another_targets_draft_and_one_without_a_fingerprint(
     if verb.startswith("eval"):
         metrics = json.loads((tmp_path / "allowed" / "metrics.json").read_text())
         assert metrics["provenance"]["fingerprint_checked"] is False
+        assert metrics["draft_weights"]["sha256"]  # which weights were measured, online or offline
 
 
 def test_serve_applies_the_same_policy(tiny_target_dir, drafts):

@@ -16,6 +16,8 @@ import torch
 from specheads.data.conversations import read_conversations
 from specheads.data.prompts import encode_chat, user_turn
 from specheads.data.tokenize import TokenizedSample, collate, tokenize_all
+from specheads.eval.identity import KEY as WEIGHTS_KEY
+from specheads.eval.identity import draft_weights
 from specheads.eval.predict import simulated_tau
 from specheads.eval.report import check_report_folder, write_report
 from specheads.heads.losses import COUNT_KEYS
@@ -126,6 +128,7 @@ def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: 
     acc = offline_acceptance(target, head, samples)
     metrics = {"mode": "offline", "tau_est": acc["tau_est"], "offline": acc,
                "simulated_tau": simulated_tau(acc["acc_cond"], rank_q=acc.get("rank_acceptance")),
+               WEIGHTS_KEY: draft_weights(draft.meta.folder),  # the weights measured (eval/identity.py)
                "provenance": provenance(target=target.fingerprint(), draft=str(draft_dir), data=str(data_file),
                                         limit=limit, fingerprint_checked=checked)}
     return write_report(out_dir, metrics)
