@@ -76,13 +76,13 @@ def unsupported_head_dim(target_dir: Path) -> str | None:
             f"{', '.join(map(str, VLLM_CPU_BUILD.head_sizes))} only (\"Unsupported CPU attention configuration\")")
 
 
-def server_env(python: Path, threads: int, single_process: bool = False) -> dict:
+def server_env(python: Path, threads: int, single_process: bool = False, kv_cache_gib: int | None = None) -> dict:
     """The engine's environment: threads unbound and counted, a small KV cache, no network, libiomp5
     preloaded where intel-openmp put it (vLLM warns that speculative decoding loses speed without);
     `single_process`: the engine core inside the server's process (see Server)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads),
-               VLLM_CPU_KVCACHE_SPACE=str(VLLM_CPU_BUILD.kv_cache_gib), HF_HUB_OFFLINE="1",
+               VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib or VLLM_CPU_BUILD.kv_cache_gib), HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
     if single_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -125,6 +125,7 @@ class Server:
     # the engine core and its worker in the server's process: one import of vLLM instead of three
     # (measured: start 50 s against 100 s on 2 loaded cores); checks use it, speed benchmarks do not
     single_process: bool = False
+    kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (default VLLM_CPU_BUILD.kv_cache_gib)
     proc: subprocess.Popen | None = field(default=None, init=False)
 
     def __post_init__(self):
@@ -153,7 +154,7 @@ class Server:
         self._fh.flush()
         self.started = time.time()
         self.proc = subprocess.Popen(self.cmd, stdout=self._fh, stderr=subprocess.STDOUT,
-                                     env=server_env(self.python, self.threads, self.single_process),
+                                     env=server_env(self.python, self.threads, self.single_process, self.kv_cache_gib),
                                      start_new_session=True)
         try:
             self._wait_healthy()
