@@ -12,9 +12,15 @@ COLUMNS = ("proposer", "tau", "acceptance per position", "predicted speedup", "m
 def table_rows(m: dict, drafter: str) -> dict[str, tuple[str, dict]]:
     """An eval's rows: key -> (label, the row's metrics), in table order; `drafter` labels the export's row."""
     rows = {"speculative": (drafter, m["speculative"])}
-    rows.update({key: (label, m[key]) for key, label in FREE_NAMES.items() if m.get(key)})
-    rows.update({key: (label.format(free=m[key]["free"]), m[key]) for key, label in MIX_NAMES.items() if m.get(key)})
+    rows.update({key: (label, m[key]) for key, label in FREE_NAMES.items() if _measured(m.get(key))})
+    rows.update({key: (label.format(free=m[key].get("free", "the free proposer")), m[key])
+                 for key, label in MIX_NAMES.items() if _measured(m.get(key))})
     return rows
+
+
+def _measured(row) -> bool:
+    """A row that was decoded (a row skipped, e.g. a chain hybrid under a tree draft, records why instead)."""
+    return isinstance(row, dict) and "tau" in row and "acceptance_per_position" in row
 
 
 def results_table(m: dict, title: str, drafter: str):
