@@ -177,6 +177,14 @@ def test_a_fault_is_caught_only_by_vllms_acceptance_falling(tmp_path, monkeypatc
     assert r["caught"] and "fell from 0.550 to 0.120" in r["how"] and seen["config"]["norm_before_fc"] is False
     seen["rate"] = 0.54
     assert vllm_check.fault_check("dropped-norm", export, clean, tmp_path, tmp_path / "w")["caught"] is False
+    # with our verifier measured on the clean export, the margin is twice that gap (at least 2%)
+    seen["rate"] = 0.53
+    exact = {**clean, "ours": {"accepted_per_drafted": 0.55}}
+    assert vllm_check.fault_margin(exact) == pytest.approx(0.02)
+    assert vllm_check.fault_check("dropped-norm", export, exact, tmp_path, tmp_path / "w")["caught"] is True
+    noisy = {**clean, "ours": {"accepted_per_drafted": 0.55 / 1.03}}
+    assert vllm_check.fault_margin(noisy) == pytest.approx(0.06, abs=1e-3)
+    assert vllm_check.fault_check("dropped-norm", export, noisy, tmp_path, tmp_path / "w")["caught"] is False
     assert vllm_check.fault_check("layer-ids-lowest", export, clean, tmp_path, tmp_path / "w")["caught"] is None
 
 

@@ -5,8 +5,9 @@ PASS when every speculative output equals vLLM's plain output token for token (f
 drafted, and, with `compare_ours`, vLLM's accepted tokens per position (from `/metrics`) are within
 ACCEPTANCE_TOLERANCE of our verifier's on the same prompt ids and k. `fault_check` serves a copy of
 the export with one fault (FAULTS: a shuffled d2t, the aux layer ids of other layers, a dropped norm) and
-reports it caught when vLLM refuses the copy, its outputs differ, or its acceptance falls below
-FAULT_DROP of the clean export's, as vLLM measured it.
+reports it caught when vLLM refuses the copy, its outputs differ, or its acceptance falls below the
+clean export's, as vLLM measured it, by more than the clean export's own vLLM-to-ours gap allows
+(fault_margin).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from specheads.engines.llamacpp_check import first_difference, ours
 from specheads.engines.llamacpp_server import load_average, prompt_ids
 
 ACCEPTANCE_TOLERANCE = 0.05  # |vLLM - ours| / ours, accepted per drafted token and per position
-# a fault is caught when vLLM's accepted / drafted falls below this share of the clean export's: more than
-# the tolerance the clean export is held to against our verifier (greedy decoding is deterministic; the
-# demo's clean export measured 0.677 in vLLM against 0.678 ours). Measured on the demo: a shuffled d2t
-# 0.000, norm_before_fc dropped 0.043, the aux layer ids of layers 0-2 instead of 2, 4, 5 0.617 (0.91x)
-FAULT_DROP = 1 - ACCEPTANCE_TOLERANCE
+# a fault is caught when vLLM's accepted / drafted falls below the clean export's by more than twice the gap
+# between vLLM and our verifier on that clean export (two decoders of the same weights: their numerical
+# noise; greedy decoding is otherwise deterministic), and at least FAULT_MIN_DROP. Measured on the demo:
+# clean 0.677 in vLLM against 0.678 ours; a shuffled d2t 0.000, norm_before_fc dropped 0.043, the aux
+# layer ids of layers 0-2 instead of 2, 4, 5 0.617 (0.91x)
+FAULT_MIN_DROP = 0.02
 # positions with fewer drafts reaching them than this are compared in the total only (a rate of 1 of 3 is noise)
 MIN_POSITION_DRAFTS = 20
 
@@ -180,7 +182,7 @@ FAULTS: dict[str, Callable[[Path], bool]] = {
 
 def fault_check(fault: str, export_dir: Path, clean: dict, target_dir: Path, work: Path, **kw) -> dict:
     """`check` on a copy of the export with `fault`; caught when vLLM refuses it, its outputs differ
-    from plain, or its accepted / drafted falls below FAULT_DROP of the clean run's (`clean`, a
+    from plain, or its accepted / drafted falls by more than fault_margin below the clean run's (`clean`, a
     `check` result of the same export)."""
     faulty = Path(work) / f"export-{fault}"
     shutil.rmtree(faulty, ignore_errors=True)
@@ -193,12 +195,20 @@ def fault_check(fault: str, export_dir: Path, clean: dict, target_dir: Path, wor
     except vs.VllmRefused as e:
         return {"fault": fault, "caught": True, "how": f"vLLM refused it: {str(e)[:300]}"}
     base, got = (clean["vllm"] or {}).get("acceptance_rate"), (r["vllm"] or {}).get("acceptance_rate")
-    dropped = base is not None and got is not None and got < FAULT_DROP * base
+    margin = fault_margin(clean)
+    dropped = base is not None and got is not None and got < (1 - margin) * base
     how = "; ".join(r["problems"]) if not r["greedy_equal"] else (
-        f"vLLM's accepted / drafted fell from {base:.3f} to {got:.3f}" if dropped else
-        f"not caught: vLLM's accepted / drafted {got} against {base} clean")
+        f"vLLM's accepted / drafted fell from {base:.3f} to {got:.3f} (more than {margin:.1%})" if dropped else
+        f"not caught: vLLM's accepted / drafted {got} against {base} clean (a fall of {margin:.1%} was needed)")
     return {"fault": fault, "caught": dropped or not r["greedy_equal"], "how": how, "acceptance_rate": got,
-            "clean_acceptance_rate": base, "greedy_equal": r["greedy_equal"]}
+            "clean_acceptance_rate": base, "margin": margin, "greedy_equal": r["greedy_equal"]}
+
+
+def fault_margin(clean: dict) -> float:
+    """The relative fall of vLLM's acceptance that counts as a fault: twice the clean export's gap between
+    vLLM and our verifier, at least FAULT_MIN_DROP; ACCEPTANCE_TOLERANCE when ours was not measured."""
+    gap = relative_gap((clean["vllm"] or {}).get("acceptance_rate"), (clean.get("ours") or {}).get("accepted_per_drafted"))
+    return ACCEPTANCE_TOLERANCE if gap is None else max(2 * gap, FAULT_MIN_DROP)
 
 
 def format_check(r: dict) -> str:
