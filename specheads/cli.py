@@ -18,7 +18,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from specheads.cli_options import HelpFormatter
+    from specheads.cli_parsers import HelpFormatter
     from specheads.engine_facts import EXPORT_FORMATS
 
     p = argparse.ArgumentParser(prog="specheads export", formatter_class=HelpFormatter, description=(
@@ -63,7 +63,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    from specheads.cli_options import (
+    from specheads.cli_parsers import (
         SUFFIX_HISTORY_HELP,
         HelpFormatter,
         add_fingerprint_argument,
@@ -176,7 +176,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _tiny_target(argv: list[str]) -> int:
-    from specheads.cli_options import HelpFormatter
+    from specheads.cli_parsers import HelpFormatter
 
     p = argparse.ArgumentParser(prog="specheads tiny-target", formatter_class=HelpFormatter,
                                 description="Build the embedded tiny target (a HF folder) from the Python standard library.")

@@ -1,7 +1,8 @@
-"""The options of the verbs whose modules load torch (or transformers) when imported: their parsers
-live here, with only the standard library and cli_options underneath, so `specheads VERB --help`
-answers at once; each verb's main() parses with its function below, then imports what it runs.
-A verb's description that is its module's docstring is read from the source file, not imported.
+"""The verbs' options, defined with the standard library alone so `specheads VERB --help` answers at
+once: the flags several verbs share, the help formatter every verb uses (defaults shown), and the
+parsers of the verbs whose modules load torch when imported (each verb's main() parses with its
+function here, then imports what it runs). A verb's description that is its module's docstring is
+read from the source file, not imported. cli_options turns the shared flags into settings.
 """
 
 from __future__ import annotations
@@ -9,21 +10,12 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.cli_options import (
-    HelpFormatter,
-    RawHelpFormatter,
-    add_fingerprint_argument,
-    add_mixing_arguments,
-    add_quiet_argument,
-    add_sampling_arguments,
-    add_tree_arguments,
-)
-from specheads.resume_plan import NEW_PHASE_FLAG
-
 PACKAGE = Path(__file__).resolve().parent
+NEW_PHASE_FLAG = "--new-phase"  # train: resume with a changed recipe (resume_plan.NEW_PHASE_FLAG; a test keeps them equal)
 STORAGE_DTYPES = ("bfloat16", "float32", "int8")  # capture --dtype (data/feature_cache.py STORAGE)
 DEFAULT_RECIPE = Path("recipes/demo/eagle3.yaml")  # the demo's recipe
 
@@ -38,6 +30,85 @@ Rerunning the same command resumes from the latest checkpoint in train.output_di
 changes what the weights depend on (lr, data, head.*, batch size, ...) is refused unless
 --new-phase. An unknown key is refused with the valid ones; recipes/ and the README list them.
 """
+
+
+# --- flags shared by several verbs, and the help formatter -----------------------------------------------
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every verb's --help: each option's default appended unless its help already says it or there is
+    none to show (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        said = re.search(r"\(default|default:|%\(default", text, re.IGNORECASE)  # the help names it already
+        if said or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """HelpFormatter for a description laid out in lines of its own."""
+
+
+def add_quiet_argument(p) -> None:
+    """--quiet (alias --no-progress, bench's old spelling): no progress on stderr."""
+    p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress on stderr")
+
+
+def add_tree_arguments(p: argparse.ArgumentParser) -> None:
+    """--tree / --k / --depth / --top-k / --total-tokens, shared by generate and eval."""
+    p.add_argument("--tree", default="chain",
+                   help="chain (default), eagle2 (dynamic tree) or FILE.json (static tree: a list "
+                        "of rank paths such as [[0], [1], [0, 0]])")
+    p.add_argument("--k", type=int, default=None, help="chain draft length (default: the export's)")
+    p.add_argument("--depth", type=int, default=5, help="EAGLE-2: expansion levels after the first")
+    p.add_argument("--top-k", type=int, default=8, help="EAGLE-2: branching factor")
+    p.add_argument("--total-tokens", type=int, default=48,
+                   help="EAGLE-2: tokens verified per step, root included")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """--temperature / --top-p / --seed / --acceptance / --typical-*, shared by generate and eval."""
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, checked identical to plain greedy; > 0: speculative "
+                        "sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
+                   help="exact (default): lossless verification; typical: Medusa typical "
+                        "acceptance, LOSSY (needs --temperature > 0)")
+    p.add_argument("--typical-epsilon", type=float, default=None,
+                   help="typical acceptance: hard threshold epsilon (default 0.09)")
+    p.add_argument("--typical-delta", type=float, default=None,
+                   help="typical acceptance: entropy threshold factor delta (default 0.3)")
+
+
+def add_fingerprint_argument(p: argparse.ArgumentParser) -> None:
+    """--allow-missing-fingerprint, the one override of the fingerprint policy (session.py)."""
+    p.add_argument("--allow-missing-fingerprint", action="store_true",
+                   help="use a specheads export that records no target fingerprint (refused by "
+                        "default); a draft whose fingerprint names another target is always refused")
+
+
+HYBRID_HELP = ("combine the drafter with a free proposer (suffix decoding; prompt lookup when arctic-inference is "
+               "absent, said at start): choose = per step the draft expected to accept more, union = both in one "
+               "verified tree, off = the drafter alone. auto (default): the setting EXPORT/eval/metrics.json "
+               "(`specheads eval --attach`) predicts fastest of the drafter alone, hybrid choose, union and "
+               "adaptive, so a hybrid whenever it predicts one faster than the drafter alone; without that file "
+               "the drafter alone")
+
+
+SUFFIX_HISTORY_HELP = ("conversations whose answers go into suffix decoding's global cache before the first "
+                       "request, as a server that answered them would have it (e.g. the regenerated training data)")
+
+
+def add_mixing_arguments(p: argparse.ArgumentParser) -> None:
+    """--hybrid / --adaptive, shared by generate, serve and regenerate --draft (specheads/mixing.py)."""
+    p.add_argument("--hybrid", choices=["auto", "choose", "union", "off"], default="auto", help=HYBRID_HELP)
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="adaptive draft length: per step the draft (drafter, or the free one with --hybrid choose) "
+                        "and its length 0..k_max with the most expected tokens per measured cost, from the "
+                        "calibration and step costs in EXPORT/eval/metrics.json (default: as --hybrid auto decides)")
+    p.add_argument("--suffix-history", metavar="FILE", help=SUFFIX_HISTORY_HELP)
 
 
 def module_doc(relative: str) -> str:

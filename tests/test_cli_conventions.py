@@ -102,6 +102,10 @@ def test_one_spelling_everywhere_with_the_old_ones_kept():
     from specheads.data.feature_cache import STORAGE
 
     assert STORAGE_DTYPES == tuple(STORAGE)  # capture --dtype, known without importing torch
+    from specheads.cli_parsers import NEW_PHASE_FLAG
+    from specheads.resume_plan import NEW_PHASE_FLAG as RESUME_FLAG
+
+    assert NEW_PHASE_FLAG == RESUME_FLAG
     from specheads.cli_parsers import serve_parser
     from specheads.serve.server import ServeOptions
 

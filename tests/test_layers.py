@@ -15,7 +15,7 @@ PACKAGE = ROOT / "specheads"
 
 FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("foundation", {"specheads", "atomic", "integrity", "protocols", "provenance", "hf_compat", "metrics", "schedule",
-                    "optim", "builtin", "bounds", "progress", "errors", "engine_facts"}),
+                    "optim", "builtin", "bounds", "progress", "errors", "engine_facts", "model_ref", "cli_parsers"}),
     ("models", {"attention", "target", "heads", "from_gguf"}),
     ("recipes", {"config"}),
     ("data", {"data"}),

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.atomic import check_output, write_json, write_text
-from specheads.cli_options import HelpFormatter
+from specheads.cli_parsers import HelpFormatter
 from specheads.engine_facts import VLLM_SPEC_METRICS
 
 DEFAULT_CONCURRENCY = (1, 8, 32)
