@@ -253,10 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     p = demo_parser()
     a = p.parse_args(argv)
     pre = DEMO_PRESETS[a.preset]
-    summary = run_demo(Path(a.run), Path(a.recipe), _given_or(a.max_new_tokens, pre.max_new_tokens),
-                       _given_or(a.limit, pre.limit), [*pre.overrides, *a.overrides], a.preset,
-                       _given_or(a.module_limit, pre.module_limit), _given_or(a.regenerate, pre.regenerate),
-                       pre.regenerate_tokens)
+    try:
+        summary = run_demo(Path(a.run), Path(a.recipe), _given_or(a.max_new_tokens, pre.max_new_tokens),
+                           _given_or(a.limit, pre.limit), [*pre.overrides, *a.overrides], a.preset,
+                           _given_or(a.module_limit, pre.module_limit), _given_or(a.regenerate, pre.regenerate),
+                           pre.regenerate_tokens)
+    except KeyboardInterrupt as err:  # Ctrl-C: what the same command reuses
+        err.add_note(f"the same command goes on: finished stages in {a.run} are reused and training resumes "
+                     f"from {Path(a.run) / 'checkpoint'}'s latest checkpoint")
+        raise
     print_summary(summary)
     m = summary["metrics"]
     conc_equal = all(r["greedy_equal"] == r["prompts"] for r in summary["concurrency"]["rows"])
