@@ -52,6 +52,7 @@ from pathlib import Path
 from specheads.atomic import check_output, write_json, write_text
 from specheads.cli_parsers import HelpFormatter
 from specheads.engine_facts import VLLM_SPEC_METRICS
+from specheads.progress import Progress
 
 DEFAULT_CONCURRENCY = (1, 8, 32)
 MAX_ERRORS = 10  # failure messages kept per row
@@ -411,8 +412,6 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
               match_sample: int = 16, api: str = "chat", model: str | None = None,
               temperature: float = 0.0, timeout: float = 600.0, progress: bool = True) -> dict:
     """Benchmark `url` (and `baseline_url`) at each concurrency; write bench.json / bench.md."""
-    from tqdm import tqdm
-
     levels = check_options(url, baseline_url, concurrency, max_tokens, limit, match_sample, api,
                            temperature, timeout)
     if out_dir:  # refused before any request: a folder of other files is not ours to write into
@@ -429,7 +428,7 @@ def run_bench(url: str, prompts_file: str, out_dir: str | None = None, baseline_
     servers = [("speculative", url)] + ([("baseline", baseline_url)] if baseline_url else [])
     sample = rows[:match_sample] if baseline_url else []
     total = len(rows) * len(levels) * len(servers) + len(sample)
-    with tqdm(total=total, desc="bench", unit="req", disable=not progress) as bar:
+    with Progress(total, "bench", "requests", quiet=not progress) as bar:  # a log gets lines, not \r redraws
         results = [run_level(label, base, [b for _, b in rows], c, api, timeout, bar)
                    for c in levels for label, base in servers]
         match = greedy_match(url, baseline_url, sample, api, timeout, bar) if sample else None
