@@ -21,8 +21,8 @@ import yaml
 
 from specheads.cli_parsers import push_parser
 from specheads.errors import first_line, is_network_error, read_user_text
-from specheads.eval.identity import KEY, eval_mismatch, history_warning
 from specheads.eval.predict import advice_summary
+from specheads.eval_identity import KEY, eval_mismatch, history_warning
 
 METRICS = Path("eval") / "metrics.json"
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specheads.data.suffix_history import answered_turns
-from specheads.eval.identity import eval_mismatch, history_warning
+from specheads.eval_identity import eval_mismatch, history_warning
 from specheads.model_ref import resolve_folder
 from specheads.verify.adaptive_proposers import LengthCosts, adaptive_proposer, loop_k
 from specheads.verify.calibration import Calibration

@@ -14,8 +14,8 @@ import pytest
 from refusals import refused
 
 from specheads.data.suffix_history import History, history_overlap, read_history
-from specheads.eval.identity import draft_weights, short
 from specheads.eval.online import evaluate
+from specheads.eval_identity import draft_weights, short
 from specheads.hub import PushError, push
 from specheads.mixing import Mixing, resolve_mixing, with_history
 from specheads.verify.settings import SettingsError

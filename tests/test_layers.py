@@ -15,9 +15,10 @@ PACKAGE = ROOT / "specheads"
 
 FLOORS = [  # (floor, top-level modules and packages of specheads)
     ("foundation", {"specheads", "atomic", "integrity", "protocols", "provenance", "hf_compat", "metrics", "schedule",
-                    "optim", "builtin", "bounds", "progress", "errors", "engine_facts", "model_ref", "cli_parsers"}),
+                    "optim", "builtin", "bounds", "progress", "errors", "engine_facts", "model_ref", "cli_parsers", "run_lock",
+                    "eval_identity"}),
     ("models", {"attention", "target", "heads", "from_gguf"}),
-    ("recipes", {"config"}),
+    ("recipes", {"config", "resume_plan"}),
     ("data", {"data"}),
     ("artifacts", {"export", "verify", "session", "mixing"}),
     ("kinds", {"kinds"}),

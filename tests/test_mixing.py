@@ -13,8 +13,8 @@ import pytest
 from refusals import refused, write_data
 
 from specheads.cli import main as cli
-from specheads.eval.identity import draft_weights
 from specheads.eval.online import evaluate
+from specheads.eval_identity import draft_weights
 from specheads.generate import run_generate
 from specheads.mixing import SETTINGS, resolve_mixing
 from specheads.session import Session

@@ -21,6 +21,7 @@ from specheads.engine_facts import VLLM_CPU
 from specheads.engines import vllm_server as vs
 from specheads.engines.llamacpp_check import first_difference, ours
 from specheads.engines.llamacpp_server import load_average, prompt_ids
+from specheads.engines.venvs import ensure
 
 ACCEPTANCE_TOLERANCE = 0.05  # |vLLM - ours| / ours, accepted per drafted token and per position
 # a fault is caught when vLLM's accepted / drafted falls below the clean export's by more than twice the gap
@@ -81,8 +82,6 @@ def check(spec: vs.SpecConfig, target_dir: Path, work: Path, export_dir: Path | 
           max_len: int = 512, progress=print) -> dict:
     """Plain vs `spec` in vLLM on the same prompts (see the module docstring); `plain`: vLLM's plain
     completions of these prompts, already decoded (one plain server serves every row of a target)."""
-    from specheads.engines.venvs import ensure
-
     python, work = ensure(vs.ENGINE, progress=progress), Path(work)
     work.mkdir(parents=True, exist_ok=True)
     prompts = prompt_ids(Path(target_dir), prompts_file, limit)

@@ -16,10 +16,10 @@ import torch
 from specheads.data.conversations import read_conversations
 from specheads.data.prompts import encode_chat, user_turn
 from specheads.data.tokenize import TokenizedSample, collate, tokenize_all
-from specheads.eval.identity import KEY as WEIGHTS_KEY
-from specheads.eval.identity import draft_weights
 from specheads.eval.predict import simulated_tau
 from specheads.eval.report import check_report_folder, write_report
+from specheads.eval_identity import KEY as WEIGHTS_KEY
+from specheads.eval_identity import draft_weights
 from specheads.heads.losses import COUNT_KEYS
 from specheads.metrics import decode_walk, ttt_summary, walk_summary
 from specheads.provenance import provenance
@@ -128,7 +128,7 @@ def evaluate_offline(target_path: str, draft_dir: str, data_file: str, out_dir: 
     acc = offline_acceptance(target, head, samples)
     metrics = {"mode": "offline", "tau_est": acc["tau_est"], "offline": acc,
                "simulated_tau": simulated_tau(acc["acc_cond"], rank_q=acc.get("rank_acceptance")),
-               WEIGHTS_KEY: draft_weights(draft.meta.folder),  # the weights measured (eval/identity.py)
+               WEIGHTS_KEY: draft_weights(draft.meta.folder),  # the weights measured (eval_identity.py)
                "provenance": provenance(target=target.fingerprint(), draft=str(draft_dir), data=str(data_file),
                                         limit=limit, fingerprint_checked=checked)}
     return write_report(out_dir, metrics)

@@ -32,8 +32,6 @@ from specheads.data.suffix_history import History, history_overlap, overlap_warn
 from specheads.engine_facts import VLLM_SUFFIX_DEFAULTS
 from specheads.eval.concurrency import concurrency_advice
 from specheads.eval.engine_costs import add_llamacpp_prediction, read_llamacpp_cost
-from specheads.eval.identity import KEY as WEIGHTS_KEY
-from specheads.eval.identity import draft_weights
 from specheads.eval.mixes import (
     MIXES,
     RowCosts,
@@ -52,6 +50,8 @@ from specheads.eval.predict import StepCosts, eval_costs, prediction_metrics
 from specheads.eval.recommend import by_concurrency_from_table, settle
 from specheads.eval.report import attach_to_export, check_report_folder, read_json, write_report
 from specheads.eval.waves import Totals, check_batch_size, eval_prompt_ids, evaluate_rows
+from specheads.eval_identity import KEY as WEIGHTS_KEY
+from specheads.eval_identity import draft_weights
 from specheads.metrics import broken_draft_warning, predicted_speedup
 from specheads.model_ref import resolve_draft
 from specheads.provenance import machine, provenance
@@ -213,7 +213,7 @@ def evaluate(target_path: str, draft_dir: str, prompts_file: str, out_dir: str,
                   "prefill_forwards": totals.plain.prefill_forwards, "wall_s": totals.plain.wall_s,
                   "target_decode_s": totals.plain.target_decode_s},
         "eval_wall_s": time.perf_counter() - t0,
-        WEIGHTS_KEY: draft_weights(session.draft.meta.folder),  # the weights measured (eval/identity.py)
+        WEIGHTS_KEY: draft_weights(session.draft.meta.folder),  # the weights measured (eval_identity.py)
         "provenance": provenance(
             target=target.fingerprint(), target_path=str(target.path), draft=str(draft_dir),
             draft_format=session.draft.meta.format, fingerprint_checked=session.draft.fingerprint_checked,

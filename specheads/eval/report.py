@@ -23,8 +23,8 @@ from pathlib import Path
 
 from specheads.atomic import check_output, write_bytes, write_json, write_text
 from specheads.errors import read_user_text
-from specheads.eval.identity import history_warning
 from specheads.eval.predict import sglang_flags
+from specheads.eval_identity import history_warning
 from specheads.export.readme import RECOMMENDED
 
 # training-free proposers every eval compares with, as reports name them
