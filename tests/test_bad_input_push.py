@@ -44,12 +44,13 @@ def test_bad_repo_id(work):
 
 
 def test_no_network_is_one_line(work):
-    text = refused(["push", "export", "--repo", "org/x", "--endpoint", "http://127.0.0.1:9"],
+    # --license: the tiny target's card names none, and an unknown licence is refused before the hub is asked
+    text = refused(["push", "export", "--repo", "org/x", "--endpoint", "http://127.0.0.1:9", "--license", "mit"],
                    ["cannot reach the hub at http://127.0.0.1:9", "nothing was uploaded"], work,
                    HF_HUB_OFFLINE="0", HF_TOKEN="hf_not_a_real_token")
     assert len([ln for ln in text.splitlines() if "error" in ln]) == 1
 
 
 def test_offline_mode_is_one_line(work):
-    refused(["push", "export", "--repo", "org/x"], ["cannot reach the hub", "offline mode"], work,
+    refused(["push", "export", "--repo", "org/x", "--license", "mit"], ["cannot reach the hub", "offline mode"], work,
             HF_HUB_OFFLINE="1")
