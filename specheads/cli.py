@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
 LIGHT_PARSERS = {"train": "train_parser", "capture": "capture_parser", "vocab-stats": "vocab_stats_parser",
                  "generate": "generate_parser", "demo": "demo_parser", "push": "push_parser",
-                 "regenerate": "regenerate_parser", "magpie": "magpie_parser", "serve": "serve_parser"}
+                 "regenerate": "regenerate_parser", "magpie": "magpie_parser", "serve": "serve_parser",
+                 "check-engine": "check_engine_parser"}
 
 
 def checked_first(verb: str, fn):

@@ -360,3 +360,23 @@ def serve_parser() -> argparse.ArgumentParser:
                         "when requests ran or finished; 0: none (default %(default)s)")
     p.add_argument("--log-requests", action="store_true", help="one line per request on stderr")
     return p
+
+
+CHECK_ENGINES = ("sglang", "vllm")  # engines/check.py PROBES' keys (a test keeps them equal)
+
+
+def check_engine_parser() -> argparse.ArgumentParser:
+    """`specheads check-engine`'s options."""
+    p = argparse.ArgumentParser(prog="specheads check-engine", formatter_class=HelpFormatter, description=(
+        "Load and run an export with vLLM 0.33's or SGLang 0.5.23's own code on the CPU (each in its own venv "
+        "under the user cache, created on first use) and compare config, weights, tapped layers and the "
+        "draft's forward with ours."))
+    p.add_argument("export", help="an export folder written by `specheads export`")
+    p.add_argument("--engine", required=True, choices=CHECK_ENGINES, help="the engine whose code loads the export")
+    p.add_argument("--target", help="the target folder (not needed for MTP: the export is the target)")
+    p.add_argument("--k", type=int, help="draft length (default: the export's)")
+    p.add_argument("--positions", type=int, default=256, help="prompt positions compared (capped by the context)")
+    p.add_argument("--work", help="keep the probe's files here (default: a temp folder)")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed for the engine probe")
+    p.add_argument("--json", help="write the report as JSON here")
+    return p

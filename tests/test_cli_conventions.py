@@ -60,7 +60,7 @@ def test_no_library_noise_where_we_load(tiny_target_dir, random_export_dir, tmp_
 
 
 VERBS_WITH_OPTIONS = ["train", "capture", "vocab-stats", "export", "eval", "generate", "tiny-target", "demo", "push",
-                      "serve", "bench", "regenerate", "magpie"]
+                      "serve", "bench", "regenerate", "magpie", "check-engine"]
 
 
 def test_every_verbs_help_shows_its_defaults_and_train_speaks_to_users(tmp_path):
@@ -112,3 +112,10 @@ def test_one_spelling_everywhere_with_the_old_ones_kept():
     a, defaults = serve_parser().parse_args(["--target", "T"]), ServeOptions()
     assert all(getattr(a, key) == getattr(defaults, key) for key in ("max_batch", "max_queue", "read_timeout",
                                                                       "max_body_mb", "log_interval"))
+
+
+def test_check_engines_light_parser_names_the_probed_engines():
+    from specheads.cli_parsers import CHECK_ENGINES
+    from specheads.engines.check import PROBES
+
+    assert CHECK_ENGINES == tuple(sorted(PROBES))

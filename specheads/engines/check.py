@@ -37,7 +37,6 @@ Probe protocol (every engine):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -53,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specheads.atomic import write_json
+from specheads.cli_parsers import check_engine_parser
 from specheads.engine_facts import DRAFT_CLASSES, ENGINE_IGNORES, ENGINE_REFUSES, ENGINE_UNUSED, SERVING
 from specheads.engines import venvs
 from specheads.export import load, read_export_meta
@@ -525,16 +525,7 @@ def format_report(r: EngineCheck) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specheads check-engine", description=__doc__.split("\n")[0])
-    p.add_argument("export", help="an export folder written by `specheads export`")
-    p.add_argument("--engine", required=True, choices=sorted(PROBES))
-    p.add_argument("--target", help="the target folder (not needed for MTP: the export is the target)")
-    p.add_argument("--k", type=int, help="draft length (default: the export's)")
-    p.add_argument("--positions", type=int, default=256, help="prompt positions compared (capped by the context)")
-    p.add_argument("--work", help="keep the probe's files here (default: a temp folder)")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed for the engine probe")
-    p.add_argument("--json", help="write the report as JSON here")
-    a = p.parse_args(argv)
+    a = check_engine_parser().parse_args(argv)
     report = check_export(a.export, a.engine, a.target, a.k, a.positions, a.work, a.timeout)
     print(format_report(report))
     if not report.passed and report.stderr_tail:
