@@ -306,3 +306,19 @@ def test_the_demo_table_shows_the_settled_k_per_batch_size():
     assert "| 5 (1.35x) |" in text and "[[1, 1, 5]]" in text and "[[1, 1, 4]]" not in text
     assert "1.25x (1.20-1.30x)" in text and "2 interleaved rounds" in text
     assert settled(table, {"advice": None}) is table
+
+
+def test_a_band_the_run_confirmed_is_decided_without_the_micro_timings_spread():
+    """bench/results/concurrency_demo_saturated.md: batch 1 predicted 0.53x at k = 3 and measured 0.54x,
+    yet noisy micro-timings made k = 2's 1.03x 'uncertain' (0.35x to 3.03x) and kept speculation on."""
+    from specheads.eval.concurrency import trust_confirmed
+
+    band = {"batch_size": 1, "best_k": 2, "best_speedup": 1.03, "top_k": 2, "top_speedup": 1.03,
+            "speedup_low": 0.35, "speedup_high": 3.03, "verdict": "uncertain"}
+    gaining = {**band, "batch_size": 8, "top_speedup": 1.2, "best_speedup": 1.2}
+    out = trust_confirmed([band, gaining], confirmed={1, 8})
+    assert out[0]["best_k"] == 0 and out[0]["verdict"] == "off" and out[0]["confirmed"]
+    assert out[1]["best_k"] == 2 and out[1]["verdict"] == "on"
+    assert trust_confirmed([band], confirmed=set()) == [band]  # not confirmed: still uncertain, kept on
+    # and a measured speed-up still wins over a confirmed off
+    assert keep_measured(out, {1: (3, 1.1)})[0]["best_k"] == 3

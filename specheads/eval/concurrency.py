@@ -447,6 +447,20 @@ def predict_by_batch(costs: BatchCosts, cond: list[float], ks=range(1, 9)) -> li
     return rows
 
 
+def trust_confirmed(rows: list[dict], confirmed: set[int]) -> list[dict]:
+    """Uncertain bands at batch sizes whose prediction this run's measurement confirmed (within 10% at
+    the measured k) decided again without the micro-timings' spread: the model held there, so a wide
+    band from noisy micro-timings does not keep speculation on against it."""
+    out = []
+    for row in rows:
+        if row.get("verdict") == "uncertain" and row["batch_size"] in confirmed:
+            call = verdict(row["top_speedup"], row["top_speedup"], row["top_speedup"])
+            row = {**row, "verdict": call, "confirmed": True,
+                   **({"best_k": 0, "best_speedup": 1.0} if call == "off" else {})}
+        out.append(row)
+    return out
+
+
 def keep_measured(rows: list[dict], measured: dict[int, tuple[int, float]]) -> list[dict]:
     """`predict_by_batch` rows where this run also measured speculation: a band the prediction turns
     off while this run measured speculative decoding faster than plain there (measured[B] = (k,
@@ -563,7 +577,8 @@ def concurrency_table(session, prompts: list[list[int]], max_new_tokens: int, ba
     `continuous_seconds` schedules at every size, so the batch-1 row checks the cost model on its
     own decodes and every larger batch is a prediction from the parts timed over B rows
     (`batch_costs`) and batch-1 counts alone. The best k per size never turns speculation off at a size
-    where these decodes measured it faster (`keep_measured`); `rounds`: `measure_by_batch`'s."""
+    where these decodes measured it faster (`keep_measured`), and a size whose prediction they confirmed
+    is decided without the micro-timings' spread (`trust_confirmed`); `rounds`: `measure_by_batch`'s."""
     if 1 not in batch_sizes:
         raise PredictError("the concurrency table needs batch size 1 (it prices the per-row costs)")
     measured, stats, steps = measure_by_batch(session, prompts, max_new_tokens, batch_sizes, rounds)
@@ -575,8 +590,9 @@ def concurrency_table(session, prompts: list[list[int]], max_new_tokens: int, ba
         row["predicted_speedup"] = costs.workload_speedup(row["batch_size"], session.k, *steps[1])
         row["predicted_speedup_full_batches"] = costs.speedup(row["batch_size"], session.k, row["tau"])
         row["within_10pct"] = abs(row["predicted_speedup"] / row["measured_speedup"] - 1) <= WITHIN
-    best = keep_measured(predict_by_batch(costs, spec1.summary()["acceptance_per_position_conditional"]),
-                         {r["batch_size"]: (session.k, r["measured_speedup"]) for r in measured})
+    best = trust_confirmed(predict_by_batch(costs, spec1.summary()["acceptance_per_position_conditional"]),
+                           {r["batch_size"] for r in measured if r["within_10pct"]})
+    best = keep_measured(best, {r["batch_size"]: (session.k, r["measured_speedup"]) for r in measured})
     return {"k": session.k, "max_new_tokens": max_new_tokens, "rounds": rounds, "rows": measured, "best_k": best,
             "vllm_num_speculative_tokens_per_batch_size": vllm_schedule(best), "costs": costs.to_dict()}
 
