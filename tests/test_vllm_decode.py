@@ -199,4 +199,6 @@ def test_vllm_decodes_an_eagle3_export_greedy_equal_with_our_drafts(tmp_path):
                          export_dir=row.export, limit=2, n_predict=24, threads=2, compare_ours=True,
                          progress=lambda m: None)
     assert r["greedy_equal"] and r["verdict"] == "PASS", vllm_check.format_check(r)
-    assert r["vllm"]["drafts"] == r["ours"]["drafts"]  # the same chain steps, drafted by the same head
+    # the same chain steps, drafted by the same head; vLLM also drafts on a request's last step (whose
+    # drafts max_tokens then cuts), ours does not: at most one draft more per prompt
+    assert 0 <= r["vllm"]["drafts"] - r["ours"]["drafts"] <= r["prompts"]
