@@ -33,7 +33,7 @@ suffix: $(SUFFIX_STAMP)
 
 $(SUFFIX_STAMP): | $(STAMP)
 	rm -rf $(VENV)/suffix-build
-	$(BIN)/pip install -q --target $(VENV)/suffix-build nanobind==2.9.2 protobuf==5.29.6 grpcio-tools "cmake>=3.18"
+	$(BIN)/pip install -q --no-warn-conflicts --target $(VENV)/suffix-build nanobind==2.9.2 protobuf==5.29.6 grpcio-tools "cmake>=3.18"
 	PATH="$(abspath $(VENV))/suffix-build/bin:$(abspath $(BIN)):$$PATH" PYTHONPATH="$(abspath $(VENV))/suffix-build" \
 	  $(BIN)/pip wheel -q --no-build-isolation --no-deps "$(ARCTIC)" -w $(VENV)/suffix-build/wheels
 	$(BIN)/pip install -q --no-deps --force-reinstall $(VENV)/suffix-build/wheels/arctic_inference-*.whl

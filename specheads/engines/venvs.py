@@ -155,7 +155,7 @@ def _build_without_isolation(engine: str, requirement: str, log: Path) -> None:
     s, folder = spec(engine), venv_dir(engine)
     side, py = folder / "sdist-build", str(python_of(engine))
     shutil.rmtree(side, ignore_errors=True)
-    _run([py, "-m", "pip", "install", "--target", str(side), *s.sdist_tools], log, engine)
+    _run([py, "-m", "pip", "install", "--no-warn-conflicts", "--target", str(side), *s.sdist_tools], log, engine)
     env = {**os.environ, "PATH": f"{side / 'bin'}:{folder / 'bin'}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(side)}
     run_logged([py, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", requirement, "-w", str(side / "wheels")],
                log, f"building {requirement} for the {engine} environment failed", EngineSetupError, env=env)
