@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import demo_runs  # noqa: E402
 
-ROW = {"tau": 2.0, "greedy_equal": True}
+ROW = {"tau": 2.0, "greedy_equal": True, "acceptance_per_position": [0.6, 0.4, 0.2]}  # a decoded row (eval/table.py)
 
 
 def write_summary(run: Path, measured: dict[str, float], predicted: dict[str, float]) -> None:

@@ -118,7 +118,7 @@ def test_detection_uses_first_valid_row(tmp_path):
 
 def test_undetectable_format_names_the_keys(tmp_path):
     path = write_jsonl(tmp_path / "mt.jsonl", [{"question_id": 1, "turns": ["q"]}])
-    with pytest.raises(DataError, match=r"mt\.jsonl: cannot detect.*question_id.*set data\.format"):
+    with pytest.raises(DataError, match=r"mt\.jsonl: cannot detect.*question_id.*specheads regenerate"):
         read_conversations(path)
 
 
