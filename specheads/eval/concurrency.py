@@ -49,6 +49,7 @@ from specheads.eval.predict import (
     speedup_range,
     verdict,
 )
+from specheads.eval.recommend import vllm_schedule
 from specheads.eval.report import band_mark, band_notes
 from specheads.eval.timing import largest_spread, round_robin
 from specheads.protocols import GroupedProposer
@@ -475,16 +476,6 @@ def keep_measured(rows: list[dict], measured: dict[int, tuple[int, float]]) -> l
                               f"{row['top_speedup']:.2f}x at best: speculation kept on"}
         out.append(row)
     return out
-
-
-def vllm_schedule(rows: list[dict]) -> list[list[int]]:
-    """vLLM's `num_speculative_tokens_per_batch_size` ([[lo, hi, k], ...]) from the best k per
-    measured batch size: each measured size's k holds from just past the previous size up to it."""
-    schedule, lo = [], 1
-    for row in sorted(rows, key=lambda r: r["batch_size"]):
-        schedule.append([lo, row["batch_size"], row["best_k"]])
-        lo = row["batch_size"] + 1
-    return schedule
 
 
 def concurrency_advice(session, prompts: list[list[int]], per_row: StepCosts, cond: list[float],

@@ -22,6 +22,16 @@ SGLANG_CHAIN = re.compile(re.escape(SGLANG_TREE.format(steps="STEPS", topk=1, to
 SERVE_LINES = ("vllm serve", "python -m sglang")
 
 
+def vllm_schedule(rows: list[dict]) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` ([[lo, hi, k], ...]) from the best k per
+    measured batch size: each measured size's k holds from just past the previous size up to it."""
+    schedule, lo = [], 1
+    for row in sorted(rows, key=lambda r: r["batch_size"]):
+        schedule.append([lo, row["batch_size"], row["best_k"]])
+        lo = row["batch_size"] + 1
+    return schedule
+
+
 def measured_at_batch_one(metrics: dict) -> list[tuple[int, float]]:
     """(k, measured speed-up) pairs this run measured at batch 1: eval's own decodes (when it ran at
     batch 1) and a concurrency table's batch-1 row handed to it (advice["by_concurrency"]["measured"])."""
@@ -54,8 +64,6 @@ def keep_measured_headline(metrics: dict) -> None:
 
 def align_batch_one(by: dict, k: int, speedup: float) -> None:
     """The schedule's batch-1 band set to the headline's k (0: off) and vLLM's schedule rebuilt."""
-    from specheads.eval.concurrency import vllm_schedule
-
     for row in by.get("rows", []):
         if row["batch_size"] == 1:
             row["best_k"], row["best_speedup"] = k, speedup if k else 1.0
@@ -106,8 +114,6 @@ def by_concurrency_from_table(table: dict) -> dict:
     """eval's advice by concurrency from a measured concurrency table (`concurrency.concurrency_table`,
     which the demo runs before its eval): its bands (predicted, kept on where it measured a speed-up),
     vLLM's schedule of them, and what it measured (the headline's rule reads batch 1's)."""
-    from specheads.eval.concurrency import vllm_schedule
-
     rows = [{k: v for k, v in r.items() if k != "speedup_by_k"} for r in table["best_k"]]
     return {"rows": rows, "vllm_num_speculative_tokens_per_batch_size": vllm_schedule(rows),
             "drafter": table.get("costs", {}).get("drafter"), "k_measured": table["k"],

@@ -24,6 +24,7 @@ from pathlib import Path
 from specheads.atomic import check_output, write_bytes, write_json, write_text
 from specheads.errors import read_user_text
 from specheads.eval.predict import sglang_flags
+from specheads.eval.recommend import recommended_k, with_recommended_k
 from specheads.eval_identity import history_warning
 from specheads.export.readme import RECOMMENDED
 
@@ -428,8 +429,6 @@ def write_report(out_dir: str | Path, metrics: dict, outputs: list[dict] | None 
 def with_recommendations(readme: str, adv: dict) -> str:
     """README text with its recommended-settings section added or replaced, and its serve commands
     drafting the settled k (`recommend.with_recommended_k`) when the advice speculates."""
-    from specheads.eval.recommend import recommended_k, with_recommended_k
-
     k = recommended_k(adv)
     readme = with_recommended_k(readme, k) if k else readme
     lines = readme.rstrip("\n").split("\n")
